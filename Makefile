@@ -1,0 +1,37 @@
+# Every target installs what it needs. torch: the CPU build (2.13.0) is installed only when no
+# torch is importable; an existing torch (CUDA or CPU) is never replaced.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip --disable-pip-version-check
+TORCH_CPU := torch==2.13.0
+QUICKSTART_DIR ?= runs/quickstart
+
+.PHONY: help torch install install-test test quickstart bench clean
+
+help:
+	@echo "make test        install test dependencies, build the C++ extension, run the suite"
+	@echo "make quickstart  preprocess the shipped sample data (and train, once training lands)"
+	@echo "make bench       run the benchmarks in benchmarks/"
+
+torch:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_CPU)
+
+install: torch
+	$(PIP) install -q "setuptools>=68" wheel "pybind11>=2.12"
+	$(PIP) install -q --no-build-isolation -e .
+
+install-test: torch
+	$(PIP) install -q "setuptools>=68" wheel "pybind11>=2.12"
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+
+test: install-test
+	$(PYTHON) -m pytest -q -n 2 tests
+
+quickstart: install
+	bash examples/quickstart.sh $(QUICKSTART_DIR)
+
+bench: install-test
+	$(PYTHON) benchmarks/bench_preprocess.py
+	$(PYTHON) benchmarks/bench_packing.py
+
+clean:
+	rm -rf build *.egg-info data/_csrc*.so $(QUICKSTART_DIR)

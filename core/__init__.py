@@ -1,0 +1,1 @@
+"""Model-agnostic training machinery: THD contract, parallel state, pipeline, MoE, optimizers."""

@@ -1,0 +1,59 @@
+"""Command-line flags generated from config dataclasses: one source of defaults and help text.
+
+A config section is a dataclass whose fields are declared with :func:`option`; ``add_to_parser``
+turns each field ``foo_bar`` into ``--foo-bar`` inside an argument group, and ``from_namespace``
+builds the dataclass back from the parsed namespace. Validation stays in the dataclass
+(``__post_init__`` raising ``ValueError`` that names the flag).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, help: str = "", **argparse_kwargs: Any) -> Any:
+    """A dataclass field with its help text and any extra ``add_argument`` keywords.
+
+    A field without a default is a required flag. Lists take a ``default_factory`` through
+    ``argparse_kwargs['nargs']`` and a tuple default.
+    """
+    meta = {"help": help, "argparse": argparse_kwargs}
+    if isinstance(default, (list, dict, set)):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_to_parser(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
+    """Add one flag per field of dataclass ``cls`` (in its own group when ``title`` is given)."""
+    group = parser.add_argument_group(title, (cls.__doc__ or "").strip().split("\n")[0]) if title else parser
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        kwargs = dict(f.metadata.get("argparse", {}))
+        helptext = f.metadata.get("help", "")
+        required = f.default is _MISSING and f.default_factory is _MISSING
+        default = None if required else (f.default if f.default is not _MISSING else f.default_factory())
+        if f.type in (bool, "bool") and "action" not in kwargs:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif "type" not in kwargs and "action" not in kwargs and default is not None \
+                and not isinstance(default, (list, tuple)):
+            kwargs["type"] = type(default)
+        if not required and default not in (None, False, [], ()) and "action" not in kwargs:
+            helptext += f" (default: {default if not isinstance(default, list) else ' '.join(map(str, default))})"
+        group.add_argument(flag_name(f.name), dest=f.name, default=default, required=required,
+                           help=helptext, **kwargs)
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    """Build ``cls`` from the parsed flags that belong to it."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,1 @@
+"""distributed: filled in by the model and parallelism issues."""

@@ -1,0 +1,1 @@
+"""moe: filled in by the model and parallelism issues."""

@@ -1,0 +1,1 @@
+"""optim: filled in by the model and parallelism issues."""

@@ -1,0 +1,1 @@
+"""pipeline: filled in by the model and parallelism issues."""

@@ -1,0 +1,1 @@
+"""Data layer: indexed datasets, tokenizers, chat rendering, pack planning, THD batches, loader."""

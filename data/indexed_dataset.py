@@ -1,0 +1,235 @@
+"""Megatron-LM compatible indexed datasets (the ``MMIDIDX`` format), read and written.
+
+A dataset is a pair of files sharing a prefix:
+
+``PREFIX.idx`` (little-endian, no padding between fields)::
+
+    9 bytes   magic  b"MMIDIDX\\x00\\x00"
+    u64       version (1)
+    u8        dtype code (see DTYPE_CODES)
+    u64       sequence count S
+    u64       document count D (= documents + 1)
+    int32[S]  sequence lengths, in elements
+    int64[S]  byte offsets of each sequence in PREFIX.bin
+    int64[D]  document indices [0, ..., S]
+
+``PREFIX.bin``: every sequence's elements back to back in that dtype, no header.
+
+We write one sequence per document, so the document indices are ``0..S``. The reader memory-maps
+both files and checks every size against the other, so a truncated or corrupt file fails at
+open with a message that names it. The writer streams: lengths go to a growing numpy buffer,
+never a Python list, and the files are written under temporary names and renamed on success.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
+
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
+    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+_CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+
+
+class IndexedDatasetError(ValueError):
+    """A dataset file is missing, truncated or does not follow the MMIDIDX layout."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits with room to spare (Megatron's 65,500 rule), else int32."""
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def idx_path(prefix: str | os.PathLike) -> str:
+    return f"{prefix}.idx"
+
+
+def bin_path(prefix: str | os.PathLike) -> str:
+    return f"{prefix}.bin"
+
+
+def dtype_code(dtype) -> int:
+    try:
+        return _CODE_OF[np.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype {np.dtype(dtype)} has no MMIDIDX code; "
+                         f"use one of {sorted(str(np.dtype(v)) for v in DTYPE_CODES.values())}") from None
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of ``PREFIX.{idx,bin}``.
+
+    ``ds[i]`` is sequence ``i`` as a numpy array (a view into the memory map); ``ds.lengths``
+    the int32 lengths of all sequences; ``ds.get(i, offset, length)`` a slice of one sequence.
+    """
+
+    def __init__(self, prefix: str | os.PathLike):
+        self.prefix = str(prefix)
+        ipath, bpath = idx_path(prefix), bin_path(prefix)
+        for p in (ipath, bpath):
+            if not os.path.isfile(p):
+                raise IndexedDatasetError(f"{p}: no such file (expected a dataset written by "
+                                          "tools/preprocess_data.py or Megatron-LM)")
+        idx_size = os.path.getsize(ipath)
+        if idx_size < HEADER_SIZE:
+            raise IndexedDatasetError(f"{ipath}: truncated header ({idx_size} bytes, "
+                                      f"need at least {HEADER_SIZE})")
+        with open(ipath, "rb") as f:
+            header = f.read(HEADER_SIZE)
+        if header[:9] != MAGIC:
+            raise IndexedDatasetError(f"{ipath}: bad magic {header[:9]!r}, expected {MAGIC!r} "
+                                      "(not an MMIDIDX index file)")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
+        if version != VERSION:
+            raise IndexedDatasetError(f"{ipath}: unsupported version {version}, expected {VERSION}")
+        if code not in DTYPE_CODES:
+            raise IndexedDatasetError(f"{ipath}: unknown dtype code {code}, "
+                                      f"expected one of {sorted(DTYPE_CODES)}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = HEADER_SIZE + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if idx_size < expected:
+            raise IndexedDatasetError(f"{ipath}: truncated: {idx_size} bytes, but the header "
+                                      f"declares {n_seq} sequences and {n_doc} document entries "
+                                      f"({expected} bytes)")
+        self._idx = np.memmap(ipath, mode="r", dtype=np.uint8)
+        off = HEADER_SIZE
+        self.lengths = np.frombuffer(self._idx, np.int32, n_seq, off)
+        off += n_seq * 4
+        self.pointers = np.frombuffer(self._idx, np.int64, n_seq, off)
+        off += n_seq * 8
+        self.document_indices = np.frombuffer(self._idx, np.int64, n_doc, off)
+
+        bin_size = os.path.getsize(bpath)
+        total = int(self.lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        if bin_size != total:
+            raise IndexedDatasetError(f"{bpath}: {bin_size} bytes, but {ipath} describes "
+                                      f"{total} bytes of {self.dtype} data (truncated or mismatched pair)")
+        if n_seq and (self.pointers[0] != 0 or
+                      self.pointers[-1] + int(self.lengths[-1]) * self.dtype.itemsize != total):
+            raise IndexedDatasetError(f"{ipath}: sequence byte offsets are inconsistent with the lengths")
+        if n_doc and (self.document_indices[0] != 0 or self.document_indices[-1] != n_seq):
+            raise IndexedDatasetError(f"{ipath}: document indices must run from 0 to {n_seq}")
+        # An empty .bin cannot be memory-mapped; an empty array stands in for it.
+        self._bin = (np.memmap(bpath, mode="r", dtype=self.dtype) if bin_size
+                     else np.empty(0, dtype=self.dtype))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} out of range for {self.prefix} ({len(self)} sequences)")
+        n = int(self.lengths[i])
+        if length is None:
+            length = n - offset
+        if offset < 0 or length < 0 or offset + length > n:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {i} of length {n}")
+        start = int(self.pointers[i]) // self.dtype.itemsize + offset
+        return self._bin[start:start + length]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+
+class IndexedDatasetWriter:
+    """Streams sequences to ``PREFIX.{bin,idx}`` under temporary names.
+
+    Use as a context manager: leaving the block normally publishes both files (``.bin`` renamed
+    first, ``.idx`` last, so a complete-looking pair always is complete); an exception, including
+    ``KeyboardInterrupt``, deletes the temporaries and leaves no final-named file behind.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        self._code = dtype_code(self.dtype)
+        tag = f".tmp-{os.getpid()}"
+        self._bin_tmp = bin_path(prefix) + tag
+        self._idx_tmp = idx_path(prefix) + tag
+        Path(self._bin_tmp).parent.mkdir(parents=True, exist_ok=True)
+        self._bin = open(self._bin_tmp, "wb")
+        self._lengths = np.empty(1024, dtype=np.int32)
+        self._count = 0
+        self._done = False
+
+    def add(self, seq: np.ndarray) -> None:
+        """Append one sequence."""
+        seq = np.asarray(seq)
+        self.add_many(seq, np.array([seq.size], dtype=np.int64))
+
+    def add_many(self, flat: np.ndarray, lengths: np.ndarray) -> None:
+        """Append ``len(lengths)`` sequences stored back to back in ``flat``."""
+        flat = np.ascontiguousarray(flat)
+        if flat.dtype != self.dtype:
+            if self.dtype.kind in "iu" and flat.size:
+                info = np.iinfo(self.dtype)
+                if flat.min() < info.min or flat.max() > info.max:
+                    raise ValueError(f"{self.prefix}: values outside {self.dtype}'s range "
+                                     f"[{info.min}, {info.max}]")
+            flat = flat.astype(self.dtype)
+        lengths = np.asarray(lengths)
+        if int(lengths.sum()) != flat.size:
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but {flat.size} elements were given")
+        if lengths.size and int(lengths.max()) > np.iinfo(np.int32).max:
+            raise ValueError("a sequence longer than 2^31-1 elements cannot be indexed")
+        need = self._count + lengths.size
+        if need > self._lengths.size:
+            grown = np.empty(max(need, 2 * self._lengths.size), dtype=np.int32)
+            grown[:self._count] = self._lengths[:self._count]
+            self._lengths = grown
+        self._lengths[self._count:need] = lengths
+        self._count = need
+        self._bin.write(flat.tobytes())
+
+    def _write_index(self) -> None:
+        lengths = self._lengths[:self._count]
+        pointers = np.zeros(self._count, dtype=np.int64)
+        if self._count > 1:
+            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        doc_idx = np.arange(self._count + 1, dtype=np.int64)
+        with open(self._idx_tmp, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<QBQQ", VERSION, self._code, self._count, doc_idx.size))
+            f.write(lengths.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(doc_idx.astype("<i8").tobytes())
+
+    def finalize(self) -> None:
+        """Write the index and publish both files under their final names."""
+        self._bin.close()
+        self._write_index()
+        os.replace(self._bin_tmp, bin_path(self.prefix))
+        os.replace(self._idx_tmp, idx_path(self.prefix))
+        self._done = True
+
+    def abort(self) -> None:
+        """Discard everything written so far."""
+        if not self._bin.closed:
+            self._bin.close()
+        for p in (self._bin_tmp, self._idx_tmp):
+            if os.path.exists(p):
+                os.remove(p)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and not self._done:
+            self.finalize()
+        elif exc_type is not None:
+            self.abort()

@@ -1,0 +1,201 @@
+"""One small tokenizer interface over Hugging Face, SentencePiece and a built-in byte tokenizer.
+
+Every tokenizer has ``encode``, ``encode_batch``, ``decode``, ``vocab_size``, ``eod_id`` and
+``pad_id``, plus ``encode_with_offsets`` (token ids and the character span of each token in
+the text), which chat loss masks are computed from. Text is encoded without the tokenizer's
+automatic special tokens (BOS/EOS): documents get an end-of-document token only with
+``--append-eod``, and chat templates write their own markers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Sequence
+
+import numpy as np
+
+TOKENIZER_TYPES = ("byte", "huggingface", "sentencepiece")
+
+
+class Tokenizer:
+    """The interface. Subclasses implement ``encode``, ``decode``, ``encode_with_offsets``."""
+
+    vocab_size: int
+    eod_id: int
+    pad_id: int
+    chat_template: str | None = None  # a Jinja template (Hugging Face tokenizers only)
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
+        """Token ids and an int64 ``[n, 2]`` array of ``[start, end)`` character offsets."""
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        raise NotImplementedError(f"{type(self).__name__} has no chat template")
+
+
+def _char_offsets_from_byte_offsets(text: str, byte_offsets: np.ndarray) -> np.ndarray:
+    """Map UTF-8 byte offsets into ``text`` to character offsets."""
+    if text.isascii():
+        return byte_offsets
+    char_of_byte = np.repeat(np.arange(len(text) + 1),
+                             [len(c.encode("utf-8")) for c in text] + [1])
+    return char_of_byte[np.clip(byte_offsets, 0, len(char_of_byte) - 1)]
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes 0..255 plus four special tokens; needs no files.
+
+    Ids: bytes are themselves; ``<|endoftext|>`` 256 (end of document), ``<|pad|>`` 257,
+    ``<|im_start|>`` 258 and ``<|im_end|>`` 259 (the built-in chat template's markers).
+    Special-token strings in the text are encoded as those single ids.
+    """
+
+    SPECIALS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+    _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+
+    def __init__(self):
+        self.vocab_size = 256 + len(self.SPECIALS)
+        self._special_id = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+        self.eod_id = self._special_id["<|endoftext|>"]
+        self.pad_id = self._special_id["<|pad|>"]
+
+    def encode(self, text: str) -> list[int]:
+        if "<|" not in text:
+            return list(text.encode("utf-8"))
+        ids: list[int] = []
+        for part in self._SPLIT.split(text):
+            if part in self._special_id:
+                ids.append(self._special_id[part])
+            elif part:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf = bytearray()
+            out.append(self.SPECIALS[i - 256])
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
+        ids: list[int] = []
+        byte_spans: list[tuple[int, int]] = []
+        pos = 0  # byte position in text.encode()
+        for part in self._SPLIT.split(text):
+            raw = part.encode("utf-8")
+            if part in self._special_id:
+                ids.append(self._special_id[part])
+                byte_spans.append((pos, pos + len(raw)))
+            else:
+                ids.extend(raw)
+                byte_spans.extend((pos + k, pos + k + 1) for k in range(len(raw)))
+            pos += len(raw)
+        offsets = np.array(byte_spans, dtype=np.int64).reshape(-1, 2)
+        return ids, _char_offsets_from_byte_offsets(text, offsets)
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face tokenizer from a local directory or a ``tokenizer.json`` file."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        if os.path.isdir(path):
+            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        elif os.path.isfile(path) and path.endswith(".json"):
+            self._hf = PreTrainedTokenizerFast(tokenizer_file=path)
+        else:
+            raise ValueError(f"--tokenizer-model {path!r}: expected a local directory with a Hugging "
+                             "Face tokenizer or a tokenizer.json file")
+        self._fast = getattr(self._hf, "backend_tokenizer", None)  # Rust tokenizer, if any
+        self.vocab_size = len(self._hf)
+        eod = self._hf.eos_token_id
+        if eod is None:
+            eod = self._hf.convert_tokens_to_ids("<|endoftext|>")
+            eod = None if eod == self._hf.unk_token_id else eod
+        self.eod_id = eod if eod is not None else -1
+        self.pad_id = self._hf.pad_token_id if self._hf.pad_token_id is not None else self.eod_id
+        self.chat_template = self._hf.chat_template
+
+    def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._fast is not None:
+            return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(list(ids))
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
+        enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], np.array(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self._hf.apply_chat_template(messages, tokenize=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model`` file."""
+
+    def __init__(self, path: str):
+        import sentencepiece as spm
+
+        if not os.path.isfile(path):
+            raise ValueError(f"--tokenizer-model {path!r}: no such SentencePiece model file")
+        self._sp = spm.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod_id = self._sp.eos_id()
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
+        proto = self._sp.encode_as_immutable_proto(text)
+        ids = [p.id for p in proto.pieces]
+        offsets = np.array([(p.begin, p.end) for p in proto.pieces], dtype=np.int64).reshape(-1, 2)
+        return ids, _char_offsets_from_byte_offsets(text, offsets)
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None) -> Tokenizer:
+    """The tokenizer named by ``--tokenizer-type`` / ``--tokenizer-model``."""
+    if tokenizer_type == "byte":
+        return ByteTokenizer()
+    if tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+    if tokenizer_type == "huggingface":
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "sentencepiece":
+        return SentencePieceTokenizer(tokenizer_model)
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def describe(tok: Tokenizer) -> str:
+    return json.dumps({"type": type(tok).__name__, "vocab_size": tok.vocab_size,
+                       "eod_id": tok.eod_id, "pad_id": tok.pad_id})

@@ -1,0 +1,1 @@
+"""Step-3.7 text decoder (arrives with the model issue)."""

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Tokenize JSONL text or chat data into Megatron-compatible indexed datasets.
+
+Text:  python tools/preprocess_data.py --input data.jsonl --output-prefix out/corpus \\
+           --tokenizer-type huggingface --tokenizer-model ./tokenizer --append-eod --workers 8
+       -> out/corpus_text_document.{bin,idx}
+Chat:  python tools/preprocess_data.py --input chats.jsonl --output-prefix out/sft --chat
+       -> out/sft_text_document.{bin,idx} and out/sft_loss_mask_document.{bin,idx} (uint8,
+          1 on assistant tokens), aligned token for token.
+
+Every rejected row goes to PREFIX_rejects.jsonl with its file, line number, reason and original
+text; rows read always equal rows accepted plus rows rejected. Outputs are published only when
+the run succeeds, and not at all when more than --max-rejected-fraction of the rows is rejected.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+if __package__ in (None, ""):  # run as a script from a checkout: make the packages importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.cli import add_to_parser, from_namespace, option  # noqa: E402
+from data.preprocess import PreprocessError, output_keys, run  # noqa: E402
+from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+
+
+@dataclass
+class PreprocessConfig:
+    """Input, tokenizer and output."""
+
+    input: list = option(help="JSONL input: files, globs or .gz files, read in the order given "
+                              "(globs sorted)", nargs="+")
+    output_prefix: str = option(help="writes PREFIX_<key>_document.{bin,idx} and PREFIX_rejects.jsonl")
+    json_keys: list = option(["text"], "text keys to tokenize, one dataset each (a row missing any "
+                                       "of them is rejected)", nargs="+")
+    chat: str = option(None, "chat mode: the key holding the messages list (bare --chat means "
+                             "'messages'); adds PREFIX_loss_mask_document", nargs="?",
+                       const="messages", metavar="KEY")
+    tokenizer_type: str = option("byte", "tokenizer kind", choices=TOKENIZER_TYPES)
+    tokenizer_model: str = option(None, "Hugging Face tokenizer directory or tokenizer.json; "
+                                        "SentencePiece .model file")
+    append_eod: bool = option(False, "append the end-of-document token to every document")
+    workers: int = option(1, "encoding processes; 1 encodes in this process")
+    chunk_mb: float = option(4.0, "MB of input per unit of work handed to a worker")
+    log_interval: int = option(10000, "refresh the progress bar's row counters every N rows")
+    max_rejected_fraction: float = option(0.01, "exit 1 without publishing a dataset when more "
+                                                "than this fraction of rows is rejected")
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if not 0.0 <= self.max_rejected_fraction <= 1.0:
+            raise ValueError(f"--max-rejected-fraction must be in [0, 1], got {self.max_rejected_fraction}")
+        if self.chunk_mb <= 0:
+            raise ValueError(f"--chunk-mb must be > 0, got {self.chunk_mb}")
+        if self.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.tokenizer_type != "byte" and not self.tokenizer_model:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Rejection reasons: blank_line, invalid_utf8, invalid_json, not_an_object, "
+               "missing_key, wrong_type, empty_text, unknown_role, no_assistant_turn, template_error.")
+    add_to_parser(parser, PreprocessConfig, "preprocessing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = from_namespace(PreprocessConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        stats = run(cfg, progress=True)
+    except (PreprocessError, FileNotFoundError, ValueError) as e:
+        print(f"preprocess_data: error: {e}", file=sys.stderr)
+        return 1
+    outputs = ", ".join(f"{cfg.output_prefix}_{k}_document" for k in output_keys(cfg))
+    if cfg.chat:
+        outputs += f", {cfg.output_prefix}_loss_mask_document"
+    print(f"preprocess_data: {stats.summary()}; wrote {outputs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
