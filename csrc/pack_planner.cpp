@@ -93,6 +93,16 @@ struct SplitMix64 {
   }
 };
 
+// perm[0..n) = a seeded Fisher-Yates shuffle of 0..n-1.
+void shuffle_range(int64_t* perm, int64_t n, uint64_t seed) {
+  for (int64_t p = 0; p < n; ++p) perm[p] = p;
+  SplitMix64 rng{seed};
+  for (int64_t i = n - 1; i > 0; --i) {
+    int64_t j = static_cast<int64_t>(rng.bounded(static_cast<uint64_t>(i) + 1));
+    std::swap(perm[i], perm[j]);
+  }
+}
+
 // Length of the part of a document that goes through best-fit search (0: none), given S.
 inline int64_t residual_length(int64_t len, int64_t S, LongDocs policy) {
   if (len <= 0 || len == S) return 0;
@@ -160,12 +170,7 @@ void plan(const int64_t* lengths, int64_t n, int64_t S, LongDocs policy, uint64_
   const int64_t n_bfd = static_cast<int64_t>(seg_count.size());
   const int64_t n_packs = n_bfd + n_full;
   std::vector<int64_t> perm(n_packs);
-  for (int64_t p = 0; p < n_packs; ++p) perm[p] = p;
-  SplitMix64 rng{seed};
-  for (int64_t i = n_packs - 1; i > 0; --i) {
-    int64_t j = static_cast<int64_t>(rng.bounded(static_cast<uint64_t>(i) + 1));
-    std::swap(perm[i], perm[j]);
-  }
+  shuffle_range(perm.data(), n_packs, seed);
   // cursor[p]: where pack p's next segment goes in the output.
   pack_offsets.assign(n_packs + 1, 0);
   std::vector<int64_t> cursor(n_packs);
@@ -245,6 +250,17 @@ py::tuple plan_packs(py::array_t<int64_t, py::array::c_style | py::array::forcec
   return py::make_tuple(offsets, segments, stats);
 }
 
+py::array_t<int64_t> permutation(int64_t n, uint64_t seed) {
+  if (n < 0) throw std::invalid_argument("permutation size must be >= 0");
+  py::array_t<int64_t> out(n);
+  int64_t* perm = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    shuffle_range(perm, n, seed);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_csrc, m) {
@@ -253,4 +269,6 @@ PYBIND11_MODULE(_csrc, m) {
         py::arg("policy"), py::arg("seed"),
         "Best-fit-decreasing pack plan: (pack_offsets[P+1], segments[N,3], stats). "
         "policy: 0 split, 1 truncate, 2 drop.");
+  m.def("permutation", &permutation, py::arg("n"), py::arg("seed"),
+        "Fisher-Yates permutation of range(n) with splitmix64: identical on every machine.");
 }

@@ -83,6 +83,11 @@ def plan_packs(lengths, seq_length: int, *, long_docs: str = "split", seed: int 
     return PackPlan(offsets, segments, int(seq_length), **stats)
 
 
+def permutation(n: int, seed: int) -> np.ndarray:
+    """A seeded shuffle of ``range(n)`` (int64), identical on every machine (splitmix64)."""
+    return _csrc.permutation(int(n), int(seed) % 2**64)
+
+
 def plan_cache_key(lengths: np.ndarray, seq_length: int, long_docs: str, seed: int) -> str:
     """Hash of everything the plan depends on: the lengths themselves, S, policy, seed, format."""
     h = hashlib.sha256()

@@ -49,7 +49,12 @@ def _char_offsets_from_byte_offsets(text: str, byte_offsets: np.ndarray) -> np.n
         return byte_offsets
     char_of_byte = np.repeat(np.arange(len(text) + 1),
                              [len(c.encode("utf-8")) for c in text] + [1])
-    return char_of_byte[np.clip(byte_offsets, 0, len(char_of_byte) - 1)]
+    last = len(char_of_byte) - 1
+    s, e = np.clip(byte_offsets[:, 0], 0, last), np.clip(byte_offsets[:, 1], 0, last)
+    starts = char_of_byte[s]
+    # A token ending inside a character still covers that character.
+    ends = np.where(e > s, char_of_byte[np.maximum(e - 1, 0)] + 1, starts)
+    return np.stack([starts, ends], axis=1)
 
 
 class ByteTokenizer(Tokenizer):
@@ -111,32 +116,70 @@ class ByteTokenizer(Tokenizer):
 
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A Hugging Face tokenizer from a local directory or a ``tokenizer.json`` file."""
+    """A Hugging Face tokenizer from a local directory or a ``tokenizer.json`` file.
+
+    Encoding goes straight to the Rust ``tokenizers`` library when a ``tokenizer.json`` exists,
+    so text preprocessing never imports transformers (a worker stays ~10x lighter). The special
+    tokens and chat template come from ``tokenizer_config.json`` / ``chat_template.jinja``;
+    transformers is imported only to render a chat template, or for a directory without a
+    ``tokenizer.json`` (slow tokenizers).
+    """
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        if os.path.isdir(path):
-            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        elif os.path.isfile(path) and path.endswith(".json"):
-            self._hf = PreTrainedTokenizerFast(tokenizer_file=path)
+        if os.path.isfile(path) and path.endswith(".json"):
+            self._dir, tok_file = os.path.dirname(path), path
+        elif os.path.isdir(path):
+            self._dir, tok_file = path, os.path.join(path, "tokenizer.json")
         else:
             raise ValueError(f"--tokenizer-model {path!r}: expected a local directory with a Hugging "
                              "Face tokenizer or a tokenizer.json file")
-        self._fast = getattr(self._hf, "backend_tokenizer", None)  # Rust tokenizer, if any
-        self.vocab_size = len(self._hf)
-        eod = self._hf.eos_token_id
-        if eod is None:
-            eod = self._hf.convert_tokens_to_ids("<|endoftext|>")
-            eod = None if eod == self._hf.unk_token_id else eod
-        self.eod_id = eod if eod is not None else -1
-        self.pad_id = self._hf.pad_token_id if self._hf.pad_token_id is not None else self.eod_id
-        self.chat_template = self._hf.chat_template
+        self._path = path
+        self._hf = None  # transformers tokenizer, loaded on first need
+        config = self._read_json("tokenizer_config.json")
+        special = {**self._read_json("special_tokens_map.json"), **config}
+        if os.path.isfile(tok_file):
+            from tokenizers import Tokenizer as RustTokenizer
+
+            self._fast = RustTokenizer.from_file(tok_file)
+            self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
+            token_id = self._fast.token_to_id
+        else:
+            self._fast = None
+            hf = self._transformers()
+            self.vocab_size = len(hf)
+            token_id = hf.convert_tokens_to_ids
+        eos = _token_text(special.get("eos_token")) or "<|endoftext|>"
+        pad = _token_text(special.get("pad_token"))
+        self.eod_id = _or(token_id(eos), -1)
+        self.pad_id = _or(token_id(pad), self.eod_id) if pad else self.eod_id
+        jinja = os.path.join(self._dir, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                self.chat_template = f.read()
+        else:
+            self.chat_template = config.get("chat_template")
+
+    def _read_json(self, name: str) -> dict:
+        p = os.path.join(self._dir, name)
+        if not os.path.isfile(p):
+            return {}
+        with open(p, encoding="utf-8") as f:
+            return json.load(f)
+
+    def _transformers(self):
+        if self._hf is None:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            if os.path.isdir(self._path):
+                self._hf = AutoTokenizer.from_pretrained(self._path, local_files_only=True)
+            else:
+                self._hf = PreTrainedTokenizerFast(tokenizer_file=self._path)
+        return self._hf
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=False).ids
-        return self._hf.encode(text, add_special_tokens=False)
+        return self._transformers().encode(text, add_special_tokens=False)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._fast is not None:
@@ -144,14 +187,29 @@ class HuggingFaceTokenizer(Tokenizer):
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._hf.decode(list(ids))
+        if self._fast is not None:
+            return self._fast.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self._transformers().decode(list(ids))
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
-        enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        if self._fast is not None:
+            enc = self._fast.encode(text, add_special_tokens=False)
+            return enc.ids, np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        enc = self._transformers()(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], np.array(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        return self._hf.apply_chat_template(messages, tokenize=False)
+        return self._transformers().apply_chat_template(messages, chat_template=self.chat_template,
+                                                        tokenize=False)
+
+
+def _token_text(tok) -> str | None:
+    """A special token as written in tokenizer_config.json: a string or {"content": ...}."""
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -177,7 +235,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
-        proto = self._sp.encode_as_immutable_proto(text)
+        proto = self._sp.encode(text, out_type="proto")
         ids = [p.id for p in proto.pieces]
         offsets = np.array([(p.begin, p.end) for p in proto.pieces], dtype=np.int64).reshape(-1, 2)
         return ids, _char_offsets_from_byte_offsets(text, offsets)
@@ -194,8 +252,3 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None) -> 
     if tokenizer_type == "sentencepiece":
         return SentencePieceTokenizer(tokenizer_model)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
-
-
-def describe(tok: Tokenizer) -> str:
-    return json.dumps({"type": type(tok).__name__, "vocab_size": tok.vocab_size,
-                       "eod_id": tok.eod_id, "pad_id": tok.pad_id})

@@ -1,0 +1,212 @@
+"""Deterministic, resumable, data-parallel iterator of THD micro-batches over packed datasets.
+
+The global stream of packs is a pure function of the datasets, the blending weights and the
+seed: global pack ``k`` belongs to dataset ``d(k)`` (a fixed blending pattern, Megatron's
+``--data-path 0.7 A 0.3 B``), and is that dataset's ``j``-th pack, i.e. pack
+``perm_e[j mod P]`` of epoch ``e = j // P`` (each epoch a fresh seeded shuffle of the plan).
+Data-parallel rank ``r`` of ``R`` takes global micro-batches ``r, r + R, r + 2R, ...``, each
+``micro_batch_size`` consecutive packs, so ranks never share a pack, and every pipeline stage of
+one rank computes the same sequence on its own. The state is one integer (micro-batches
+consumed) and a fingerprint of everything the stream depends on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from data.indexed_dataset import IndexedDataset
+from data.packing import PackPlan, cached_plan, permutation
+from data.thd import THDBatch, build_thd_batch
+
+BLEND_PERIOD = 10_000  # the blending pattern repeats every this many packs
+
+
+def parse_data_path(args: list[str]) -> list[tuple[float, str]]:
+    """``["A"]`` or ``["0.7", "A", "0.3", "B"]`` (Megatron's syntax) -> [(weight, prefix)]."""
+    if len(args) == 1:
+        return [(1.0, args[0])]
+    if len(args) % 2:
+        raise ValueError("--data-path: give one prefix, or weight-prefix pairs like '0.7 A 0.3 B'")
+    pairs = []
+    for w, prefix in zip(args[::2], args[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"--data-path: {w!r} is not a weight (expected 'WEIGHT PREFIX' pairs)") from None
+        if weight <= 0:
+            raise ValueError(f"--data-path: weight {weight} for {prefix} must be > 0")
+        pairs.append((weight, prefix))
+    return pairs
+
+
+def blend_pattern(weights: list[float], period: int = BLEND_PERIOD) -> np.ndarray:
+    """Dataset of each of ``period`` consecutive packs: greedy on the largest deficit, so every
+    prefix of the pattern tracks the weights as closely as whole packs allow."""
+    w = np.asarray(weights, dtype=np.float64) / sum(weights)
+    counts = np.zeros(len(w))
+    out = np.empty(period, dtype=np.int64)
+    for i in range(period):
+        d = int(np.argmax(w * (i + 1) - counts))
+        out[i] = d
+        counts[d] += 1
+    return out
+
+
+@dataclass
+class PackedSource:
+    """One dataset prefix, its (optional) chat loss mask, and its cached pack plan."""
+
+    prefix: str
+    text: IndexedDataset
+    loss_mask: IndexedDataset | None
+    plan: PackPlan
+    skipped: dict
+
+
+def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
+                pad_multiple: int = 1) -> PackedSource:
+    """Open ``PREFIX`` (``..._text_document``) and plan its packs, skipping unusable documents.
+
+    Zero-length documents and documents whose loss mask length differs from their token count
+    are left out of the plan, counted and reported once (with their ids).
+    """
+    text = IndexedDataset(prefix)
+    mask_prefix = prefix.replace("_text_document", "_loss_mask_document")
+    mask = IndexedDataset(mask_prefix) if mask_prefix != prefix and os.path.exists(mask_prefix + ".idx") \
+        else None
+    lengths = text.lengths.astype(np.int64)
+    skipped = {"empty": np.flatnonzero(lengths == 0)}
+    if mask is not None:
+        if len(mask) != len(text):
+            raise ValueError(f"{mask_prefix}: {len(mask)} documents but {prefix} has {len(text)}")
+        skipped["mask_length_mismatch"] = np.flatnonzero(mask.lengths != text.lengths)
+        lengths[skipped["mask_length_mismatch"]] = 0
+    for why, ids in skipped.items():
+        if len(ids):
+            warnings.warn(f"{prefix}: skipping {len(ids)} document(s) ({why}): ids "
+                          f"{ids[:10].tolist()}{' ...' if len(ids) > 10 else ''}", stacklevel=2)
+    plan_lengths = lengths if pad_multiple == 1 else (lengths + pad_multiple - 1) // pad_multiple * pad_multiple
+    plan = cached_plan(plan_lengths, seq_length, prefix, long_docs=long_docs, seed=seed)
+    if pad_multiple != 1:  # the plan holds padded lengths; segments must carry the real ones
+        plan = _unpad_plan(plan, text.lengths)
+    if plan.num_packs == 0:
+        raise ValueError(f"{prefix}: no packs (no usable documents with --long-docs {long_docs})")
+    return PackedSource(prefix, text, mask, plan, {k: len(v) for k, v in skipped.items()})
+
+
+def _unpad_plan(plan: PackPlan, real_lengths: np.ndarray) -> PackPlan:
+    segs = np.array(plan.segments)
+    real_end = np.minimum(segs[:, 1] + segs[:, 2], real_lengths[segs[:, 0]])
+    segs[:, 2] = np.maximum(real_end - segs[:, 1], 0)
+    return PackPlan(plan.pack_offsets, segs, plan.seq_length, **plan.counts())
+
+
+class THDLoader:
+    """Iterator of :class:`THDBatch` for one data-parallel rank (see module docstring)."""
+
+    def __init__(self, sources: list[tuple[float, PackedSource]], *, seq_length: int,
+                 micro_batch_size: int, pad_id: int, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, pad_multiple: int = 1):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} must be in [0, {dp_size})")
+        if seq_length % pad_multiple:
+            raise ValueError(f"--seq-length {seq_length} must be a multiple of pad_multiple {pad_multiple}")
+        if micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+        self.sources = [s for _, s in sources]
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.pad_id, self.pad_multiple, self.seed = pad_id, pad_multiple, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.pattern = blend_pattern([w for w, _ in sources])
+        self.per_period = np.bincount(self.pattern, minlength=len(self.sources))
+        # rank_in_period[i]: how many packs of pattern[i]'s dataset come before position i
+        self.rank_in_period = np.zeros(BLEND_PERIOD, dtype=np.int64)
+        seen = np.zeros(len(self.sources), dtype=np.int64)
+        for i, d in enumerate(self.pattern):
+            self.rank_in_period[i] = seen[d]
+            seen[d] += 1
+        self._orders: dict = {}
+        self.consumed = 0  # micro-batches this rank has produced
+
+    def fingerprint(self) -> str:
+        parts = [[s.prefix, s.text.num_tokens, len(s.text), s.plan.num_packs] for s in self.sources]
+        key = [parts, self.pattern[:100].tolist(), self.seq_length, self.micro_batch_size,
+               self.seed, self.dp_size, self.pad_multiple]
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+    def _epoch_order(self, d: int, epoch: int) -> np.ndarray:
+        """Pack order of dataset ``d`` in ``epoch``: the plan's own (seeded) order first, then a
+        fresh seeded shuffle per epoch. Kept for the last few (dataset, epoch) pairs."""
+        key = (d, epoch)
+        if key not in self._orders:
+            n = self.sources[d].plan.num_packs
+            if len(self._orders) >= 2 * len(self.sources):
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = (np.arange(n) if epoch == 0 else
+                                 permutation(n, self.seed * 1_000_003 + epoch * 7919 + d))
+        return self._orders[key]
+
+    def global_pack(self, k: int) -> tuple[int, np.ndarray]:
+        """(dataset index, segments) of global pack ``k``."""
+        period, i = divmod(k, BLEND_PERIOD)
+        d = int(self.pattern[i])
+        j = period * int(self.per_period[d]) + int(self.rank_in_period[i])
+        plan = self.sources[d].plan
+        epoch, idx = divmod(j, plan.num_packs)
+        return d, plan.pack(int(self._epoch_order(d, epoch)[idx]))
+
+    def micro_batch(self, m: int) -> THDBatch:
+        """This rank's ``m``-th micro-batch (pure: no state is read or changed)."""
+        g = m * self.dp_size + self.dp_rank
+        packs = [self.global_pack(g * self.micro_batch_size + i) for i in range(self.micro_batch_size)]
+        srcs = {d for d, _ in packs}
+        if len(srcs) == 1:
+            src = self.sources[srcs.pop()]
+            return build_thd_batch([p for _, p in packs], src.text, self.seq_length, self.pad_id,
+                                   loss_mask=src.loss_mask, pad_multiple=self.pad_multiple)
+        return _concat([build_thd_batch([p], self.sources[d].text, self.seq_length, self.pad_id,
+                                        loss_mask=self.sources[d].loss_mask,
+                                        pad_multiple=self.pad_multiple) for d, p in packs])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> THDBatch:
+        batch = self.micro_batch(self.consumed)
+        self.consumed += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["fingerprint"] != self.fingerprint():
+            raise ValueError("data loader state does not match this data: the datasets, weights, "
+                             "seq length, micro-batch size, seed or data-parallel size changed "
+                             f"(saved fingerprint {state['fingerprint']}, now {self.fingerprint()})")
+        self.consumed = int(state["consumed"])
+
+
+def _concat(batches: list[THDBatch]) -> THDBatch:
+    """Join single-pack batches (from different datasets) into one micro-batch."""
+    import torch
+
+    from core.packed_seq import PackedSeqParams
+
+    offset, cu, cu_pad, real_offset = 0, [torch.zeros(1, dtype=torch.int32)], \
+        [torch.zeros(1, dtype=torch.int32)], 0
+    for b in batches:
+        p = b.packed_seq_params
+        cu.append(p.cu_seqlens[1:] + real_offset)
+        cu_pad.append(p.cu_seqlens_padded[1:] + offset)
+        real_offset += int(p.cu_seqlens[-1])
+        offset += b.tokens.numel()
+    params = PackedSeqParams(torch.cat(cu), torch.cat(cu_pad),
+                             max(b.packed_seq_params.max_seqlen for b in batches))
+    return THDBatch(torch.cat([b.tokens for b in batches]), torch.cat([b.labels for b in batches]),
+                    torch.cat([b.position_ids for b in batches]), params)
