@@ -1,0 +1,36 @@
+"""A new user's path: the quickstart script and the inspector, as subprocesses."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from data.indexed_dataset import IndexedDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_quickstart_produces_datasets(tmp_path):
+    out = subprocess.run(["bash", "examples/quickstart.sh", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "rows read 3,000, accepted 3,000" in out.stdout
+    assert "inspect_packs:" in out.stdout and "quickstart: datasets in" in out.stdout
+    text = IndexedDataset(tmp_path / "data" / "sample_chat_text_document")
+    mask = IndexedDataset(tmp_path / "data" / "sample_chat_loss_mask_document")
+    assert len(text) == 1000 and (text.lengths == mask.lengths).all()
+
+
+def test_inspect_packs_cli(tmp_path):
+    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input",
+                    "examples/data/sample_text.jsonl", "--output-prefix", str(tmp_path / "s")],
+                   cwd=ROOT, check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path",
+                          str(tmp_path / "s_text_document"), "--seq-length", "1024",
+                          "--long-docs", "truncate"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--long-docs truncate" in out.stdout and "tokens lost" in out.stdout
+    bad = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path",
+                          str(tmp_path / "nope"), "--seq-length", "8"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "nope.idx: no such file" in bad.stderr

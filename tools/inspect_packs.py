@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Inspect how a dataset packs: packs, fill, documents per pack, lost tokens, length histogram.
+
+    python tools/inspect_packs.py --data-path out/corpus_text_document --seq-length 8192 \\
+        [--long-docs split] [--seed 0] [--plot packs.png]
+
+The plan is the same one training uses (and is cached beside the dataset the same way).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from data.indexed_dataset import IndexedDataset  # noqa: E402
+from data.packing import LONG_DOC_POLICIES, cached_plan  # noqa: E402
+
+
+def histogram_lines(values: np.ndarray, bins: int = 12, width: int = 40) -> list[str]:
+    """A text histogram on log2-spaced bins."""
+    if values.size == 0:
+        return ["(empty)"]
+    edges = np.unique(np.geomspace(max(1, values.min()), values.max() + 1, bins + 1).astype(np.int64))
+    counts, edges = np.histogram(values, bins=edges)
+    top = counts.max() or 1
+    return [f"{lo:>8}-{hi - 1:<8} {c:>10,} {'#' * int(round(width * c / top))}"
+            for lo, hi, c in zip(edges[:-1], edges[1:], counts)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-path", required=True, help="dataset prefix (PREFIX.idx / PREFIX.bin)")
+    ap.add_argument("--seq-length", type=int, required=True, help="pack size S in tokens")
+    ap.add_argument("--long-docs", choices=LONG_DOC_POLICIES, default="split",
+                    help="documents longer than S: split into chunks, truncate, or drop (default: split)")
+    ap.add_argument("--seed", type=int, default=0, help="pack shuffle seed (default: 0)")
+    ap.add_argument("--plot", metavar="PNG", help="also draw the length and fill histograms (matplotlib)")
+    args = ap.parse_args(argv)
+    try:
+        ds = IndexedDataset(args.data_path)
+    except ValueError as e:
+        print(f"inspect_packs: error: {e}", file=sys.stderr)
+        return 1
+    lengths = ds.lengths.astype(np.int64)
+    plan = cached_plan(lengths, args.seq_length, args.data_path, long_docs=args.long_docs, seed=args.seed)
+    per_pack = np.diff(plan.pack_offsets)
+    fills = plan.pack_tokens() / args.seq_length
+    bound = -(-plan.num_tokens // args.seq_length)
+    print(f"dataset      {args.data_path}: {len(ds):,} documents, {ds.num_tokens:,} tokens")
+    print(f"packs        {plan.num_packs:,} of {args.seq_length} tokens (lower bound {bound:,})")
+    print(f"fill         {100 * plan.fill:.4f}% overall; per pack min {100 * fills.min():.1f}% "
+          f"median {100 * np.median(fills):.1f}%")
+    print(f"docs/pack    mean {per_pack.mean():.2f}, min {per_pack.min()}, max {per_pack.max()}")
+    print(f"long docs    --long-docs {args.long_docs}: split {plan.split_docs:,}, truncated "
+          f"{plan.truncated_docs:,} ({plan.truncated_tokens:,} tokens), dropped {plan.dropped_docs:,} "
+          f"({plan.dropped_tokens:,} tokens); empty documents skipped {plan.empty_docs:,}")
+    print("document lengths:")
+    print("\n".join(histogram_lines(lengths[lengths > 0])))
+    if args.plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("inspect_packs: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        a.hist(lengths[lengths > 0], bins=np.geomspace(1, max(2, lengths.max() + 1), 50))
+        a.set_xscale("log")
+        a.set(title="document lengths", xlabel="tokens", ylabel="documents")
+        b.hist(100 * fills, bins=50)
+        b.set(title=f"pack fill ({plan.num_packs:,} packs, S={args.seq_length})", xlabel="fill %",
+              ylabel="packs")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+        print(f"plot         {args.plot}")
+    print(f"inspect_packs: {plan.num_packs:,} packs, fill {100 * plan.fill:.4f}%, "
+          f"{plan.dropped_tokens + plan.truncated_tokens:,} tokens lost")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
