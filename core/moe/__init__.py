@@ -1,1 +1,1 @@
-"""moe: filled in by the model and parallelism issues."""
+"""Mixture of experts: sigmoid router, token dispatchers, grouped experts, the MoE layer."""

@@ -1,1 +1,1 @@
-"""transformer: filled in by the model and parallelism issues."""
+"""Transformer building blocks on THD input: RMSNorm, rotary embeddings, attention, SwiGLU."""

@@ -1,0 +1,59 @@
+"""Routed experts with weights stacked ``[E, out, in]`` (the published layout), run as one
+grouped GEMM over tokens sorted by expert (``torch.nn.functional.grouped_mm``) or, where that is
+unavailable or the shapes are not 16-byte aligned, a loop over the experts' segments. The forward
+is identical whether the E experts are all of them (EP = 1) or this rank's share."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.transformer.mlp import clamped_swiglu
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
+    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    return all((d * x.element_size()) % 16 == 0 for d in dims)
+
+
+def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor,
+                  use_grouped: bool) -> torch.Tensor:
+    """Row block ``e`` of ``x`` (``counts[e]`` rows, in expert order) times ``w[e].T``."""
+    if use_grouped:
+        offs = torch.cumsum(counts_E, 0).to(torch.int32)
+        return _ContiguousGrad.apply(F.grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offs))
+    chunks = torch.split(x_NI, counts_E.tolist())
+    return torch.cat([c @ w_EOI[e].T for e, c in enumerate(chunks)], dim=0) if chunks else \
+        x_NI.new_zeros(0, w_EOI.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float | None = None):
+        super().__init__()
+        self.num_experts, self.limit = num_experts, limit
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.use_grouped_mm = True
+
+    def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """``x`` rows sorted by expert, ``counts[e]`` of them for expert ``e``."""
+        grouped = self.use_grouped_mm and _grouped_mm_ok(x_NH, *self.gate_proj.shape[1:])
+        gate = expert_linear(x_NH, self.gate_proj, counts_E, grouped)
+        up = expert_linear(x_NH, self.up_proj, counts_E, grouped)
+        return expert_linear(clamped_swiglu(gate, up, self.limit), self.down_proj, counts_E, grouped)

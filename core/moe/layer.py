@@ -1,0 +1,28 @@
+"""The MoE feed-forward: ``scaling * routed(x) + shared_expert(x)``."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.moe.dispatch import LocalDispatcher
+from core.moe.experts import GroupedExperts
+from core.moe.router import SigmoidRouter
+from core.transformer.mlp import SwiGLUMLP
+
+
+class MoELayer(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, expert_size: int,
+                 shared_size: int, *, scaling: float = 1.0, limit: float | None = None,
+                 shared_limit: float | None = None):
+        super().__init__()
+        self.router = SigmoidRouter(hidden, num_experts, top_k)
+        self.experts = GroupedExperts(num_experts, hidden, expert_size, limit)
+        self.shared_expert = SwiGLUMLP(hidden, shared_size, shared_limit)
+        self.scaling = scaling
+        self.dispatcher = LocalDispatcher()  # replaced by parallelize for expert parallelism
+        self.last_stats: dict = {}
+
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+        weights, experts, self.last_stats = self.router(x_TH, valid_T)
+        routed = self.dispatcher(x_TH, weights, experts, self.experts)
+        return routed * self.scaling + self.shared_expert(x_TH)

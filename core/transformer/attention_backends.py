@@ -1,0 +1,135 @@
+"""Attention kernels on THD input behind one signature.
+
+Every backend takes ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` (GQA: ``Hq % Hkv == 0``), the
+micro-batch's :class:`DocLayout`, a sliding window (``None`` for full attention; otherwise the
+number of keys a query sees, counting itself) and the softmax scale, and returns ``[T, Hq, D]``.
+Attention never crosses a document; padding positions produce zeros (sdpa) or values nobody
+reads (their labels are -100 and no real token attends to them).
+
+* ``sdpa``: exact, one ``scaled_dot_product_attention`` call per document, causal, with a banded
+  mask only where the document is longer than the window. The CPU default.
+* ``flex``: ``flex_attention`` with a document + causal + window ``BlockMask`` (GPU training;
+  eager, forward-only on CPU).
+* ``transformer_engine``: TE's ``DotProductAttention`` with ``qkv_format="thd"``; import-gated.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from core.packed_seq import PackedSeqParams
+
+
+@dataclass
+class DocLayout:
+    """Host-side view of a THD micro-batch, computed once per forward (one device sync)."""
+
+    params: PackedSeqParams
+    starts: list      # buffer offset of each document (cu_seqlens_padded[:-1])
+    lengths: list     # real tokens of each document
+    total: int        # T
+
+    @classmethod
+    def from_params(cls, params: PackedSeqParams) -> "DocLayout":
+        padded = params.cu_seqlens_padded.tolist()
+        cu = params.cu_seqlens.tolist()
+        return cls(params, padded[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])], padded[-1])
+
+    def valid_mask(self, device) -> torch.Tensor:
+        """True on real tokens, False on padding (``[T]`` bool)."""
+        mask = torch.zeros(self.total, dtype=torch.bool)
+        for s, n in zip(self.starts, self.lengths):
+            mask[s:s + n] = True
+        return mask.to(device)
+
+    def doc_ids(self, device) -> torch.Tensor:
+        """Document index of every position (padding gets its segment's index)."""
+        bounds = self.params.cu_seqlens_padded.to(device)
+        pos = torch.arange(self.total, device=device, dtype=torch.int32)
+        return torch.searchsorted(bounds, pos, right=True) - 1
+
+
+def _band_mask(n: int, window: int, device) -> torch.Tensor:
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
+
+
+def sdpa_attention(q, k, v, layout: DocLayout, window: int | None, scale: float) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    for s, n in zip(layout.starts, layout.lengths):
+        if n == 0:
+            continue
+        qd, kd, vd = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+        if window is None or n <= window:
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_band_mask(n, window, q.device),
+                                               scale=scale, enable_gqa=gqa)
+        out[s:s + n] = o.transpose(0, 1)
+    return out
+
+
+def flex_attention_thd(q, k, v, layout: DocLayout, window: int | None, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = layout.doc_ids(q.device)
+
+    def mask_mod(b, h, qi, ki):
+        keep = (doc[qi] == doc[ki]) & (qi >= ki)
+        return keep & (qi - ki < window) if window is not None else keep
+
+    T = q.shape[0]
+    block = create_block_mask(mask_mod, None, None, T, T, device=q.device)
+    fn = flex_attention if q.device.type == "cpu" else _compiled_flex()
+    with warnings.catch_warnings():  # eager flex on CPU warns that it is unfused
+        warnings.simplefilter("ignore")
+        o = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+               block_mask=block, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_flex():
+    if "flex" not in _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED["flex"]
+
+
+def transformer_engine_attention(q, k, v, layout: DocLayout, window: int | None, scale: float):
+    """Thin adapter to Transformer Engine (GPU only; not exercised by the CPU tests).
+
+    TE's window is ``(left, right)`` keys excluding the query, hence ``window - 1``.
+    """
+    try:
+        from transformer_engine.pytorch import DotProductAttention
+    except ImportError as e:
+        raise ImportError("--attention-backend transformer_engine needs Transformer Engine "
+                          "(pip install .[te] on a CUDA machine)") from e
+    key = (q.shape[1], k.shape[1], q.shape[2], window, scale)
+    if key not in _COMPILED:
+        _COMPILED[key] = DotProductAttention(
+            q.shape[1], q.shape[2], num_gqa_groups=k.shape[1], qkv_format="thd",
+            attn_mask_type="padding_causal", softmax_scale=scale,
+            window_size=(window - 1, 0) if window is not None else (-1, 0))
+    p = layout.params
+    o = _COMPILED[key](q, k, v, cu_seqlens_q=p.cu_seqlens, cu_seqlens_kv=p.cu_seqlens,
+                       cu_seqlens_q_padded=p.cu_seqlens_padded, cu_seqlens_kv_padded=p.cu_seqlens_padded,
+                       max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen)
+    return o.view_as(q)
+
+
+BACKENDS: dict[str, Callable] = {
+    "sdpa": sdpa_attention,
+    "flex": flex_attention_thd,
+    "transformer_engine": transformer_engine_attention,
+}

@@ -1,0 +1,205 @@
+"""Step-3.7 text decoder on THD input: single-device maths only (parallelism is applied from
+outside, see DESIGN.md). Layers live in a ``ModuleDict`` keyed by global index, so a pipeline
+stage that owns layers ``a..b`` has the same parameter names as the whole model.
+
+Forward: ``model(tokens, position_ids, packed_seq_params)`` -> logits ``[T, vocab]`` (or the
+hidden state ``[T, hidden]`` on a stage without the head). With ``labels`` it returns a
+:class:`LossOutput`: sums of token cross-entropies and target counts, main head and each MTP
+depth separately; the caller normalises (once per step, by the global token count).
+
+Multi-token prediction, depth k = 1..D (DeepSeek-V3 style): ``h_k = block_k(eh_proj([enorm(
+embed(x shifted by k)), hnorm(h_{k-1})]))`` with ``h_0`` the main model's last hidden state
+before the final norm, and depth k's logits at position t predict token t + k + 1. Shifts stay
+inside each document: a position whose shifted input or target would come from the next
+document gets padding and no target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.moe.layer import MoELayer
+from core.packed_seq import PackedSeqParams
+from core.transformer.attention import GatedAttention
+from core.transformer.attention_backends import DocLayout
+from core.transformer.mlp import SwiGLUMLP
+from core.transformer.norm import RMSNorm
+from core.transformer.rotary import RotaryEmbedding
+from models.step37.config import Step37Config
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor                 # sum of main-head token losses (fp32 scalar)
+    num_tokens: torch.Tensor               # number of main-head targets (int64 scalar)
+    mtp_loss_sums: list = field(default_factory=list)
+    mtp_num_tokens: list = field(default_factory=list)
+    aux_loss: torch.Tensor | None = None   # sum over MoE layers of the router aux loss
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Step37Config, layer_type: str, mlp_type: str,
+                 limit: float | None, shared_limit: float | None):
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GatedAttention(
+            cfg.hidden_size, cfg.num_heads(layer_type), cfg.num_key_value_heads, cfg.head_dim,
+            window=cfg.sliding_window if layer_type == "sliding_attention" else None,
+            softmax_scale=cfg.query_pre_attn_scalar ** -0.5, eps=cfg.rms_norm_eps,
+            backend=cfg.attention_backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if mlp_type == "dense":  # Step-3.x clamps dense layers with the shared-expert limits
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, shared_limit)
+        else:
+            self.moe = MoELayer(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                cfg.moe_intermediate_size, cfg.shared_expert_size,
+                                scaling=cfg.moe_router_scaling_factor, limit=limit,
+                                shared_limit=shared_limit)
+
+    def forward(self, x_TH, ropes: dict, layout: DocLayout, valid_T) -> torch.Tensor:
+        h = x_TH + self.self_attn(self.input_layernorm(x_TH), ropes[self.layer_type], layout)
+        y = self.post_attention_layernorm(h)
+        y = self.mlp(y) if hasattr(self, "mlp") else self.moe(y, valid_T)
+        return h + y
+
+
+class MTPDepth(nn.Module):
+    def __init__(self, cfg: Step37Config, k: int):
+        super().__init__()
+        H = cfg.hidden_size
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.block = DecoderLayer(cfg, cfg.mtp_layer_types[k], cfg.mtp_mlp_layer_types[k],
+                                  cfg.mtp_swiglu_limits[k], cfg.mtp_swiglu_limits_shared[k])
+        self.head_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.head = nn.Linear(H, cfg.vocab_size, bias=False)
+
+    def forward(self, emb_TH, h_prev_TH, ropes, layout, valid_T) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(emb_TH), self.hnorm(h_prev_TH)], dim=-1))
+        return self.block(x, ropes, layout, valid_T)
+
+
+class Step37Model(nn.Module):
+    """The whole decoder, or one pipeline stage of it (``layers``: the global indices it owns;
+    ``first``: holds the embedding; ``last``: holds final norm, head and MTP)."""
+
+    def __init__(self, config: Step37Config, *, layers=None, first: bool = True, last: bool = True):
+        super().__init__()
+        cfg = self.config = config
+        own = list(range(cfg.num_layers) if layers is None else layers)
+        self.first, self.last = first, last
+        has_mtp = last and cfg.num_mtp_layers > 0
+        # MTP feeds shifted token embeddings, so a last stage with MTP holds the embedding too
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or has_mtp else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(
+            cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.swiglu_limits[i],
+            cfg.swiglu_limits_shared[i]) for i in own})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if last else None
+        self.mtp = nn.ModuleDict({str(k): MTPDepth(cfg, k) for k in range(cfg.num_mtp_layers)}) \
+            if has_mtp else None
+        types = {cfg.layer_types[i] for i in own} | (set(cfg.mtp_layer_types) if has_mtp else set())
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg.head_dim, cfg.rope_parameters[t])
+                                     for t in sorted(types)})
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if "norm" in name.split(".")[-2]:
+                p.zero_()  # RMSNorm scales by 1 + weight
+            else:
+                p.normal_(0.0, std)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens=None, position_ids=None, packed_seq_params: PackedSeqParams = None,
+                *, hidden=None, labels=None):
+        x, ropes, layout, valid = self._trunk(tokens, position_ids, packed_seq_params, hidden)
+        if not self.last:
+            return x
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        out = LossOutput(*_token_loss(logits, labels), aux_loss=self._aux_loss())
+        if self.mtp is not None:
+            self._mtp_losses(out, x, tokens, labels, ropes, layout, valid)
+        return out
+
+    def final_hidden(self, tokens, position_ids, packed_seq_params) -> torch.Tensor:
+        """The normalised last hidden state ``[T, hidden]`` (what the head reads)."""
+        return self.norm(self._trunk(tokens, position_ids, packed_seq_params, None)[0])
+
+    def _trunk(self, tokens, position_ids, packed_seq_params, hidden):
+        layout = DocLayout.from_params(packed_seq_params)
+        valid = layout.valid_mask(position_ids.device)
+        x = self.embed_tokens(tokens) if self.first else hidden
+        ropes = {t: rope(position_ids, x.dtype) for t, rope in self.rotary.items()}
+        for layer in self.layers.values():
+            x = layer(x, ropes, layout, valid)
+        return x, ropes, layout, valid
+
+    def _mtp_losses(self, out: LossOutput, h, tokens, labels, ropes, layout, valid) -> None:
+        nxt, ok = _next_in_document(layout, tokens.device)
+        shifted_tokens, shifted_labels = tokens, labels
+        for k, depth in enumerate(self.mtp.values(), start=1):
+            shifted_tokens = torch.where(ok, shifted_tokens[nxt], torch.zeros_like(tokens))
+            shifted_labels = torch.where(ok, shifted_labels[nxt], torch.full_like(labels, IGNORE_INDEX))
+            h = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid)
+            loss, n = _token_loss(depth.head(depth.head_norm(h)), shifted_labels)
+            out.mtp_loss_sums.append(loss)
+            out.mtp_num_tokens.append(n)
+
+    def _aux_loss(self):
+        terms = [m.last_stats["aux_loss"] for m in self.modules()
+                 if isinstance(m, MoELayer) and m.last_stats]
+        return torch.stack(terms).sum() if terms else None
+
+    # ------------------------------------------------------------------ weights
+    def load_hf(self, path: str, **kwargs):
+        from models.step37.hf_weights import load_hf_weights
+
+        return load_hf_weights(self, path, **kwargs)
+
+    def save_hf(self, path: str, **kwargs):
+        from models.step37.hf_weights import save_hf_weights
+
+        return save_hf_weights(self, path, **kwargs)
+
+
+def _token_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor):
+    loss = F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (labels_T != IGNORE_INDEX).sum()
+
+
+def _next_in_document(layout: DocLayout, device):
+    """Index of the next position and whether it is a real token of the same document."""
+    T = layout.total
+    real_end = torch.zeros(T, dtype=torch.long)
+    for s, n, e in zip(layout.starts, layout.lengths, layout.starts[1:] + [T]):
+        real_end[s:e] = s + n
+    idx = torch.arange(T) + 1
+    return idx.clamp(max=T - 1).to(device), (idx < real_end).to(device)
+
+
+def count_parameters(model: nn.Module, config: Step37Config) -> dict:
+    """Total parameters and parameters active per token (embeddings and head included; top-k
+    of the routed experts, all of the shared expert), with and without MTP."""
+    total = mtp = routed = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        if name.startswith("mtp."):
+            mtp += n
+        if ".moe.experts." in name and not name.startswith("mtp."):
+            routed += n
+    active_routed = routed * config.num_experts_per_tok // config.num_experts
+    return {"total": total, "total_without_mtp": total - mtp, "mtp": mtp,
+            "active_per_token_without_mtp": total - mtp - routed + active_routed}
