@@ -32,9 +32,9 @@ class SigmoidRouter(nn.Module):
 
     def _stats(self, scores_TE, experts_TK, valid_T):
         E, K = self.num_experts, self.top_k
-        keep = torch.ones(experts_TK.shape[0], device=experts_TK.device) if valid_T is None \
-            else valid_T.float()
-        counts = torch.zeros(E, device=experts_TK.device).index_add(
+        f32 = dict(dtype=torch.float32, device=experts_TK.device)
+        keep = torch.ones(experts_TK.shape[0], **f32) if valid_T is None else valid_T.to(torch.float32)
+        counts = torch.zeros(E, **f32).index_add(
             0, experts_TK.flatten(), keep.repeat_interleave(K))
         n = keep.sum().clamp(min=1)
         # aux = E * sum_e f_e * P_e; f: share of routed slots, P: mean normalised score

@@ -1,0 +1,109 @@
+"""MoE: router choice and weights, grouped experts vs a per-expert loop, permute round trip."""
+from __future__ import annotations
+
+import torch
+
+from core.moe.dispatch import permute, unpermute
+from core.moe.experts import GroupedExperts
+from core.moe.layer import MoELayer
+from core.moe.router import SigmoidRouter
+
+
+def test_router_chooses_with_bias_and_weights_without():
+    r = SigmoidRouter(4, num_experts=4, top_k=2)
+    with torch.no_grad():
+        r.weight.copy_(torch.eye(4))
+        r.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 10.0, 10.0]))
+    x = torch.tensor([[3.0, 2.0, 0.0, -1.0]])
+    weights, experts, _ = r(x)
+    # unbiased scores would pick experts 0 and 1; the bias forces 2 and 3
+    assert sorted(experts[0].tolist()) == [2, 3]
+    s = torch.sigmoid(torch.tensor([0.0, -1.0]))  # scores of experts 2 and 3, no bias
+    expected = (s / s.sum()).tolist()
+    got = dict(zip(experts[0].tolist(), weights[0].tolist()))
+    assert abs(got[2] - expected[0]) < 1e-6 and abs(got[3] - expected[1]) < 1e-6
+
+
+def test_padding_is_left_out_of_routing_statistics():
+    r = SigmoidRouter(8, num_experts=4, top_k=2)
+    torch.nn.init.normal_(r.weight)
+    x = torch.randn(10, 8)
+    valid = torch.tensor([True] * 6 + [False] * 4)
+    _, experts, stats = r(x, valid)
+    assert stats["tokens_per_expert"].sum() == 6 * 2
+    assert torch.equal(stats["tokens_per_expert"], torch.bincount(experts[:6].flatten(), minlength=4).float())
+    r.update_bias(stats["tokens_per_expert"], rate=0.1)
+    load = stats["tokens_per_expert"]
+    assert torch.equal(r.e_score_correction_bias, 0.1 * torch.sign(load.mean() - load))
+
+
+def _loop_reference(experts: GroupedExperts, x, counts):
+    outs, s = [], 0
+    for e, c in enumerate(counts.tolist()):
+        xe = x[s:s + c]
+        g, u = xe @ experts.gate_proj[e].T, xe @ experts.up_proj[e].T
+        a = torch.nn.functional.silu(g)
+        if experts.limit is not None:
+            a, u = a.clamp(max=experts.limit), u.clamp(-experts.limit, experts.limit)
+        outs.append((a * u) @ experts.down_proj[e].T)
+        s += c
+    return torch.cat(outs)
+
+
+def test_grouped_equals_loop_forward_and_backward_with_an_empty_expert():
+    torch.manual_seed(0)
+    ex = GroupedExperts(4, 16, 8, limit=0.7)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(11, 16, requires_grad=True)
+    counts = torch.tensor([4, 0, 5, 2])  # expert 1 receives nothing
+    g = torch.randn(11, 16)
+    y = ex(x, counts)
+    (y * g).sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in ex.parameters()]
+    x.grad = None
+    ex.zero_grad()
+    ref = _loop_reference(ex, x, counts)
+    (ref * g).sum().backward()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, [x.grad] + [p.grad for p in ex.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert grads[1][1].abs().sum() == 0  # the empty expert gets no gradient
+
+
+def test_segmented_fallback_equals_grouped_mm():
+    torch.manual_seed(1)
+    ex = GroupedExperts(3, 16, 8)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p)
+    x, counts = torch.randn(7, 16), torch.tensor([2, 5, 0])
+    a = ex(x, counts)
+    ex.use_grouped_mm = False
+    torch.testing.assert_close(a, ex(x, counts), rtol=1e-5, atol=1e-5)
+
+
+def test_permute_unpermute_is_a_weighted_sum():
+    x = torch.randn(5, 3)
+    experts = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    weights = torch.rand(5, 2)
+    xp, counts, state = permute(x, experts, 3)
+    assert counts.tolist() == [4, 3, 3]
+    out = unpermute(xp * 2.0, weights, state)  # "expert" doubles its input
+    torch.testing.assert_close(out, 2.0 * x * weights.sum(1, keepdim=True))
+
+
+def test_moe_layer_is_scaled_routed_plus_shared():
+    torch.manual_seed(2)
+    moe = MoELayer(16, 4, 2, 8, 8, scaling=3.0)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(6, 16)
+    w, e, _ = moe.router(x)
+    routed = torch.zeros_like(x)
+    for t in range(6):
+        for k in range(2):
+            ex = e[t, k]
+            xe = x[t:t + 1]
+            h = torch.nn.functional.silu(xe @ moe.experts.gate_proj[ex].T) * (xe @ moe.experts.up_proj[ex].T)
+            routed[t] += w[t, k] * (h @ moe.experts.down_proj[ex].T)[0]
+    torch.testing.assert_close(moe(x), 3.0 * routed + moe.shared_expert(x), rtol=1e-5, atol=1e-5)
