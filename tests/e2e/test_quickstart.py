@@ -34,3 +34,18 @@ def test_inspect_packs_cli(tmp_path):
                           str(tmp_path / "nope"), "--seq-length", "8"], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "nope.idx: no such file" in bad.stderr
+
+
+def test_convert_checkpoint_check(tmp_path):
+    from tests.unit.hf_reference import save_full_model
+
+    save_full_model(str(tmp_path), seed=0)
+    ok = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "check", str(tmp_path)],
+                        cwd=ROOT, capture_output=True, text=True)
+    # transformers does not save MTP depths: the tiny config has 2, so they are reported missing
+    assert ok.returncode == 1 and "model.layers.4.enorm.weight (mtp.0.enorm.weight)" in ok.stdout
+    assert "0 unexpected, 0 mis-shaped" in ok.stdout
+    flash = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "check", str(tmp_path),
+                            "--model-preset", "step37-flash"], cwd=ROOT, capture_output=True, text=True)
+    assert flash.returncode == 1 and "196,956,118,272 without MTP" in flash.stdout
+    assert "model.embed_tokens.weight: checkpoint [320, 64], model [128896, 4096]" in flash.stdout

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Move Step-3.7 weights between Hugging Face checkpoints and this project.
+
+Verbs:
+  check   DIR [--model-preset NAME | --hf-config PATH]
+          Compare a Hugging Face checkpoint directory with a model config and list missing,
+          unexpected and mis-shaped tensors (nothing is loaded; the model is built on the meta
+          device, so this works for the full 196B model on a laptop). Exit 1 if it does not fit.
+
+Training-checkpoint import/export verbs arrive with the training entry point.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from models.step37 import Step37Config, Step37Model, count_parameters  # noqa: E402
+from models.step37.config import PRESETS  # noqa: E402
+from models.step37.hf_weights import check_checkpoint, published_name  # noqa: E402
+
+
+def cmd_check(args) -> int:
+    source = args.hf_config or args.directory
+    cfg = Step37Config.preset(args.model_preset) if args.model_preset else Step37Config.from_hf(source)
+    with torch.device("meta"):
+        model = Step37Model(cfg)
+    report = check_checkpoint(model, args.directory)
+    counts = count_parameters(model, cfg)
+    print(f"model     {counts['total']:,} parameters ({counts['total_without_mtp']:,} without MTP, "
+          f"{cfg.num_layers} layers, {cfg.num_mtp_layers} MTP depths)")
+    print(f"matched   {report['loaded']:,} tensors; vision tower tensors kept aside: {report['vision_tensors']:,}")
+    for key, title in (("missing", "missing"), ("unexpected", "unexpected"), ("misshaped", "mis-shaped")):
+        items = report[key]
+        print(f"{title:<10}{len(items):,}")
+        for item in items[:args.show]:
+            if key == "misshaped":
+                ours, theirs, shape, want = item
+                print(f"    {theirs}: checkpoint {shape}, model {want} ({ours})")
+            elif key == "missing":
+                print(f"    {published_name(item, cfg.num_layers)} ({item})")
+            else:
+                print(f"    {item}")
+        if len(items) > args.show:
+            print(f"    ... and {len(items) - args.show} more (--show N to list more)")
+    ok = not report["missing"] and not report["misshaped"]
+    print(f"convert_checkpoint check: {'OK' if ok else 'DOES NOT FIT'}: {report['loaded']:,} matched, "
+          f"{len(report['missing']):,} missing, {len(report['unexpected']):,} unexpected, "
+          f"{len(report['misshaped']):,} mis-shaped")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="verb", required=True)
+    check = sub.add_parser("check", help="compare a HF checkpoint with a model config")
+    check.add_argument("directory", help="Hugging Face checkpoint directory (safetensors)")
+    src = check.add_mutually_exclusive_group()
+    src.add_argument("--model-preset", choices=sorted(PRESETS), help="check against a preset")
+    src.add_argument("--hf-config", help="check against this config.json (default: DIRECTORY's own)")
+    check.add_argument("--show", type=int, default=20, help="list at most N names per category")
+    check.set_defaults(func=cmd_check)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
