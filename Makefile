@@ -32,6 +32,7 @@ quickstart: install
 bench: install-test
 	$(PYTHON) benchmarks/bench_preprocess.py
 	$(PYTHON) benchmarks/bench_packing.py
+	$(PYTHON) benchmarks/bench_attention.py
 
 clean:
 	rm -rf build *.egg-info data/_csrc*.so $(QUICKSTART_DIR)
