@@ -1,1 +1,1 @@
-"""distributed: filled in by the model and parallelism issues."""
+"""Distributed helpers: differentiable collectives, gradient sync, grad norm and clipping."""

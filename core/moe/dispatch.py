@@ -41,3 +41,73 @@ class LocalDispatcher:
     def __call__(self, x_TH, weights_TK, experts_TK, experts_module) -> torch.Tensor:
         x_NH, counts, state = permute(x_TH, experts_TK, experts_module.num_experts)
         return unpermute(experts_module(x_NH, counts), weights_TK, state)
+
+
+def sort_by_local_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows arrive grouped by source rank, then local expert (``recv_counts[src, e]`` rows).
+    Returns the row order that groups them by local expert, then source, and the per-expert
+    row counts. Pure: e.g. counts [[1, 2], [3, 0]] -> order [0, 3, 4, 5, 1, 2], counts [4, 2]."""
+    ep, E = recv_counts.shape
+    flat = recv_counts.flatten()
+    starts = torch.cumsum(flat, 0) - flat
+    blocks = torch.arange(ep * E, device=flat.device).view(ep, E).T.flatten()  # (expert, source)
+    sizes = flat[blocks]
+    within = torch.arange(int(sizes.sum()), device=flat.device) - \
+        torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return torch.repeat_interleave(starts[blocks], sizes) + within, recv_counts.sum(0)
+
+
+class AllToAllDispatcher:
+    """Expert parallelism: each EP rank holds ``E / ep`` experts. Counts are exchanged first,
+    then the token rows (uneven splits, zero allowed), then rows are regrouped by local expert;
+    the way back mirrors it."""
+
+    def __init__(self, group, ep_size: int, num_experts: int):
+        self.group, self.ep, self.num_experts = group, ep_size, num_experts
+
+    def __call__(self, x_TH, weights_TK, experts_TK, experts_module) -> torch.Tensor:
+        import torch.distributed as dist
+
+        from core.distributed.collectives import all_to_all
+
+        x_NH, counts, state = permute(x_TH, experts_TK, self.num_experts)
+        send_counts = counts.view(self.ep, -1)                     # [dest rank, local expert]
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        x_recv = all_to_all(x_NH, send_splits, recv_splits, self.group)
+        order, local_counts = sort_by_local_expert(recv_counts)
+        y = experts_module(x_recv.index_select(0, order), local_counts)
+        y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
+        y_NH = all_to_all(y_back, recv_splits, send_splits, self.group)
+        return unpermute(y_NH, weights_TK, state)
+
+
+class AllGatherDispatcher:
+    """The simple alternative: every EP rank sees every token of its EP group, applies its own
+    experts, and a reduce-scatter sums the contributions back to each token's rank. Needs the
+    same T on every rank (THD guarantees it)."""
+
+    def __init__(self, group, ep_size: int, ep_rank: int, num_experts: int):
+        self.group, self.ep = group, ep_size
+        self.local = num_experts // ep_size
+        self.offset = ep_rank * self.local
+
+    def __call__(self, x_TH, weights_TK, experts_TK, experts_module) -> torch.Tensor:
+        from core.distributed.collectives import all_gather, all_gather_into, reduce_scatter
+
+        K = experts_TK.shape[1]
+        x_all = all_gather(x_TH, self.group)
+        w_all = all_gather(weights_TK, self.group)
+        e_all = torch.empty(self.ep * experts_TK.shape[0], K, dtype=experts_TK.dtype, device=experts_TK.device)
+        all_gather_into(e_all, experts_TK.contiguous(), self.group)  # ids: no gradient
+        local = e_all - self.offset
+        slots = torch.nonzero(((local >= 0) & (local < self.local)).flatten()).flatten()
+        ids = local.flatten()[slots]
+        order = torch.argsort(ids, stable=True)
+        slots = slots[order]
+        y = experts_module(x_all.index_select(0, slots // K),
+                           torch.bincount(ids, minlength=self.local))
+        w = w_all.flatten().index_select(0, slots)
+        out = x_all.new_zeros(x_all.shape).index_add(0, slots // K, (y * w[:, None]).to(y.dtype))
+        return reduce_scatter(out, self.group)

@@ -43,9 +43,11 @@ def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tenso
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float | None = None):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float | None = None,
+                 expert_offset: int = 0):
         super().__init__()
         self.num_experts, self.limit = num_experts, limit
+        self.expert_offset = expert_offset  # global index of this module's first expert
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))

@@ -13,10 +13,11 @@ from core.transformer.mlp import SwiGLUMLP
 class MoELayer(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, expert_size: int,
                  shared_size: int, *, scaling: float = 1.0, limit: float | None = None,
-                 shared_limit: float | None = None):
+                 shared_limit: float | None = None, experts: range | None = None):
         super().__init__()
+        held = experts if experts is not None else range(num_experts)  # expert parallelism: a slice
         self.router = SigmoidRouter(hidden, num_experts, top_k)
-        self.experts = GroupedExperts(num_experts, hidden, expert_size, limit)
+        self.experts = GroupedExperts(len(held), hidden, expert_size, limit, expert_offset=held.start)
         self.shared_expert = SwiGLUMLP(hidden, shared_size, shared_limit)
         self.scaling = scaling
         self.dispatcher = LocalDispatcher()  # replaced by parallelize for expert parallelism

@@ -1,1 +1,1 @@
-"""pipeline: filled in by the model and parallelism issues."""
+"""Pipeline parallelism: schedules as pure action lists, one executor, and a simulator."""

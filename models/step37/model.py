@@ -15,6 +15,7 @@ document gets padding and no target.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,7 @@ class LossOutput:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Step37Config, layer_type: str, mlp_type: str,
-                 limit: float | None, shared_limit: float | None):
+                 limit: float | None, shared_limit: float | None, experts: range | None = None):
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -60,7 +61,7 @@ class DecoderLayer(nn.Module):
             self.moe = MoELayer(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                 cfg.moe_intermediate_size, cfg.shared_expert_size,
                                 scaling=cfg.moe_router_scaling_factor, limit=limit,
-                                shared_limit=shared_limit)
+                                shared_limit=shared_limit, experts=experts)
 
     def forward(self, x_TH, ropes: dict, layout: DocLayout, valid_T) -> torch.Tensor:
         h = x_TH + self.self_attn(self.input_layernorm(x_TH), ropes[self.layer_type], layout)
@@ -70,14 +71,14 @@ class DecoderLayer(nn.Module):
 
 
 class MTPDepth(nn.Module):
-    def __init__(self, cfg: Step37Config, k: int):
+    def __init__(self, cfg: Step37Config, k: int, experts: range | None = None):
         super().__init__()
         H = cfg.hidden_size
         self.enorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.block = DecoderLayer(cfg, cfg.mtp_layer_types[k], cfg.mtp_mlp_layer_types[k],
-                                  cfg.mtp_swiglu_limits[k], cfg.mtp_swiglu_limits_shared[k])
+                                  cfg.mtp_swiglu_limits[k], cfg.mtp_swiglu_limits_shared[k], experts)
         self.head_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.head = nn.Linear(H, cfg.vocab_size, bias=False)
 
@@ -88,9 +89,11 @@ class MTPDepth(nn.Module):
 
 class Step37Model(nn.Module):
     """The whole decoder, or one pipeline stage of it (``layers``: the global indices it owns;
-    ``first``: holds the embedding; ``last``: holds final norm, head and MTP)."""
+    ``first``: holds the embedding; ``last``: holds final norm, head and MTP; ``experts``: the
+    global expert indices whose weights this process holds, all by default)."""
 
-    def __init__(self, config: Step37Config, *, layers=None, first: bool = True, last: bool = True):
+    def __init__(self, config: Step37Config, *, layers=None, first: bool = True, last: bool = True,
+                 experts: range | None = None, seed: int = 0):
         super().__init__()
         cfg = self.config = config
         own = list(range(cfg.num_layers) if layers is None else layers)
@@ -100,24 +103,33 @@ class Step37Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or has_mtp else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(
             cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.swiglu_limits[i],
-            cfg.swiglu_limits_shared[i]) for i in own})
+            cfg.swiglu_limits_shared[i], experts) for i in own})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if last else None
-        self.mtp = nn.ModuleDict({str(k): MTPDepth(cfg, k) for k in range(cfg.num_mtp_layers)}) \
+        self.mtp = nn.ModuleDict({str(k): MTPDepth(cfg, k, experts) for k in range(cfg.num_mtp_layers)}) \
             if has_mtp else None
         types = {cfg.layer_types[i] for i in own} | (set(cfg.mtp_layer_types) if has_mtp else set())
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg.head_dim, cfg.rope_parameters[t])
                                      for t in sorted(types)})
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Normal(0, init_std) weights, zero norms. Each tensor (each expert, for stacked expert
+        weights) draws from its own generator seeded by its global name, so a model split over
+        any pipeline / expert layout starts from exactly the weights of the whole model."""
         std = self.config.init_std
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if "norm" in name.split(".")[-2]:
                 p.zero_()  # RMSNorm scales by 1 + weight
+            elif ".moe.experts." in name:
+                offset = self.get_submodule(name.rsplit(".", 1)[0]).expert_offset
+                for e in range(p.shape[0]):
+                    p[e].copy_(_seeded_normal(p.shape[1:], std, seed, f"{name}#{offset + e}"))
             else:
-                p.normal_(0.0, std)
+                p.copy_(_seeded_normal(p.shape, std, seed, name))
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens=None, position_ids=None, packed_seq_params: PackedSeqParams = None,
@@ -172,6 +184,11 @@ class Step37Model(nn.Module):
         from models.step37.hf_weights import save_hf_weights
 
         return save_hf_weights(self, path, **kwargs)
+
+
+def _seeded_normal(shape, std: float, seed: int, key: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed((zlib.crc32(key.encode()) << 20) ^ seed)
+    return torch.randn(shape, generator=g) * std
 
 
 def _token_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor):
