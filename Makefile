@@ -33,6 +33,7 @@ bench: install-test
 	$(PYTHON) benchmarks/bench_preprocess.py
 	$(PYTHON) benchmarks/bench_packing.py
 	$(PYTHON) benchmarks/bench_attention.py
+	$(PYTHON) benchmarks/bench_parallel.py
 
 clean:
 	rm -rf build *.egg-info data/_csrc*.so $(QUICKSTART_DIR)

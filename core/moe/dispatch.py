@@ -64,6 +64,7 @@ class AllToAllDispatcher:
 
     def __init__(self, group, ep_size: int, num_experts: int):
         self.group, self.ep, self.num_experts = group, ep_size, num_experts
+        self.sent_bytes = 0  # bytes this rank sent to other ranks in forward; backward as many
 
     def __call__(self, x_TH, weights_TK, experts_TK, experts_module) -> torch.Tensor:
         import torch.distributed as dist
@@ -76,6 +77,9 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         x_recv = all_to_all(x_NH, send_splits, recv_splits, self.group)
+        me = dist.get_rank(self.group)  # rows kept on this rank cross no wire
+        row = x_NH.shape[1] * x_NH.element_size()
+        self.sent_bytes += row * (sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me])
         order, local_counts = sort_by_local_expert(recv_counts)
         y = experts_module(x_recv.index_select(0, order), local_counts)
         y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping

@@ -37,6 +37,7 @@ class PipelineExecutor:
         self.mtp_loss_scale, self.aux_coeff = mtp_loss_scale, aux_coeff
         self.pp, self.vpp = pstate.sizes.pp, len(chunks)
         self.num_stages = self.pp * self.vpp
+        self.p2p_bytes = 0  # bytes this rank has sent point to point (activations and grads)
 
     # ------------------------------------------------------------------ p2p
     def _tag(self, kind: str, m: int, stage: int) -> int:
@@ -48,8 +49,9 @@ class PipelineExecutor:
         return buf
 
     def _send(self, t: torch.Tensor, kind: str, m: int, stage: int, dst: int) -> None:
-        self._pending.append(dist.isend(t.detach().to(self.dtype).contiguous(), dst=dst,
-                                        tag=self._tag(kind, m, stage)))
+        buf = t.detach().to(self.dtype).contiguous()
+        self.p2p_bytes += buf.numel() * buf.element_size()
+        self._pending.append(dist.isend(buf, dst=dst, tag=self._tag(kind, m, stage)))
 
     # ------------------------------------------------------------------ steps
     def run(self, actions: list[Action], get_batch: Callable[[int], object], num_tokens: int,

@@ -49,3 +49,14 @@ def test_convert_checkpoint_check(tmp_path):
                             "--model-preset", "step37-flash"], cwd=ROOT, capture_output=True, text=True)
     assert flash.returncode == 1 and "196,956,118,272 without MTP" in flash.stdout
     assert "model.embed_tokens.weight: checkpoint [320, 64], model [128896, 4096]" in flash.stdout
+
+
+def test_pipeline_sim_cli(tmp_path):
+    out = subprocess.run([sys.executable, "tools/pipeline_sim.py", "--pp", "8", "--vpp", "3",
+                          "--microbatches", "32", "--plot", str(tmp_path / "s.png")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "no deadlock, bubble 6.80%" in out.stdout and (tmp_path / "s.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "tools/pipeline_sim.py", "--pp", "4", "--vpp", "2",
+                          "--microbatches", "6"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 1 and "multiple of --pipeline-model-parallel-size" in bad.stderr
