@@ -1,1 +1,1 @@
-"""optim: filled in by the model and parallelism issues."""
+"""Optimizers (Muon incl. the stateless momentum-0 path, Dion, AdamW groups) and LR schedules."""

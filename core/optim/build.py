@@ -1,0 +1,94 @@
+"""Parameter grouping and the composite optimizer.
+
+Rules (printed at start-up): with ``--optimizer muon`` or ``dion``, every matrix (2-D) and
+expert stack (3-D) goes to Muon / Dion *except* the embedding and the output heads
+(``embed_tokens``, ``lm_head``, ``mtp.*.head``); those, the norms and all vectors go to AdamW
+with its own learning rate (``--adamw-lr``, default ``--lr``). ``--optimizer adamw`` puts
+everything in AdamW. Weight decay is decoupled; norms and vectors get none.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from core.optim.dion import Dion
+from core.optim.muon import Muon
+
+_ADAMW_MATRICES = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$|^mtp\.\d+\.head\.weight$")
+
+
+def classify(name: str, p: torch.Tensor, optimizer: str) -> str:
+    """Which optimizer a named parameter belongs to: 'matrix', 'adamw' or 'adamw_no_wd'."""
+    if p.dim() < 2:
+        return "adamw_no_wd"
+    if optimizer == "adamw" or _ADAMW_MATRICES.search(name):
+        return "adamw"
+    return "matrix"
+
+
+class CompositeOptimizer:
+    """Several torch optimizers stepped as one; ``param_groups`` spans them (for LR schedules)."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for opt in self.optimizers.values()
+                   for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+
+    def state_dict(self) -> dict:
+        return {k: opt.state_dict() for k, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, opt in self.optimizers.items():
+            opt.load_state_dict(state[k])
+
+
+def build_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], cfg) -> tuple[CompositeOptimizer, str]:
+    """``cfg`` needs: optimizer, lr, adamw_lr, weight_decay, adam_beta1/2, adam_eps,
+    muon_momentum, muon_nesterov, muon_ns_steps, muon_ns_method, muon_lr_adjust,
+    dion_momentum, dion_rank_fraction. Returns the optimizer and a printable summary."""
+    buckets: dict[str, list] = {"matrix": [], "adamw": [], "adamw_no_wd": []}
+    names: dict[str, list] = {k: [] for k in buckets}
+    for name, p in named_params:
+        kind = classify(name, p, cfg.optimizer)
+        buckets[kind].append(p)
+        names[kind].append(name)
+    adamw_lr = cfg.adamw_lr if cfg.adamw_lr is not None else cfg.lr
+    groups = [g for g in (
+        {"params": buckets["adamw"], "weight_decay": cfg.weight_decay, "lr": adamw_lr, "base_lr": adamw_lr},
+        {"params": buckets["adamw_no_wd"], "weight_decay": 0.0, "lr": adamw_lr, "base_lr": adamw_lr},
+    ) if g["params"]]
+    opts = {}
+    if groups:
+        opts["adamw"] = torch.optim.AdamW(groups, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if buckets["matrix"]:
+        matrices = [{"params": buckets["matrix"], "base_lr": cfg.lr}]
+        if cfg.optimizer == "muon":
+            opts["muon"] = Muon(matrices, lr=cfg.lr, momentum=cfg.muon_momentum,
+                                nesterov=cfg.muon_nesterov, weight_decay=cfg.weight_decay,
+                                ns_steps=cfg.muon_ns_steps, ns_method=cfg.muon_ns_method,
+                                lr_adjust=cfg.muon_lr_adjust)
+        else:
+            opts["dion"] = Dion(matrices, lr=cfg.lr, momentum=cfg.dion_momentum,
+                                rank_fraction=cfg.dion_rank_fraction, weight_decay=cfg.weight_decay)
+    count = {k: sum(p.numel() for p in v) for k, v in buckets.items()}
+    summary = (f"optimizer groups: {cfg.optimizer} matrices "
+               f"{len(names['matrix'])} tensors / {count['matrix']:,} params (lr {cfg.lr:g}); "
+               f"AdamW {len(names['adamw'])} tensors / {count['adamw']:,} params (embeddings, heads; "
+               f"lr {adamw_lr:g}); AdamW without decay {len(names['adamw_no_wd'])} tensors / "
+               f"{count['adamw_no_wd']:,} params (norms, vectors)")
+    return CompositeOptimizer(opts), summary

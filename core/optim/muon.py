@@ -1,0 +1,109 @@
+"""Muon: momentum, then orthogonalise the update with Newton-Schulz, for matrix parameters.
+
+Differences from ``torch.optim.Muon`` (which it equals on 2-D parameters when configured alike):
+
+* ``momentum = 0`` is stateless: no momentum buffer is ever allocated (the update is the
+  gradient itself), so the optimizer holds zero bytes for these parameters;
+* 3-D stacked expert weights ``[E, out, in]`` are a batch of E matrices, orthogonalised in one
+  batched Newton-Schulz (same result as looping over experts);
+* ``ns_method="polar_express"``: per-iteration coefficients (Amsel et al. 2025) instead of the
+  fixed quintic.
+
+Update: ``buf = mu * buf + (1 - mu) * g``; ``u = nesterov ? lerp(g, buf, mu) : buf``;
+``p *= 1 - lr * wd``; ``p -= lr * adjust(shape) * NS(u)`` with ``adjust`` ``spectral``
+``sqrt(max(1, out/in))`` or ``rms`` ``0.2 * sqrt(max(out, in))`` (carries AdamW's lr over).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+# Polar Express (degree-5) coefficients per iteration, the last repeated if more steps are asked.
+POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, method: str = "quintic", eps: float = 1e-7,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximate ``U V^T`` of each matrix in the last two dims (batched for 3-D input)."""
+    x = g.to(dtype)
+    wide = x.shape[-2] > x.shape[-1]
+    if wide:
+        x = x.mT
+    if x.dim() == 2:
+        x = x.div(x.norm().clamp(min=eps))
+    else:
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for i in range(steps):
+        a, b, c = QUINTIC if method == "quintic" else POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)]
+        if x.dim() == 2:  # the exact op sequence of torch.optim.Muon
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        else:
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if wide else x
+
+
+def lr_adjustment(shape: torch.Size, rule: str) -> float:
+    out_dim, in_dim = shape[-2], shape[-1]
+    if rule == "spectral":
+        return math.sqrt(max(1.0, out_dim / in_dim))
+    if rule == "rms":
+        return 0.2 * math.sqrt(max(out_dim, in_dim))
+    if rule == "none":
+        return 1.0
+    raise ValueError(f"--muon-lr-adjust {rule!r}: expected spectral, rms or none")
+
+
+class Muon(Optimizer):
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.1, ns_steps: int = 5, ns_method: str = "quintic",
+                 lr_adjust: str = "spectral", eps: float = 1e-7, ns_dtype=torch.bfloat16):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"--muon-momentum must be in [0, 1), got {momentum}")
+        if ns_method not in ("quintic", "polar_express"):
+            raise ValueError(f"--muon-ns-method {ns_method!r}: expected quintic or polar_express")
+        lr_adjustment(torch.Size([1, 1]), lr_adjust)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                                      weight_decay=weight_decay, ns_steps=ns_steps,
+                                      ns_method=ns_method, lr_adjust=lr_adjust, eps=eps,
+                                      ns_dtype=ns_dtype))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() < 2:
+                    raise ValueError(f"Muon takes matrices (2-D) or expert stacks (3-D); got a "
+                                     f"{p.dim()}-D parameter of shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if mu > 0:  # momentum = 0 keeps no state at all
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    buf = state["momentum_buffer"]
+                    buf.lerp_(g, 1 - mu)
+                    g = g.lerp(buf, mu) if group["nesterov"] else buf
+                update = newton_schulz(g, group["ns_steps"], group["ns_method"], group["eps"],
+                                       group["ns_dtype"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * lr_adjustment(p.shape, group["lr_adjust"]))
+        return loss
