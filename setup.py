@@ -32,9 +32,9 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=5.24", "tokenizers>=0.20", "safetensors>=0.4"],
-        "sentencepiece": ["sentencepiece>=0.2"],
+        "sentencepiece": ["sentencepiece>=0.2", "protobuf>=3.20"],
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=5.24",
-                 "tokenizers>=0.20", "safetensors>=0.4", "sentencepiece>=0.2", "psutil>=5",
+                 "tokenizers>=0.20", "safetensors>=0.4", "sentencepiece>=0.2", "protobuf>=3.20", "psutil>=5",
                  "matplotlib>=3.7"],
         "te": ["transformer-engine[pytorch]"],
     },

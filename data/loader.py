@@ -136,7 +136,7 @@ class THDLoader:
     def fingerprint(self) -> str:
         parts = [[s.prefix, s.text.num_tokens, len(s.text), s.plan.num_packs] for s in self.sources]
         key = [parts, self.pattern[:100].tolist(), self.seq_length, self.micro_batch_size,
-               self.seed, self.dp_size, self.pad_multiple]
+               self.seed, self.pad_multiple]
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
     def _epoch_order(self, d: int, epoch: int) -> np.ndarray:
@@ -182,14 +182,19 @@ class THDLoader:
         return batch
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "fingerprint": self.fingerprint()}
+        """Global micro-batches consumed (all DP ranks move in step), so a run can resume with
+        another data-parallel size and neither skip nor repeat a micro-batch."""
+        return {"global_consumed": self.consumed * self.dp_size, "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["fingerprint"] != self.fingerprint():
             raise ValueError("data loader state does not match this data: the datasets, weights, "
-                             "seq length, micro-batch size, seed or data-parallel size changed "
+                             "seq length, micro-batch size or seed changed "
                              f"(saved fingerprint {state['fingerprint']}, now {self.fingerprint()})")
-        self.consumed = int(state["consumed"])
+        if state["global_consumed"] % self.dp_size:
+            raise ValueError(f"cannot resume {state['global_consumed']} consumed micro-batches "
+                             f"evenly over {self.dp_size} data-parallel ranks")
+        self.consumed = int(state["global_consumed"]) // self.dp_size
 
 
 def _concat(batches: list[THDBatch]) -> THDBatch:

@@ -127,7 +127,13 @@ def test_dp_ranks_never_share_a_pack_and_resume_is_exact(tmp_path):
         for f in ("tokens", "labels", "position_ids"):
             assert torch.equal(getattr(got, f), getattr(want, f))
     with pytest.raises(ValueError, match="data loader state does not match"):
-        _loader([(1.0, src)], dp_rank=1, dp_size=4, seed=5).load_state_dict(state)
+        _loader([(1.0, src)], dp_rank=1, dp_size=2, seed=6).load_state_dict(state)
+    # another DP size resumes at the same global position: 7 per rank x 2 ranks = 14 on one rank
+    single = _loader([(1.0, src)], seed=5)
+    single.load_state_dict(state)
+    assert single.consumed == 14
+    with pytest.raises(ValueError, match="evenly over 4 data-parallel ranks"):
+        _loader([(1.0, src)], dp_rank=0, dp_size=4, seed=5).load_state_dict({**state, "global_consumed": 14})
 
 
 def test_epochs_reshuffle_and_cover_every_pack(tmp_path):

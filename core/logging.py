@@ -1,0 +1,75 @@
+"""Rank-aware logging: one rank prints Megatron-style lines and writes TensorBoard scalars and
+``metrics.jsonl``; every other rank writes only warnings and errors, prefixed with its rank."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4E}" if (v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e4)) else f"{v:.4f}"
+    return str(v)
+
+
+class RankLogger:
+    """``is_logger``: this rank owns the step's loss (last pipeline stage, DP rank 0)."""
+
+    LINE_KEYS = (("loss", "lm loss"), ("mtp_loss", "mtp loss"), ("lr", "learning rate"),
+                 ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens/s"),
+                 ("step_ms", "ms/iter"), ("skipped_steps", "skipped"), ("packing_fill", "fill"),
+                 ("moe_imbalance", "moe max/mean"), ("peak_mem_gib", "peak mem GiB"))
+
+    def __init__(self, rank: int, is_logger: bool, log_dir: str | None = None,
+                 tensorboard: bool = True, stream=None):
+        self.rank, self.is_logger = rank, is_logger
+        self.stream = stream or sys.stdout
+        self.jsonl = self.tb = None
+        if is_logger and log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", buffering=1)
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                    self.tb = SummaryWriter(log_dir)
+                except ImportError:
+                    self.warning("tensorboard is not installed: writing metrics.jsonl only "
+                                 "(pip install tensorboard)")
+
+    def info(self, msg: str) -> None:
+        if self.is_logger:
+            print(msg, file=self.stream, flush=True)
+
+    def warning(self, msg: str) -> None:
+        print(f"[rank {self.rank}] WARNING: {msg}", file=sys.stderr, flush=True)
+
+    def error(self, msg: str) -> None:
+        print(f"[rank {self.rank}] ERROR: {msg}", file=sys.stderr, flush=True)
+
+    def log_iteration(self, iteration: int, total: int, metrics: dict) -> None:
+        if not self.is_logger:
+            return
+        parts = [f" iteration {iteration:>6}/{total:<6}"]
+        for key, label in self.LINE_KEYS:
+            if key in metrics and metrics[key] is not None:
+                parts.append(f"{label}: {_fmt(metrics[key])}")
+        print(" | ".join(parts), file=self.stream, flush=True)
+        record = {"iteration": iteration, "time": time.time(),
+                  **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in metrics.items()}}
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                    self.tb.add_scalar(f"train/{k}", v, iteration)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
