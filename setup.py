@@ -22,7 +22,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["core", "core.*", "models", "models.*", "data", "data.*",
                                     "tools", "tools.*"]),
-    py_modules=["pretrain_step37"] if __import__("os").path.exists("pretrain_step37.py") else [],
+    py_modules=["pretrain_step37", "train_args"],
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     install_requires=[

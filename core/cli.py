@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _MISSING = dataclasses.MISSING
+_TYPES = {"int": int, "float": float, "str": str, "list": str}
 
 
 def option(default: Any = _MISSING, help: str = "", **argparse_kwargs: Any) -> Any:
@@ -44,9 +45,9 @@ def add_to_parser(parser: argparse.ArgumentParser, cls: type, title: str | None 
         default = None if required else (f.default if f.default is not _MISSING else f.default_factory())
         if f.type in (bool, "bool") and "action" not in kwargs:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif "type" not in kwargs and "action" not in kwargs and default is not None \
-                and not isinstance(default, (list, tuple)):
-            kwargs["type"] = type(default)
+        elif "type" not in kwargs and "action" not in kwargs:
+            # the annotation decides (also for None defaults); lists take their items as str
+            kwargs["type"] = _TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
         if not required and default not in (None, False, [], ()) and "action" not in kwargs:
             helptext += f" (default: {default if not isinstance(default, list) else ' '.join(map(str, default))})"
         group.add_argument(flag_name(f.name), dest=f.name, default=default, required=required,

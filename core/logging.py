@@ -11,7 +11,9 @@ import time
 
 def _fmt(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4E}" if (v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e4)) else f"{v:.4f}"
+        if v != 0 and abs(v) < 1e-3:
+            return f"{v:.3E}"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4f}"
     return str(v)
 
 

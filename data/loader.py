@@ -69,11 +69,12 @@ class PackedSource:
 
 
 def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
-                pad_multiple: int = 1) -> PackedSource:
+                pad_multiple: int = 1, train_fraction: float = 1.0) -> PackedSource:
     """Open ``PREFIX`` (``..._text_document``) and plan its packs, skipping unusable documents.
 
     Zero-length documents and documents whose loss mask length differs from their token count
-    are left out of the plan, counted and reported once (with their ids).
+    are left out of the plan, counted and reported once (with their ids). ``train_fraction``
+    keeps only the first part of the documents (``--split``; the rest is held out).
     """
     text = IndexedDataset(prefix)
     mask_prefix = prefix.replace("_text_document", "_loss_mask_document")
@@ -90,6 +91,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
         if len(ids):
             warnings.warn(f"{prefix}: skipping {len(ids)} document(s) ({why}): ids "
                           f"{ids[:10].tolist()}{' ...' if len(ids) > 10 else ''}", stacklevel=2)
+    if train_fraction < 1.0:
+        lengths[max(1, int(len(lengths) * train_fraction)):] = 0
     plan_lengths = lengths if pad_multiple == 1 else (lengths + pad_multiple - 1) // pad_multiple * pad_multiple
     plan = cached_plan(plan_lengths, seq_length, prefix, long_docs=long_docs, seed=seed)
     if pad_multiple != 1:  # the plan holds padded lengths; segments must carry the real ones

@@ -75,9 +75,16 @@ def clip_gradients(params: list, max_norm: float, norm: torch.Tensor) -> torch.T
     return factor
 
 
-def reduce_step_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> tuple[float, int]:
-    """Global per-token loss of the step on every rank (non-last stages contribute zeros)."""
-    t = torch.stack([loss_sum.double(), num_tokens.double()])
+def reduce_step_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, extra: list | tuple = (),
+                     num_extra: int = 0) -> tuple[float, int, list]:
+    """Global per-token loss of the step on every rank (non-last stages contribute zeros), plus
+    ``num_extra`` more sums (e.g. MTP depths) per main-head token. One all-reduce; every rank
+    must call it with the same ``num_extra``."""
+    t = torch.zeros(2 + num_extra, dtype=torch.float64)
+    t[0], t[1] = loss_sum.double(), num_tokens.double()
+    for i, x in enumerate(extra):
+        t[2 + i] = float(x)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return float(t[0] / t[1].clamp(min=1)), int(t[1])
+    n = t[1].clamp(min=1)
+    return float(t[0] / n), int(t[1]), [float(x / n) for x in t[2:]]

@@ -108,7 +108,7 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
             err = rel_err(p.grad, want_grad) if want_grad.abs().max() > 0 else float(p.grad.abs().max())
             assert err < 1e-5, f"rank {rank}: gradient of {name} differs (relative {err:.2e})"
 
-    loss, tokens = reduce_step_loss(stats.loss_sum, stats.num_tokens)
+    loss, tokens, _ = reduce_step_loss(stats.loss_sum, stats.num_tokens)
     assert tokens == int(n) and abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
     norm = grad_norm(params, ps)
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
