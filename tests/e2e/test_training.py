@@ -1,0 +1,99 @@
+"""End-to-end training on CPU: overfitting, bitwise resume, PP2 x EP2 == one process, and a
+checkpoint saved at PP2 x EP2 that loads at PP1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from data.indexed_dataset import IndexedDatasetWriter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMON = ["--model-preset", "tiny", "--seq-length", "128", "--global-batch-size", "4",
+          "--log-interval", "1", "--seed", "7", "--lr-warmup-iters", "2"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    """A small corpus: 12 documents repeated, so a tiny model can memorise it."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 256, rng.integers(20, 90)) for _ in range(12)]
+    prefix = str(tmp_path_factory.mktemp("data") / "rep_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(20):
+            for d in docs:
+                w.add(d)
+    return prefix
+
+
+def train(args: list[str], log_dir, world: int = 1, check: bool = True) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    if world == 1:
+        cmd = [sys.executable, "pretrain_step37.py"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--master-port", str(29700 + os.getpid() % 200), "pretrain_step37.py"]
+    out = subprocess.run(cmd + COMMON + args + ["--log-dir", str(log_dir)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    path = os.path.join(str(log_dir), "metrics.jsonl")
+    return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+
+
+def test_overfits_a_small_repeated_dataset(dataset, tmp_path):
+    rows = train(["--data-path", dataset, "--train-iters", "80", "--optimizer", "adamw", "--lr", "5e-3"],
+                 tmp_path / "tb")
+    assert len(rows) == 80 and {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec",
+                                "skipped_steps"} <= set(rows[0])
+    assert rows[-1]["loss"] < 0.35 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
+def test_resume_is_bitwise_identical(dataset, tmp_path):
+    args = ["--data-path", dataset, "--optimizer", "muon", "--muon-momentum", "0.9", "--lr", "0.02"]
+    full = train(args + ["--train-iters", "8"], tmp_path / "full")
+    train(args + ["--train-iters", "8", "--save", str(tmp_path / "ck"), "--save-interval", "4"],
+          tmp_path / "a")
+    # interrupted at 4: drop the later checkpoint, resume from iteration 4
+    import shutil
+    shutil.rmtree(tmp_path / "ck" / "iter_0000008")
+    (tmp_path / "ck" / "latest").write_text("iter_0000004")
+    resumed = train(args + ["--train-iters", "8", "--load", str(tmp_path / "ck")], tmp_path / "b")
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]  # exactly
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[4:]]
+
+
+def test_pp2_ep2_logs_the_losses_of_one_process_and_its_checkpoint_loads_at_pp1(dataset, tmp_path):
+    args = ["--data-path", dataset, "--optimizer", "adamw", "--lr", "1e-3", "--train-iters", "6"]
+    one = train(args, tmp_path / "one")
+    four = train(args + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                         "--save", str(tmp_path / "ck"), "--save-interval", "3"], tmp_path / "four", world=4)
+    assert len(one) == len(four) == 6
+    for a, b in zip(one, four):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    (tmp_path / "ck" / "latest").write_text("iter_0000003")
+    resumed = train(args + ["--load", str(tmp_path / "ck")], tmp_path / "pp1")
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    for a, b in zip(one[3:], resumed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+
+
+def test_flag_errors_name_the_flag(dataset, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    bad = subprocess.run([sys.executable, "pretrain_step37.py", "--data-path", dataset,
+                          "--global-batch-size", "3", "--micro-batch-size", "2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--global-batch-size 3 must be a multiple" in bad.stderr
+    missing = subprocess.run([sys.executable, "pretrain_step37.py", "--data-path", str(tmp_path / "x")],
+                             cwd=ROOT, env=env, capture_output=True, text=True)
+    assert missing.returncode == 2 and "no " in missing.stderr and "preprocess_data.py" in missing.stderr
+    mom = subprocess.run([sys.executable, "pretrain_step37.py", "--data-path", dataset,
+                          "--muon-momentum", "1.5"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert mom.returncode == 2 and "--muon-momentum must be in [0, 1)" in mom.stderr
