@@ -228,6 +228,9 @@ class Trainer:
                 return 0
         if ck.save and (not ck.save_interval or self.iteration % ck.save_interval):
             self.save()
+        n_params = sum(p.numel() for p in self.params)
+        self.log.info(f"optimizer state: {self.optimizer.state_bytes() / max(1, n_params):.2f} bytes "
+                      f"per parameter on this rank")
         self.log.info(f"pretrain_step37: {self.iteration} iterations ({self.skipped} skipped), final "
                       f"loss {last.get('loss', float('nan')):.4f}; logs in {lg.log_dir or '-'}, "
                       f"checkpoints in {ck.save or '-'}")
@@ -263,9 +266,6 @@ def main(argv=None) -> int:
     try:
         trainer.maybe_resume()
         rc = trainer.train()
-        n_params = sum(p.numel() for p in trainer.params)
-        trainer.log.info(f"optimizer state: {trainer.optimizer.state_bytes() / max(1, n_params):.2f} "
-                         f"bytes per parameter on this rank")
     except CheckpointError as e:
         trainer.log.error(str(e))
         rc = 1

@@ -29,12 +29,13 @@ setup(
         "torch>=2.6",  # the Makefile installs the CPU build first when no torch is importable
         "numpy>=1.24",
         "tqdm>=4.60",
+        "tensorboard>=2.10",
     ],
     extras_require={
         "hf": ["transformers>=5.24", "tokenizers>=0.20", "safetensors>=0.4"],
         "sentencepiece": ["sentencepiece>=0.2", "protobuf>=3.20"],
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=5.24",
-                 "tokenizers>=0.20", "safetensors>=0.4", "sentencepiece>=0.2", "protobuf>=3.20", "psutil>=5",
+                 "tokenizers>=0.20", "safetensors>=0.4", "sentencepiece>=0.2", "protobuf>=3.20", "psutil>=5", "tensorboard>=2.10",
                  "matplotlib>=3.7"],
         "te": ["transformer-engine[pytorch]"],
     },

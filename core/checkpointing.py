@@ -95,7 +95,9 @@ def save_checkpoint(save_dir: str, iteration: int, chunks, optimizer, extra: dic
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    state = {**model_state(chunks), **optimizer_state(chunks, optimizer)}
+    state = model_state(chunks)
+    if optimizer is not None:
+        state.update(optimizer_state(chunks, optimizer))
     dcp.save(state, checkpoint_id=tmp)
     torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
     _barrier()
@@ -135,21 +137,22 @@ def resolve(load_dir: str) -> str:
     return path
 
 
-def load_checkpoint(load_dir: str, chunks, optimizer) -> tuple[dict, dict]:
-    """Fill ``chunks`` and ``optimizer`` in place; returns (meta, this rank's extra or {})."""
+def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
+    """Fill ``chunks`` (and ``optimizer``, if given) in place; returns (meta, this rank's extra
+    or {})."""
     path = resolve(load_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         reader = dcp.FileSystemReader(path)
         saved = reader.read_metadata().state_dict_metadata
-        state = {**model_state(chunks), **optimizer_state(chunks, optimizer, allocate_from=saved)}
+        state = model_state(chunks)
+        if optimizer is not None:
+            state.update(optimizer_state(chunks, optimizer, allocate_from=saved))
         missing = sorted(k for k in state if k not in saved)
         if missing:
             raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors this model needs, "
                                   f"e.g. {missing[:5]} (different model config or optimizer?)")
         dcp.load(state, checkpoint_id=path)
-        # optimizer state tensors were loaded into views or fresh tensors; put them back
-        _restore_optimizer(chunks, optimizer, state)
     except CheckpointError:
         raise
     except Exception as e:  # DCP raises many kinds on torn files
@@ -159,18 +162,6 @@ def load_checkpoint(load_dir: str, chunks, optimizer) -> tuple[dict, dict]:
     extra_path = os.path.join(path, f"extra_rank{rank}.pt")
     extra = torch.load(extra_path, weights_only=True) if os.path.exists(extra_path) else {}
     return meta, extra
-
-
-def _restore_optimizer(chunks, optimizer, loaded: dict) -> None:
-    """Per-expert keys were views into the stacked state tensors; scalars were replaced."""
-    names = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
-    for opt_name, opt in optimizer.optimizers.items():
-        for group in opt.param_groups:
-            for p in group["params"]:
-                prefix = f"optim/{opt_name}/{names[id(p)]}/"
-                for key in list(opt.state[p]):
-                    if prefix + key in loaded:
-                        opt.state[p][key] = loaded[prefix + key]
 
 
 def _barrier() -> None:

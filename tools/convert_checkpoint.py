@@ -7,11 +7,20 @@ Verbs:
           unexpected and mis-shaped tensors (nothing is loaded; the model is built on the meta
           device, so this works for the full 196B model on a laptop). Exit 1 if it does not fit.
 
-Training-checkpoint import/export verbs arrive with the training entry point.
+  export  CKPT OUT [--source HF_DIR]
+          Training checkpoint (any layout; the 'latest' one of a --save directory, or an iter_*
+          directory) -> Hugging Face safetensors. With --source (the checkpoint it was imported
+          from), the published layout is written and the vision tower copied byte for byte;
+          otherwise transformers' Step3p7TextModel layout (head and MTP beside it).
+
+  import  HF_DIR OUT [--model-preset NAME | --hf-config PATH]
+          Hugging Face checkpoint -> a training checkpoint at iteration 0 (weights only), for
+          `pretrain_step37.py --load OUT`.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -55,6 +64,34 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_export(args) -> int:
+    from core.checkpointing import load_checkpoint, resolve
+
+    path = resolve(args.checkpoint)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    cfg = Step37Config(**meta["model"])
+    model = Step37Model(cfg)
+    load_checkpoint(path, [model])
+    layout = model.save_hf(args.out, source=args.source)
+    print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} "
+          f"({layout} layout, {count_parameters(model, cfg)['total']:,} parameters)")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from core.checkpointing import save_checkpoint
+
+    cfg = (Step37Config.preset(args.model_preset) if args.model_preset
+           else Step37Config.from_hf(args.hf_config or args.directory))
+    model = Step37Model(cfg)
+    report = model.load_hf(args.directory)
+    path = save_checkpoint(args.out, 0, [model], None, {}, {"model": cfg.to_dict(), "source": args.directory})
+    print(f"convert_checkpoint import: {args.directory} -> {path} ({report['loaded']} tensors; "
+          f"resume with pretrain_step37.py --load {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -66,14 +103,29 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--hf-config", help="check against this config.json (default: DIRECTORY's own)")
     check.add_argument("--show", type=int, default=20, help="list at most N names per category")
     check.set_defaults(func=cmd_check)
+    exp = sub.add_parser("export", help="training checkpoint -> Hugging Face")
+    exp.add_argument("checkpoint", help="--save directory (uses 'latest') or an iter_* directory")
+    exp.add_argument("out", help="output Hugging Face directory")
+    exp.add_argument("--source", help="the HF checkpoint it came from (keeps its layout and vision tower)")
+    exp.set_defaults(func=cmd_export)
+    imp = sub.add_parser("import", help="Hugging Face -> training checkpoint")
+    imp.add_argument("directory", help="Hugging Face checkpoint directory")
+    imp.add_argument("out", help="training checkpoint directory (like --save)")
+    src2 = imp.add_mutually_exclusive_group()
+    src2.add_argument("--model-preset", choices=sorted(PRESETS))
+    src2.add_argument("--hf-config")
+    imp.set_defaults(func=cmd_import)
     return ap
 
 
 def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process on purpose
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 1
 

@@ -1,6 +1,7 @@
 """A new user's path: the quickstart script and the inspector, as subprocesses."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,12 +11,25 @@ from data.indexed_dataset import IndexedDataset
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_quickstart_produces_datasets(tmp_path):
-    out = subprocess.run(["bash", "examples/quickstart.sh", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+def test_quickstart_produces_datasets_and_a_loss_curve(tmp_path):
+    """The quickstart as a new user runs it (10 iterations instead of 300 to keep CI short)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
+    env["MASTER_PORT"] = str(29600 + os.getpid() % 90)
+    out = subprocess.run(["bash", "examples/quickstart.sh", str(tmp_path), "10"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "rows read 3,000, accepted 3,000" in out.stdout
-    assert "inspect_packs:" in out.stdout and "quickstart: datasets in" in out.stdout
+    assert "inspect_packs:" in out.stdout and "TensorBoard logs in" in out.stdout
+    assert "pretrain_step37: 10 iterations (0 skipped)" in out.stdout
+    tb = tmp_path / "tensorboard"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [10]  # the loss curve, in TensorBoard
+    rows = [json.loads(l) for l in (tb / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [10] and rows[0]["loss"] > 0  # logged at the last step
     text = IndexedDataset(tmp_path / "data" / "sample_chat_text_document")
     mask = IndexedDataset(tmp_path / "data" / "sample_chat_loss_mask_document")
     assert len(text) == 1000 and (text.lengths == mask.lengths).all()

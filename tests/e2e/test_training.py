@@ -97,3 +97,27 @@ def test_flag_errors_name_the_flag(dataset, tmp_path):
     mom = subprocess.run([sys.executable, "pretrain_step37.py", "--data-path", dataset,
                           "--muon-momentum", "1.5"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert mom.returncode == 2 and "--muon-momentum must be in [0, 1)" in mom.stderr
+
+
+def test_export_to_hf_and_import_back(dataset, tmp_path):
+    import torch
+
+    from core.checkpointing import load_checkpoint
+    from models.step37 import Step37Config, Step37Model
+
+    train(["--data-path", dataset, "--train-iters", "2", "--save", str(tmp_path / "ck")], tmp_path / "tb")
+    run = lambda *a: subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, a)],
+                                    cwd=ROOT, capture_output=True, text=True)
+    out = run("export", tmp_path / "ck", tmp_path / "hf")
+    assert out.returncode == 0 and "(iteration 2)" in out.stdout, out.stderr
+    trained = Step37Model(Step37Config.preset("tiny"))
+    load_checkpoint(str(tmp_path / "ck"), [trained])
+    from_hf = Step37Model(Step37Config.from_hf(str(tmp_path / "hf")))
+    assert from_hf.load_hf(str(tmp_path / "hf"))["missing"] == []
+    for (n, a), (_, b) in zip(trained.named_parameters(), from_hf.named_parameters()):
+        assert torch.equal(a, b), n
+    back = run("import", tmp_path / "hf", tmp_path / "imported")
+    assert back.returncode == 0, back.stderr
+    again = Step37Model(Step37Config.preset("tiny"), seed=99)
+    load_checkpoint(str(tmp_path / "imported"), [again])
+    assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), again.parameters()))

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Reference recipe: text SFT of Step-3.7-Flash on one node of 8 x H200 (141 GB), PP4 x EP2,
+# packed THD rows of 8,192 tokens, Muon with momentum 0 for the matrices.
+#
+# Local batch is counted in packs: --global-batch-size 64 packs = 64 x 8,192 = 524,288 tokens
+# per iteration; with DP = 8 / PP4 = 2 (EP2 inside it) and micro-batch 1 pack, each pipeline
+# runs 32 micro-batches per iteration (1F1B bubble (p-1)/(m+p-1) = 8.6%).
+#
+# NOT yet runnable at this size: the full model does not fit 8 x 141 GB without FSDP over the
+# data-parallel ranks, CPU offload and activation recompute (see docs/parallelism.md and the
+# open issue on fitting Step-3.7-Flash). The flags below are the ones that exist today.
+#
+#   bash examples/step37_flash_8xh200_thd_sft.sh /data/Step-3.7-Flash /data/sft_text_document /out
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HF=${1:?usage: step37_flash_8xh200_thd_sft.sh HF_DIR DATA_PREFIX OUT_DIR}
+DATA=${2:?}
+OUT=${3:?}
+torchrun --nproc-per-node 8 pretrain_step37.py \
+    --hf-config "$HF" --load-hf "$HF" --attention-backend flex \
+    --pipeline-model-parallel-size 4 --expert-model-parallel-size 2 \
+    --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \
+    --seq-length 8192 --micro-batch-size 1 --global-batch-size 64 --long-docs truncate \
+    --optimizer muon --muon-momentum 0 --lr 2e-4 --adamw-lr 1e-5 --min-lr 2e-5 \
+    --lr-warmup-iters 50 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
+    --mtp-loss-scale 0.3 --moe-bias-update-rate 0 \
+    --train-iters 2000 --log-interval 1 --log-dir "$OUT/tensorboard" \
+    --save "$OUT/checkpoints" --save-interval 200 --keep-last 3 --load "$OUT/checkpoints"
