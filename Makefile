@@ -9,7 +9,7 @@ QUICKSTART_DIR ?= runs/quickstart
 
 help:
 	@echo "make test        install test dependencies, build the C++ extension, run the suite"
-	@echo "make quickstart  preprocess the shipped sample data (and train, once training lands)"
+	@echo "make quickstart  preprocess the shipped sample data and train the tiny model on CPU"
 	@echo "make bench       run the benchmarks in benchmarks/"
 
 torch:
@@ -34,6 +34,7 @@ bench: install-test
 	$(PYTHON) benchmarks/bench_packing.py
 	$(PYTHON) benchmarks/bench_attention.py
 	$(PYTHON) benchmarks/bench_parallel.py
+	$(PYTHON) benchmarks/bench_optim.py
 
 clean:
 	rm -rf build *.egg-info data/_csrc*.so $(QUICKSTART_DIR)
