@@ -33,7 +33,8 @@ from core.pipeline.schedules import build_schedule
 from data.loader import THDLoader, open_source, parse_data_path
 from data.tokenizers import build_tokenizer
 from models.step37 import Step37Config
-from models.step37.parallelize import build_chunks, stage_layers
+from models.step37.memory_plan import PlanInputs, format_table, plan
+from models.step37.parallelize import apply_recompute, build_chunks, stage_layers
 from train_args import parse
 
 
@@ -44,7 +45,7 @@ def model_config(args) -> Step37Config:
     return Step37Config.from_hf(base, attention_backend=m.attention_backend)
 
 
-def validate(args, world: int) -> tuple[Step37Config, ParallelSizes, int]:
+def validate(args, world: int, check_data: bool = True) -> tuple[Step37Config, ParallelSizes, int]:
     """Everything that can be checked before process groups and data exist."""
     cfg = model_config(args)
     p, d = args.parallel, args.data
@@ -60,7 +61,7 @@ def validate(args, world: int) -> tuple[Step37Config, ParallelSizes, int]:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
-    for _, prefix in parse_data_path(d.data_path):
+    for _, prefix in parse_data_path(d.data_path) if check_data else []:
         if not os.path.exists(prefix + ".idx"):
             raise ValueError(f"--data-path {prefix}: no {prefix}.idx (write it with tools/preprocess_data.py)")
     tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
@@ -93,16 +94,19 @@ class Trainer:
                                 pad_id=tok.pad_id, dp_rank=ps.dp_rank, dp_size=ps.sizes.dp, seed=s.seed)
         self.chunks = build_chunks(cfg, ps, args.parallel.pipeline_layout,
                                    dispatcher=args.model.moe_dispatcher)
+        self.dtype = torch.bfloat16 if args.memory.params_dtype == "bf16" else torch.float32
         for c in self.chunks:
             c.reset_parameters(s.seed)
             if args.model.load_hf:
                 c.load_hf(args.model.load_hf)
+            c.to(self.dtype)
+            apply_recompute(c, args.memory.recompute_granularity, args.memory.recompute_num_layers)
         self.params = tag_parameters(self.chunks, ps)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer, self.groups_summary = build_optimizer(named, args.optim)
         self.executor = PipelineExecutor(
             self.chunks, ps, seq_tokens=d.seq_length * d.micro_batch_size, hidden_size=cfg.hidden_size,
-            mtp_loss_scale=args.model.mtp_loss_scale, aux_coeff=args.model.moe_aux_loss_coeff)
+            dtype=self.dtype, mtp_loss_scale=args.model.mtp_loss_scale, aux_coeff=args.model.moe_aux_loss_coeff)
         self.actions = build_schedule(ps.sizes.pp, ps.sizes.vpp, M)[ps.pp_rank]
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, args.logging.log_dir, args.logging.tensorboard)
@@ -249,14 +253,36 @@ def _peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def dry_run(args, cfg: Step37Config, sizes: ParallelSizes, M: int) -> int:
+    """Every rank's share on the meta device, its parameter count and memory plan; no allocation."""
+    o, m = args.optim, args.memory
+    inp = PlanInputs(pp=sizes.pp, vpp=sizes.vpp, ep=sizes.ep, dp=sizes.dp,
+                     recompute=m.recompute_granularity, recompute_num_layers=m.recompute_num_layers,
+                     seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
+                     num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,
+                     dion_rank_fraction=o.dion_rank_fraction, param_bytes=2 if m.params_dtype == "bf16" else 4,
+                     pipeline_layout=args.parallel.pipeline_layout)
+    ranks = plan(cfg, inp)
+    print(f"dry run: world {sizes.world} = pp {sizes.pp} x dp {sizes.dp} (ep {sizes.ep}), "
+          f"{M} micro-batches per pipeline; nothing allocated")
+    print(format_table(ranks, inp))
+    worst = max(ranks, key=lambda r: r.device_total)
+    print(f"pretrain_step37: dry run done: {sum(r.parameters for r in ranks if r.ep_rank == 0):,} "
+          f"parameters on EP rank 0's pipeline; busiest rank needs {worst.device_total / 1e9:.1f} GB "
+          f"on device ({'fits' if all(r.fits for r in ranks) else 'does NOT fit'} 141 GB)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = args.memory.dry_run or int(os.environ.get("WORLD_SIZE", 1))
     try:
-        cfg, sizes, M = validate(args, world)
+        cfg, sizes, M = validate(args, world, check_data=not args.memory.dry_run)
     except ValueError as e:
         print(f"pretrain_step37.py: error: {e}", file=sys.stderr)
         return 2
+    if args.memory.dry_run:
+        return dry_run(args, cfg, sizes, M)
     init_distributed()
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     trainer = Trainer(args, cfg, ps, M)

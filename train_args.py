@@ -74,6 +74,19 @@ class ParallelArgs:
 
 
 @dataclass
+class MemoryArgs:
+    """Memory: precision, activation recompute, and a dry run that plans without allocating."""
+
+    params_dtype: str = option("fp32", "parameter, gradient and activation dtype", choices=("fp32", "bf16"))
+    recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
+                                                "attention and FFN internals (selective)",
+                                        choices=("none", "selective", "full"))
+    recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all)")
+    dry_run: int = option(0, "simulate this many ranks: build each rank's share on the meta device, "
+                             "print parameter counts and the memory plan, exit (no data needed)")
+
+
+@dataclass
 class OptimArgs:
     """Optimizer: AdamW, or Muon / Dion for matrices with AdamW for the rest."""
 
@@ -146,7 +159,8 @@ class CheckpointArgs:
             raise ValueError(f"--load {self.load}: no such directory")
 
 
-SECTIONS = {"model": ModelArgs, "data": DataArgs, "parallel": ParallelArgs, "optim": OptimArgs,
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "parallel": ParallelArgs, "memory": MemoryArgs,
+            "optim": OptimArgs,
             "schedule": ScheduleArgs, "logging": LoggingArgs, "checkpoint": CheckpointArgs}
 
 

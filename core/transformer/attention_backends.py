@@ -6,8 +6,9 @@ number of keys a query sees, counting itself) and the softmax scale, and returns
 Attention never crosses a document; padding positions produce zeros (sdpa) or values nobody
 reads (their labels are -100 and no real token attends to them).
 
-* ``sdpa``: exact, one ``scaled_dot_product_attention`` call per document, causal, with a banded
-  mask only where the document is longer than the window. The CPU default.
+* ``sdpa``: exact, one ``scaled_dot_product_attention`` call per document, causal; a document
+  longer than the window is done in blocks of ``window`` queries against the ``2*window - 1``
+  keys they can see (banded mask), so memory stays O(n * window). The CPU default.
 * ``flex``: ``flex_attention`` with a document + causal + window ``BlockMask`` (GPU training;
   eager, forward-only on CPU).
 * ``transformer_engine``: TE's ``DotProductAttention`` with ``qkv_format="thd"``; import-gated.
@@ -53,9 +54,9 @@ class DocLayout:
         return torch.searchsorted(bounds, pos, right=True) - 1
 
 
-def _band_mask(n: int, window: int, device) -> torch.Tensor:
-    i = torch.arange(n, device=device)
-    d = i[:, None] - i[None, :]
+def _band_mask(q_start: int, nq: int, k_start: int, nk: int, window: int, device) -> torch.Tensor:
+    d = (torch.arange(q_start, q_start + nq, device=device)[:, None]
+         - torch.arange(k_start, k_start + nk, device=device)[None, :])
     return (d >= 0) & (d < window)
 
 
@@ -65,13 +66,22 @@ def sdpa_attention(q, k, v, layout: DocLayout, window: int | None, scale: float)
     for s, n in zip(layout.starts, layout.lengths):
         if n == 0:
             continue
-        qd, kd, vd = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
         if window is None or n <= window:
+            qd, kd, vd = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_band_mask(n, window, q.device),
-                                               scale=scale, enable_gqa=gqa)
-        out[s:s + n] = o.transpose(0, 1)
+            out[s:s + n] = o.transpose(0, 1)
+            continue
+        # Longer than the window: blocks of `window` queries against the 2*window-1 keys they can
+        # see, so memory is O(n * window) even where a masked kernel keeps the whole score matrix.
+        for qs in range(0, n, window):
+            qe = min(qs + window, n)
+            ks = max(0, qs - window + 1)
+            qd, kd, vd = (t[s + a:s + b].transpose(0, 1) for t, a, b in
+                          ((q, qs, qe), (k, ks, qe), (v, ks, qe)))
+            o = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=_band_mask(qs, qe - qs, ks, qe - ks, window, q.device),
+                scale=scale, enable_gqa=gqa)
+            out[s + qs:s + qe] = o.transpose(0, 1)
     return out
 
 

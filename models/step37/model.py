@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.moe.layer import MoELayer
 from core.packed_seq import PackedSeqParams
@@ -63,10 +64,23 @@ class DecoderLayer(nn.Module):
                                 scaling=cfg.moe_router_scaling_factor, limit=limit,
                                 shared_limit=shared_limit, experts=experts)
 
+    recompute: str = "none"  # "full": keep only the input; "selective": drop attention and FFN internals
+
     def forward(self, x_TH, ropes: dict, layout: DocLayout, valid_T) -> torch.Tensor:
-        h = x_TH + self.self_attn(self.input_layernorm(x_TH), ropes[self.layer_type], layout)
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x_TH, ropes, layout, valid_T, use_reentrant=False)
+        return self._forward(x_TH, ropes, layout, valid_T)
+
+    def _forward(self, x_TH, ropes, layout, valid_T) -> torch.Tensor:
+        selective = self.recompute == "selective" and torch.is_grad_enabled()
+        h_in = self.input_layernorm(x_TH)
+        attn = (checkpoint(self.self_attn, h_in, ropes[self.layer_type], layout, use_reentrant=False)
+                if selective else self.self_attn(h_in, ropes[self.layer_type], layout))
+        h = x_TH + attn
         y = self.post_attention_layernorm(h)
-        y = self.mlp(y) if hasattr(self, "mlp") else self.moe(y, valid_T)
+        ffn = self.mlp if hasattr(self, "mlp") else self.moe
+        args = (y,) if hasattr(self, "mlp") else (y, valid_T)
+        y = checkpoint(ffn, *args, use_reentrant=False) if selective else ffn(*args)
         return h + y
 
 

@@ -4,7 +4,9 @@
    ``--pipeline-layout``);
 2. ``build_chunks``: this rank's ``vpp`` chunks (first stage: embedding; last: norm, head, MTP);
 3. ``apply_expert_parallel``: keep this EP rank's ``E / ep`` experts and route through the
-   all-to-all (or all-gather) dispatcher.
+   all-to-all (or all-gather) dispatcher;
+4. ``apply_recompute``: activation checkpointing of whole layers (``full``) or of attention and
+   FFN internals (``selective``), on the first ``num_layers`` layers of each chunk (0: all).
 """
 from __future__ import annotations
 
@@ -72,6 +74,15 @@ def apply_expert_parallel(model: torch.nn.Module, pstate: ParallelState, kind: s
                 m.dispatcher = AllGatherDispatcher(group, ep, pstate.ep_rank, E)
             else:
                 raise ValueError(f"--moe-dispatcher {kind!r}: expected alltoall or allgather")
+
+
+def apply_recompute(model: Step37Model, granularity: str, num_layers: int = 0) -> None:
+    if granularity not in ("none", "selective", "full"):
+        raise ValueError(f"--recompute-granularity {granularity!r}: expected none, selective or full")
+    layers = list(model.layers.values())
+    chosen = layers if num_layers <= 0 else layers[:num_layers]
+    for layer in chosen:
+        layer.recompute = granularity
 
 
 @torch.no_grad()
