@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from core.checkpointing import CheckpointError, load_checkpoint, resolve, save_checkpoint
+from core.distributed.fsdp import apply_fsdp
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_loss, sync_gradients, tag_parameters
 from core.logging import RankLogger
 from core.moe.layer import MoELayer
@@ -101,6 +102,8 @@ class Trainer:
                 c.load_hf(args.model.load_hf)
             c.to(self.dtype)
             apply_recompute(c, args.memory.recompute_granularity, args.memory.recompute_num_layers)
+            if args.memory.data_parallel_sharding == "fsdp":
+                apply_fsdp(c, ps, args.memory.cpu_offload, "cuda" if torch.cuda.is_available() else "cpu")
         self.params = tag_parameters(self.chunks, ps)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer, self.groups_summary = build_optimizer(named, args.optim)
@@ -257,6 +260,7 @@ def dry_run(args, cfg: Step37Config, sizes: ParallelSizes, M: int) -> int:
     """Every rank's share on the meta device, its parameter count and memory plan; no allocation."""
     o, m = args.optim, args.memory
     inp = PlanInputs(pp=sizes.pp, vpp=sizes.vpp, ep=sizes.ep, dp=sizes.dp,
+                     sharding=m.data_parallel_sharding, cpu_offload=m.cpu_offload,
                      recompute=m.recompute_granularity, recompute_num_layers=m.recompute_num_layers,
                      seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
                      num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,

@@ -78,12 +78,21 @@ class MemoryArgs:
     """Memory: precision, activation recompute, and a dry run that plans without allocating."""
 
     params_dtype: str = option("fp32", "parameter, gradient and activation dtype", choices=("fp32", "bf16"))
+    data_parallel_sharding: str = option("none", "fsdp: FSDP2-shard dense parameters over the DP ranks "
+                                                 "and experts over the expert-DP ranks",
+                                         choices=("none", "fsdp"))
+    cpu_offload: str = option("none", "keep FSDP shards (all, or only the experts) and their optimizer "
+                                      "state in host memory", choices=("none", "all", "experts"))
     recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
                                                 "attention and FFN internals (selective)",
                                         choices=("none", "selective", "full"))
     recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all)")
     dry_run: int = option(0, "simulate this many ranks: build each rank's share on the meta device, "
                              "print parameter counts and the memory plan, exit (no data needed)")
+
+    def __post_init__(self):
+        if self.cpu_offload != "none" and self.data_parallel_sharding != "fsdp":
+            raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
 
 
 @dataclass

@@ -17,12 +17,14 @@ good checkpoint is never overwritten in place.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 EXPERT = ".moe.experts."
 
@@ -36,9 +38,16 @@ def _expert_offset(chunk, name: str) -> int:
 
 
 def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
-    """One key per tensor, or per expert for an expert stack."""
+    """One key per tensor, or per expert for an expert stack (views, so loading writes in place).
+
+    An FSDP-sharded stack (a DTensor split on dim 0) contributes the experts of its local rows
+    only: indexing the DTensor itself would gather a copy."""
     if offset is None:
         return {name: t}
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        first = t.device_mesh.get_local_rank() * math.ceil(t.shape[0] / t.device_mesh.size())
+        return {f"{name}#e{offset + first + e}": local[e] for e in range(local.shape[0])}
     return {f"{name}#e{offset + e}": t[e] for e in range(t.shape[0])}
 
 
@@ -82,7 +91,10 @@ def _allocate(state: dict, p: torch.Tensor, prefix: str, meta: dict, expert: boo
         shape = list(m.size)
         if expert and (prefix + key) not in meta:
             shape = [p.shape[0]] + shape
-        state[key] = torch.zeros(shape, dtype=m.properties.dtype)
+        if shape == list(p.shape):  # shaped like the parameter: shard it the same way (FSDP)
+            state[key] = torch.zeros_like(p, dtype=m.properties.dtype)
+        else:
+            state[key] = torch.zeros(shape, dtype=m.properties.dtype)
 
 
 def save_checkpoint(save_dir: str, iteration: int, chunks, optimizer, extra: dict, meta: dict,

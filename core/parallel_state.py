@@ -118,6 +118,13 @@ class ParallelState:
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     mine[kind] = (group, ranks)
+        if sizes.expert_dp == 1 and sizes.world > 1:
+            # a one-rank group per rank (created by all ranks, in order) so FSDP can still manage,
+            # and offload, experts that no other rank replicates
+            for r in range(sizes.world):
+                group = dist.new_group([r])
+                if r == rank:
+                    mine["self"] = (group, [r])
         return cls(sizes, rank, mine)
 
     def _coord(self, kind: str) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from core.parallel_state import ParallelState
 
@@ -32,6 +33,11 @@ def tag_parameters(chunks, pstate: ParallelState) -> list[torch.nn.Parameter]:
     return params
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly FSDP-sharded) tensor, as a plain tensor view."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
     if not tensors or group is None:
         return
@@ -42,14 +48,16 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
 
 
 def sync_gradients(params: list, pstate: ParallelState) -> None:
-    """Sum gradients over their replicas (one flat bucket per group)."""
+    """Sum gradients over their replicas (one flat bucket per group). FSDP-sharded parameters
+    were already reduce-scattered by FSDP; only the shared embedding's shards meet here."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     for kind in ("dp", "expert_dp"):
-        _all_reduce_flat([p.grad for p in params if p.replicated_over == kind], pstate.group(kind))
+        _all_reduce_flat([p.grad for p in params if p.replicated_over == kind
+                          and not isinstance(p, DTensor)], pstate.group(kind))
     if len(pstate.ranks("embedding")) > 1:
-        _all_reduce_flat([p.grad for p in params if p.shared_embedding], pstate.group("embedding"))
+        _all_reduce_flat([local(p.grad) for p in params if p.shared_embedding], pstate.group("embedding"))
 
 
 def grad_norm(params: list, pstate: ParallelState) -> torch.Tensor:
@@ -58,9 +66,12 @@ def grad_norm(params: list, pstate: ParallelState) -> torch.Tensor:
     for p in params:
         if p.shared_embedding and not pstate.is_first_stage:
             continue  # the last stage's copy of the embedding
-        owner = pstate.dp_rank == 0 if p.replicated_over == "dp" else pstate.expert_dp_rank == 0
+        if isinstance(p, DTensor):
+            owner = True  # a shard: every rank holds a different part
+        else:
+            owner = pstate.dp_rank == 0 if p.replicated_over == "dp" else pstate.expert_dp_rank == 0
         if owner and p.grad is not None:
-            sq += p.grad.detach().double().pow(2).sum()
+            sq += local(p.grad).detach().double().pow(2).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
@@ -71,7 +82,7 @@ def clip_gradients(params: list, max_norm: float, norm: torch.Tensor) -> torch.T
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(factor.to(p.grad.dtype))
+            local(p.grad).mul_(factor.to(p.grad.dtype))
     return factor
 
 

@@ -34,6 +34,8 @@ def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
 def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor,
                   use_grouped: bool) -> torch.Tensor:
     """Row block ``e`` of ``x`` (``counts[e]`` rows, in expert order) times ``w[e].T``."""
+    # offloaded (FSDP CPU offload) weights come to the compute device here, differentiably
+    w_EOI = w_EOI.to(x_NI.device)
     if use_grouped:
         offs = torch.cumsum(counts_E, 0).to(torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offs))

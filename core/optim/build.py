@@ -74,15 +74,22 @@ def build_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], cfg) -> 
     ) if g["params"]]
     opts = {}
     if groups:
-        opts["adamw"] = torch.optim.AdamW(groups, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        # FSDP mixes DTensor shards and plain tensors in one group: the per-tensor loop handles both
+        opts["adamw"] = torch.optim.AdamW(groups, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                          foreach=False)
     if buckets["matrix"]:
         matrices = [{"params": buckets["matrix"], "base_lr": cfg.lr}]
         if cfg.optimizer == "muon":
             opts["muon"] = Muon(matrices, lr=cfg.lr, momentum=cfg.muon_momentum,
                                 nesterov=cfg.muon_nesterov, weight_decay=cfg.weight_decay,
                                 ns_steps=cfg.muon_ns_steps, ns_method=cfg.muon_ns_method,
-                                lr_adjust=cfg.muon_lr_adjust)
+                                lr_adjust=cfg.muon_lr_adjust,
+                                ns_dtype=torch.float32 if getattr(cfg, "muon_ns_dtype", "bf16") == "fp32"
+                                else torch.bfloat16)
         else:
+            if any(type(p).__name__ == "DTensor" for p in buckets["matrix"]):
+                raise ValueError("--optimizer dion with --data-parallel-sharding fsdp is not supported "
+                                 "yet: use muon or adamw")
             opts["dion"] = Dion(matrices, lr=cfg.lr, momentum=cfg.dion_momentum,
                                 rank_fraction=cfg.dion_rank_fraction, weight_decay=cfg.weight_decay)
     count = {k: sum(p.numel() for p in v) for k, v in buckets.items()}

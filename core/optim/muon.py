@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -54,6 +55,14 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, method: str = "quintic", eps:
             gram = x @ x.mT
             x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if wide else x
+
+
+def _local_rows(full: torch.Tensor, p: "DTensor") -> torch.Tensor:
+    """The rows of ``full`` that FSDP's dim-0 shard of ``p`` holds on this rank."""
+    mesh = p.device_mesh
+    chunks = torch.chunk(full, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else full[:0]
 
 
 def lr_adjustment(shape: torch.Size, rule: str) -> float:
@@ -102,8 +111,14 @@ class Muon(Optimizer):
                     buf = state["momentum_buffer"]
                     buf.lerp_(g, 1 - mu)
                     g = g.lerp(buf, mu) if group["nesterov"] else buf
+                sharded = isinstance(g, DTensor)
+                if sharded:  # FSDP: orthogonalise the whole matrix, keep this rank's rows
+                    g = g.full_tensor()
                 update = newton_schulz(g, group["ns_steps"], group["ns_method"], group["eps"],
                                        group["ns_dtype"])
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * lr_adjustment(p.shape, group["lr_adjust"]))
+                if sharded:
+                    update = _local_rows(update, p)
+                target = p.to_local() if sharded else p
+                target.mul_(1 - group["lr"] * group["weight_decay"])
+                target.add_(update.to(p.dtype), alpha=-group["lr"] * lr_adjustment(p.shape, group["lr_adjust"]))
         return loss

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from core.distributed.fsdp import set_gradient_sync
 from core.parallel_state import ParallelState
 from core.pipeline.schedules import Action
 
@@ -63,13 +64,16 @@ class PipelineExecutor:
         """
         self._pending: list = []
         saved: dict = {}
+        # FSDP: reduce-scatter gradients only on each chunk's last backward of the step
+        last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
         stats = StepStats(torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64))
-        for a in actions:
+        for i, a in enumerate(actions):
             stage = a.chunk * self.pp + self.ps.pp_rank
             if a.kind == "F":
                 saved[(a.microbatch, a.chunk)] = self._forward(a, stage, get_batch(a.microbatch),
                                                                num_tokens, num_microbatches_global, stats)
             else:
+                set_gradient_sync(self.chunks[a.chunk], last_backward[a.chunk] == i)
                 self._backward(a, stage, saved.pop((a.microbatch, a.chunk)))
         for w in self._pending:
             w.wait()

@@ -96,9 +96,12 @@ class MTPDepth(nn.Module):
         self.head_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.head = nn.Linear(H, cfg.vocab_size, bias=False)
 
-    def forward(self, emb_TH, h_prev_TH, ropes, layout, valid_T) -> torch.Tensor:
+    def forward(self, emb_TH, h_prev_TH, ropes, layout, valid_T):
+        """(hidden state for the next depth, this depth's logits). The head runs inside the
+        forward so a wrapper that gathers this module's weights (FSDP) covers it."""
         x = self.eh_proj(torch.cat([self.enorm(emb_TH), self.hnorm(h_prev_TH)], dim=-1))
-        return self.block(x, ropes, layout, valid_T)
+        h = self.block(x, ropes, layout, valid_T)
+        return h, self.head(self.head_norm(h))
 
 
 class Step37Model(nn.Module):
@@ -178,8 +181,8 @@ class Step37Model(nn.Module):
         for k, depth in enumerate(self.mtp.values(), start=1):
             shifted_tokens = torch.where(ok, shifted_tokens[nxt], torch.zeros_like(tokens))
             shifted_labels = torch.where(ok, shifted_labels[nxt], torch.full_like(labels, IGNORE_INDEX))
-            h = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid)
-            loss, n = _token_loss(depth.head(depth.head_norm(h)), shifted_labels)
+            h, logits = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid)
+            loss, n = _token_loss(logits, shifted_labels)
             out.mtp_loss_sums.append(loss)
             out.mtp_num_tokens.append(n)
 

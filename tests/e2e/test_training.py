@@ -121,3 +121,17 @@ def test_export_to_hf_and_import_back(dataset, tmp_path):
     again = Step37Model(Step37Config.preset("tiny"), seed=99)
     load_checkpoint(str(tmp_path / "imported"), [again])
     assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), again.parameters()))
+
+
+def test_fsdp_with_offload_resumes_exactly_in_any_layout(dataset, tmp_path):
+    """FSDP checkpoints keep layout independence: resume sharded or unsharded, same losses."""
+    args = ["--data-path", dataset, "--optimizer", "muon", "--lr", "0.01", "--train-iters", "6"]
+    fsdp = ["--data-parallel-sharding", "fsdp", "--cpu-offload", "all", "--recompute-granularity", "full"]
+    full = train(args + fsdp + ["--save", str(tmp_path / "ck"), "--save-interval", "4"], tmp_path / "a", world=2)
+    start = str(tmp_path / "ck" / "iter_0000004")
+    sharded = train(args + fsdp + ["--load", start], tmp_path / "b", world=2)
+    single = train(args + ["--load", start], tmp_path / "c")
+    for resumed in (sharded, single):
+        assert [r["iteration"] for r in resumed] == [5, 6]
+        for a, b in zip(full[4:], resumed):
+            assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a["loss"], b["loss"])

@@ -1,0 +1,67 @@
+"""FSDP2 for pipeline stages: dense parameters sharded over the data-parallel ranks, expert
+parameters over the expert-data-parallel ranks, optional CPU offload.
+
+Each decoder layer (and MTP depth) is one FSDP unit, the experts of a layer their own unit on
+the expert-DP mesh; the stage's remaining parameters (embedding, final norm, heads) form the
+root unit. Gradients are *summed* across replicas (divide factor 1), because the loss is
+already normalised by the step's global token count. Where expert-DP is 1 each EP rank owns its
+experts whole: they are left out of FSDP (``ignored_params``), or, when offloading, put on a
+one-rank mesh so FSDP moves them between host and device.
+
+With a pipeline, ``PipelineExecutor`` turns gradient reduction off for every backward of a
+chunk but its last one in the step, so FSDP reduce-scatters once per step.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+from core.moe.experts import GroupedExperts
+from core.parallel_state import ParallelState
+
+SHARDING_MODES = ("none", "fsdp")
+OFFLOAD_MODES = ("none", "all", "experts")
+
+
+def _policy(on: bool) -> OffloadPolicy:
+    # pinned host memory only helps (and only exists) with an accelerator
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on else OffloadPolicy()
+
+
+def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "none",
+               device_type: str = "cpu") -> bool:
+    """Shard ``chunk`` in place; returns False when there is nothing to shard (DP = 1)."""
+    if cpu_offload not in OFFLOAD_MODES:
+        raise ValueError(f"--cpu-offload {cpu_offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
+    if ps.sizes.dp == 1:
+        return False
+    dp_mesh = DeviceMesh.from_group(ps.group("dp"), device_type)
+    if ps.sizes.expert_dp > 1:
+        edp_mesh = DeviceMesh.from_group(ps.group("expert_dp"), device_type)
+    elif cpu_offload != "none":  # experts whole on each EP rank: a one-rank mesh, for offload
+        edp_mesh = DeviceMesh.from_group(ps.group("self"), device_type)
+    else:
+        edp_mesh = None
+    experts = {p for m in chunk.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    ignored = experts if edp_mesh is None else None
+    blocks = list(chunk.layers.values()) + (list(chunk.mtp.values()) if chunk.mtp is not None else [])
+    for block in blocks:
+        if edp_mesh is not None:
+            for m in block.modules():
+                if isinstance(m, GroupedExperts):
+                    fully_shard(m, mesh=edp_mesh, offload_policy=_policy(cpu_offload != "none"))
+        fully_shard(block, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"),
+                    ignored_params=ignored)
+    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), ignored_params=ignored)
+    for m in chunk.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return True
+
+
+def set_gradient_sync(chunk: torch.nn.Module, enabled: bool) -> None:
+    """Accumulate unsharded gradients locally (False) or reduce-scatter on this backward (True)."""
+    if isinstance(chunk, FSDPModule):
+        chunk.set_requires_gradient_sync(enabled)

@@ -1,0 +1,100 @@
+"""Rank-side body of the FSDP tests: two optimizer steps vs one unsharded process."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from core.distributed.fsdp import apply_fsdp
+from core.distributed.grads import clip_gradients, grad_norm, reduce_step_loss, sync_gradients, tag_parameters
+from core.optim.build import build_optimizer
+from core.parallel_state import ParallelSizes, ParallelState
+from core.pipeline.executor import PipelineExecutor
+from core.pipeline.schedules import build_schedule
+from models.step37 import Step37Model
+from models.step37.parallelize import apply_recompute, build_chunks
+from tests.distributed.parallel_cases import MTP_SCALE, SEQ, micro_batches, rel_err, tiny_config
+
+STEPS = 2
+
+
+def _optim_cfg(optimizer: str):
+    # eps 1e-4 keeps AdamW's first steps smooth in the gradient (at 1e-8 they are ~lr * sign(g),
+    # which turns summation-order noise in near-zero entries into full steps); NS in fp32
+    return SimpleNamespace(optimizer=optimizer, lr=0.01, adamw_lr=None, weight_decay=0.1,
+                           adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-4, muon_momentum=0.9,
+                           muon_nesterov=True, muon_ns_steps=5, muon_ns_method="quintic",
+                           muon_lr_adjust="rms", muon_ns_dtype="fp32", dion_momentum=0.9,
+                           dion_rank_fraction=0.5)
+
+
+def _reference(cfg, batches_per_step, optimizer):
+    model = Step37Model(cfg, seed=0)
+    opt, _ = build_optimizer(list(model.named_parameters()), _optim_cfg(optimizer))
+    losses = []
+    for batches in batches_per_step:
+        flat = [b for row in batches for b in row]
+        n = sum(int(b.num_target_tokens) for b in flat)
+        total = 0.0
+        for b in flat:
+            out = model(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
+            ((out.loss_sum + MTP_SCALE * sum(out.mtp_loss_sums)) / n).backward()
+            total += float(out.loss_sum)
+        norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+        clip_gradients(list(model.parameters()), 1.0, norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / n)
+    return model, losses
+
+
+def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer):
+    cfg = tiny_config()
+    sizes = ParallelSizes(world, pp=pp, ep=ep)
+    ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
+    M = max(2, pp)
+    steps = [micro_batches(sizes.dp, M, cfg.vocab_size, seed=s) for s in range(STEPS)]
+    ref_model, ref_losses = _reference(cfg, steps, optimizer)
+
+    chunks = build_chunks(cfg, ps)
+    for c in chunks:
+        apply_recompute(c, recompute)
+        assert apply_fsdp(c, ps, offload)
+    params = tag_parameters(chunks, ps)
+    opt, _ = build_optimizer([(n, p) for c in chunks for n, p in c.named_parameters()], _optim_cfg(optimizer))
+    ex = PipelineExecutor(chunks, ps, seq_tokens=SEQ, hidden_size=cfg.hidden_size, mtp_loss_scale=MTP_SCALE)
+    for step, batches in enumerate(steps):
+        mine = batches[ps.dp_rank]
+        n = sum(int(b.num_target_tokens) for row in batches for b in row)
+        stats = ex.run(build_schedule(pp, 1, M)[ps.pp_rank], lambda m: mine[m], n, M * sizes.dp)
+        sync_gradients(params, ps)
+        norm = grad_norm(params, ps)
+        clip_gradients(params, 1.0, norm)
+        opt.step()
+        opt.zero_grad()
+        loss, _, _ = reduce_step_loss(stats.loss_sum, stats.num_tokens)
+        assert abs(loss - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, loss, ref_losses[step])
+
+    ref = dict(ref_model.named_parameters())
+    sharded = 0
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            sharded += isinstance(p, DTensor)
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            want = ref[name].detach()
+            if ".moe.experts." in name:
+                off = chunk.get_submodule(name.rsplit(".", 1)[0]).expert_offset
+                want = want[off:off + full.shape[0]]
+            err = rel_err(full, want)
+            assert err < 1e-5, f"rank {rank}: {name} differs after {STEPS} steps (relative {err:.2e})"
+    assert sharded > 0
+    if offload != "none":  # offloaded shards really live on the host (here: the CPU device)
+        offloaded = [p for c in chunks for n, p in c.named_parameters()
+                     if isinstance(p, DTensor) and (offload == "all" or ".moe.experts." in n)]
+        assert offloaded and all(p.to_local().device.type == "cpu" for p in offloaded)
+        if offload == "experts":
+            assert any(".moe.experts." in n and isinstance(p, DTensor)
+                       for c in chunks for n, p in c.named_parameters())
+    dist.barrier()

@@ -1,0 +1,24 @@
+"""FSDP2 (dense over DP, experts over expert-DP), with and without CPU offload and activation
+recompute, AdamW and Muon: same losses and the same parameters after two optimizer steps as one
+unsharded process (fp32, gloo). Tolerance 1e-5 relative per tensor."""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.fsdp_cases import check_fsdp
+from tests.distributed.harness import run_ranks
+
+CASES = {  # name: (world, pp, ep, offload, recompute, optimizer)
+    "dp2_adamw": (2, 1, 1, "none", "none", "adamw"),
+    "dp2_muon_offload_recompute": (2, 1, 1, "all", "full", "muon"),
+    "dp2_muon_selective": (2, 1, 1, "none", "selective", "muon"),
+    "dp2_offload_experts_muon": (2, 1, 1, "experts", "none", "muon"),
+    "pp2_ep2_adamw_offload_experts": (4, 2, 2, "experts", "none", "adamw"),
+    "pp2_ep2_muon_recompute": (4, 2, 2, "none", "full", "muon"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fsdp_matches_one_unsharded_process(tmp_path, name):
+    world, pp, ep, offload, recompute, optimizer = CASES[name]
+    run_ranks(world, check_fsdp, pp, ep, offload, recompute, optimizer, tmpdir=str(tmp_path))
