@@ -108,6 +108,7 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
     sizes = ParallelSizes(world, pp=inp.pp, ep=inp.ep, vpp=inp.vpp)
     sizes.validate(cfg.num_layers, cfg.num_experts)
     T, b, H = inp.seq_length * inp.micro_batch_size, inp.param_bytes, cfg.hidden_size
+    fsdp = inp.sharding == "fsdp" and inp.dp > 1  # like apply_fsdp: nothing to shard at DP 1
     sim = simulate(build_schedule(inp.pp, inp.vpp, inp.num_microbatches))
     out = []
     for pp_rank in range(inp.pp):
@@ -121,7 +122,7 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
             for chunk in chunks:
                 for name, t in chunk.named_parameters():
                     expert = ".moe.experts." in name
-                    shard_world = (sizes.expert_dp if expert else sizes.dp) if inp.sharding == "fsdp" else 1
+                    shard_world = (sizes.expert_dp if expert else sizes.dp) if fsdp else 1
                     numel = _shard_numel(t, shard_world)
                     r.parameters += numel
                     offloaded = inp.cpu_offload == "all" or (inp.cpu_offload == "experts" and expert)
@@ -129,13 +130,13 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
                     where["parameters"] += numel * b
                     where["gradients"] += numel * b
                     where["optimizer"] += _optimizer_bytes(name, t, numel, inp)
-                if inp.sharding == "fsdp":
+                if fsdp:
                     for layer in chunk.layers.values():
                         largest_layer = max(largest_layer, sum(p.numel() for p in layer.parameters()) * b)
                 dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
             # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
             dev["activations"] = dev["activations"] * sim.peak_in_flight[pp_rank] // len(chunks)
-            if inp.sharding == "fsdp":
+            if fsdp:
                 dev["gathered layers"] = 2 * largest_layer
             if inp.pp > 1:
                 dev["p2p buffers"] = 2 * T * H * b  # one receive buffer per direction
