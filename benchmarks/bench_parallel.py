@@ -64,6 +64,7 @@ def _rank(rank, world, port, args, out):
     from core.parallel_state import ParallelSizes, ParallelState
     from core.pipeline.executor import PipelineExecutor
     from core.pipeline.schedules import build_schedule
+    from data.indexed_dataset import InMemoryDataset
     from data.packing import plan_packs
     from data.thd import build_thd_batch
     from models.step37.parallelize import build_chunks
@@ -79,19 +80,12 @@ def _rank(rank, world, port, args, out):
     dp, M_total, S = ps.sizes.dp, 8, args.seq
     M = M_total // dp
 
-    class Docs:
-        def __init__(self, docs):
-            self.docs = docs
-
-        def get(self, i, o=0, n=None):
-            return self.docs[i][o:o + n]
-
     def batch(m):
         g = ps.dp_rank * M + m  # same global batch whatever the layout
         rng = np.random.default_rng(g)
         lengths = rng.integers(16, 200, 40)
         plan = plan_packs(lengths, S, seed=0)
-        return build_thd_batch([plan.pack(0)], Docs([rng.integers(0, cfg.vocab_size, n) for n in lengths]),
+        return build_thd_batch([plan.pack(0)], InMemoryDataset([rng.integers(0, cfg.vocab_size, n) for n in lengths]),
                                S, pad_id=0)
 
     batches = [batch(m) for m in range(M)]

@@ -233,3 +233,18 @@ class IndexedDatasetWriter:
             self.finalize()
         elif exc_type is not None:
             self.abort()
+
+
+class InMemoryDataset:
+    """Documents held in memory behind the reader's ``get(i, offset, length)`` (tests, benchmarks,
+    synthetic data)."""
+
+    def __init__(self, docs: list):
+        self.docs = [np.asarray(d) for d in docs]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        d = self.docs[i]
+        return d[offset:len(d) if length is None else offset + length]

@@ -9,6 +9,7 @@ from core.distributed.grads import clip_gradients, grad_norm, reduce_step_loss, 
 from core.parallel_state import ParallelSizes, ParallelState
 from core.pipeline.executor import PipelineExecutor
 from core.pipeline.schedules import build_schedule
+from data.indexed_dataset import InMemoryDataset
 from data.packing import plan_packs
 from data.thd import build_thd_batch
 from models.step37 import Step37Config, Step37Model
@@ -16,15 +17,6 @@ from models.step37.parallelize import build_chunks
 
 SEQ = 48          # tokens per micro-batch (one pack)
 MTP_SCALE = 0.3
-
-
-class _Docs:
-    def __init__(self, docs):
-        self.docs = docs
-
-    def get(self, i, offset=0, length=None):
-        d = self.docs[i]
-        return d[offset:offset + (len(d) - offset if length is None else length)]
 
 
 def micro_batches(dp: int, M: int, vocab: int, seed: int = 0):
@@ -37,7 +29,7 @@ def micro_batches(dp: int, M: int, vocab: int, seed: int = 0):
             lengths = rng.integers(2, 20, 8)
             docs = [rng.integers(0, vocab, n) for n in lengths]
             plan = plan_packs(lengths, SEQ, seed=0)
-            row.append(build_thd_batch([plan.pack(0)], _Docs(docs), SEQ, pad_id=0))
+            row.append(build_thd_batch([plan.pack(0)], InMemoryDataset(docs), SEQ, pad_id=0))
         out.append(row)
     return out
 

@@ -6,23 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from data.indexed_dataset import IndexedDatasetWriter
+from data.indexed_dataset import IndexedDatasetWriter, InMemoryDataset as ArrayDataset
 from data.loader import THDLoader, blend_pattern, open_source, parse_data_path
 from data.packing import plan_packs
 from data.thd import IGNORE_INDEX, build_thd_batch
 
 PAD = 999
-
-
-class ArrayDataset:
-    """In-memory stand-in with the indexed dataset's get()."""
-
-    def __init__(self, docs):
-        self.docs = docs
-
-    def get(self, i, offset=0, length=None):
-        d = self.docs[i]
-        return d[offset:offset + (len(d) - offset if length is None else length)]
 
 
 def _docs(rng, n, max_len):
