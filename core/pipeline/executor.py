@@ -97,6 +97,7 @@ class PipelineExecutor:
                                        out.mtp_loss_sums)]
             return inp, loss / num_tokens + (aux if aux is not None else 0.0), None
         self._send(out, "F", a.microbatch, stage + 1, self.ps.pp_peer(1))
+        _free_values(out)
         return inp, out, aux
 
     def _backward(self, a: Action, stage: int, saved) -> None:
@@ -109,7 +110,9 @@ class PipelineExecutor:
             if aux is not None:
                 tensors.append(aux)
                 grads.append(torch.ones_like(aux))
-            torch.autograd.backward(tensors, grads)
+            # the engine directly: `out` may be a freed placeholder whose shape no longer matches
+            torch.autograd.Variable._execution_engine.run_backward(
+                tuple(tensors), tuple(grads), False, False, (), True, True)
         if inp is not None:
             self._send(inp.grad, "B", a.microbatch, stage - 1, self.ps.pp_peer(-1))
 
@@ -118,3 +121,13 @@ class PipelineExecutor:
             return None
         aux = model._aux_loss()
         return None if aux is None else self.aux_coeff * aux / n_mb
+
+
+def _free_values(out: torch.Tensor) -> None:
+    """Drop a sent stage output's values, keep its autograd node (Megatron's pseudo-deallocation).
+
+    Backward of the residual add that ends a stage needs no values of its output, so the
+    ``[T, hidden]`` buffer is released as soon as the send completes instead of living until
+    this micro-batch's backward; with 1F1B that is up to ``pp`` buffers per rank."""
+    if type(out.grad_fn).__name__ == "AddBackward0":
+        out.data = torch.empty(1, dtype=out.dtype, device=out.device)

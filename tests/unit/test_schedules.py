@@ -72,3 +72,22 @@ def test_rank_layout_order():
     groups = s.group_ranks()
     assert [0, 1] in groups["ep"] and [0, 2] in groups["expert_dp"] and [0, 4] in groups["pp"]
     assert [0, 1, 2, 3] in groups["dp"] and [1, 5] in groups["embedding"]
+
+
+def test_sent_stage_output_is_freed_and_backward_still_exact():
+    import torch
+
+    from core.pipeline.executor import _free_values
+
+    x = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    out = x @ w + x  # a stage ends with a residual add
+    g = torch.randn(6, 4)
+    ref = torch.autograd.grad(out, (x, w), g, retain_graph=True)
+    _free_values(out)
+    assert out.numel() == 1  # the [T, hidden] values are gone
+    torch.autograd.Variable._execution_engine.run_backward((out,), (g,), False, False, (), True, True)
+    assert torch.equal(x.grad, ref[0]) and torch.equal(w.grad, ref[1])
+    kept = torch.sigmoid(x)  # an op whose backward needs its output: left alone
+    _free_values(kept)
+    assert kept.shape == (6, 4)
