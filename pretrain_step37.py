@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from core.checkpointing import CheckpointError, load_checkpoint, resolve, save_checkpoint
-from core.distributed.fsdp import apply_fsdp
+from core.distributed.fsdp import apply_fsdp, reshard
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_loss, sync_gradients, tag_parameters
 from core.logging import RankLogger
 from core.moe.layer import MoELayer
@@ -96,6 +96,7 @@ class Trainer:
         self.chunks = build_chunks(cfg, ps, args.parallel.pipeline_layout,
                                    dispatcher=args.model.moe_dispatcher)
         self.dtype = torch.bfloat16 if args.memory.params_dtype == "bf16" else torch.float32
+        self.gather_once = args.memory.data_parallel_sharding == "fsdp" and args.memory.fsdp_gather_once
         for c in self.chunks:
             c.reset_parameters(s.seed)
             if args.model.load_hf:
@@ -103,7 +104,8 @@ class Trainer:
             c.to(self.dtype)
             apply_recompute(c, args.memory.recompute_granularity, args.memory.recompute_num_layers)
             if args.memory.data_parallel_sharding == "fsdp":
-                apply_fsdp(c, ps, args.memory.cpu_offload, "cuda" if torch.cuda.is_available() else "cpu")
+                apply_fsdp(c, ps, args.memory.cpu_offload, "cuda" if torch.cuda.is_available() else "cpu",
+                           gather_once=args.memory.fsdp_gather_once)
         self.params = tag_parameters(self.chunks, ps)
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer, self.groups_summary = build_optimizer(named, args.optim)
@@ -178,6 +180,8 @@ class Trainer:
                 clip_gradients(self.params, a.optim.clip_grad, norm)
             self.optimizer.step()
             self._update_router_bias()
+            if self.gather_once:  # the shards changed: drop the stale gathered copies
+                reshard(self.chunks)
             self.in_a_row = 0
         else:
             self.skipped += 1
@@ -261,6 +265,7 @@ def dry_run(args, cfg: Step37Config, sizes: ParallelSizes, M: int) -> int:
     o, m = args.optim, args.memory
     inp = PlanInputs(pp=sizes.pp, vpp=sizes.vpp, ep=sizes.ep, dp=sizes.dp,
                      sharding=m.data_parallel_sharding, cpu_offload=m.cpu_offload,
+                     fsdp_gather_once=m.fsdp_gather_once,
                      recompute=m.recompute_granularity, recompute_num_layers=m.recompute_num_layers,
                      seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
                      num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,

@@ -81,6 +81,9 @@ class MemoryArgs:
     data_parallel_sharding: str = option("none", "fsdp: FSDP2-shard dense parameters over the DP ranks "
                                                  "and experts over the expert-DP ranks",
                                          choices=("none", "fsdp"))
+    fsdp_gather_once: bool = option(False, "with fsdp: gather each stage's parameters once per step "
+                                           "and keep them until the optimizer step (fewer all-gathers, "
+                                           "the memory of an unsharded stage)")
     cpu_offload: str = option("none", "keep FSDP shards (all, or only the experts) and their optimizer "
                                       "state in host memory", choices=("none", "all", "experts"))
     recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "

@@ -30,8 +30,12 @@ def _policy(on: bool) -> OffloadPolicy:
 
 
 def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "none",
-               device_type: str = "cpu") -> bool:
-    """Shard ``chunk`` in place; returns False when there is nothing to shard (DP = 1)."""
+               device_type: str = "cpu", gather_once: bool = False) -> bool:
+    """Shard ``chunk`` in place; returns False when there is nothing to shard (DP = 1).
+
+    ``gather_once``: keep each unit's gathered parameters from its first forward of the step
+    until ``reshard(chunks)`` after the optimizer step (one all-gather per step instead of one
+    per micro-batch and pass, for the memory of a whole unsharded stage)."""
     if cpu_offload not in OFFLOAD_MODES:
         raise ValueError(f"--cpu-offload {cpu_offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
     if ps.sizes.dp == 1:
@@ -50,15 +54,27 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
         if edp_mesh is not None:
             for m in block.modules():
                 if isinstance(m, GroupedExperts):
-                    fully_shard(m, mesh=edp_mesh, offload_policy=_policy(cpu_offload != "none"))
+                    fully_shard(m, mesh=edp_mesh, offload_policy=_policy(cpu_offload != "none"),
+                                reshard_after_forward=not gather_once)
         fully_shard(block, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"),
-                    ignored_params=ignored)
-    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), ignored_params=ignored)
+                    ignored_params=ignored, reshard_after_forward=not gather_once)
+    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), ignored_params=ignored,
+                reshard_after_forward=not gather_once)
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+            if gather_once:
+                m.set_reshard_after_backward(False)
     return True
+
+
+def reshard(chunks) -> None:
+    """Free gathered parameters (after the optimizer step, which updated the shards)."""
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def set_gradient_sync(chunk: torch.nn.Module, enabled: bool) -> None:

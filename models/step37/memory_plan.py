@@ -37,6 +37,7 @@ class PlanInputs:
     ep: int = 1
     dp: int = 1
     sharding: str = "none"          # none | fsdp
+    fsdp_gather_once: bool = False  # keep every layer of the stage gathered for the whole step
     cpu_offload: str = "none"       # none | all | experts
     recompute: str = "none"         # none | selective | full
     recompute_num_layers: int = 0   # first N layers of each chunk; 0: all
@@ -118,7 +119,7 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
             dev = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "p2p buffers",
                                  "all-to-all buffers", "gathered layers"), 0)
             host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
-            largest_layer = 0
+            largest_layer, all_layers = 0, 0
             for chunk in chunks:
                 for name, t in chunk.named_parameters():
                     expert = ".moe.experts." in name
@@ -132,12 +133,13 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
                     where["optimizer"] += _optimizer_bytes(name, t, numel, inp)
                 if fsdp:
                     for layer in chunk.layers.values():
-                        largest_layer = max(largest_layer, sum(p.numel() for p in layer.parameters()) * b)
+                        size = sum(p.numel() for p in layer.parameters()) * b
+                        largest_layer, all_layers = max(largest_layer, size), all_layers + size
                 dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
             # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
             dev["activations"] = dev["activations"] * sim.peak_in_flight[pp_rank] // len(chunks)
             if fsdp:
-                dev["gathered layers"] = 2 * largest_layer
+                dev["gathered layers"] = all_layers if inp.fsdp_gather_once else 2 * largest_layer
             if inp.pp > 1:
                 dev["p2p buffers"] = 2 * T * H * b  # one receive buffer per direction
             if inp.ep > 1:

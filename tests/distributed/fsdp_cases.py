@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from core.distributed.fsdp import apply_fsdp
+from core.distributed.fsdp import apply_fsdp, reshard
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_loss, sync_gradients, tag_parameters
 from core.optim.build import build_optimizer
 from core.parallel_state import ParallelSizes, ParallelState
@@ -50,7 +50,7 @@ def _reference(cfg, batches_per_step, optimizer):
     return model, losses
 
 
-def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer):
+def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=False):
     cfg = tiny_config()
     sizes = ParallelSizes(world, pp=pp, ep=ep)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
@@ -61,7 +61,7 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer):
     chunks = build_chunks(cfg, ps)
     for c in chunks:
         apply_recompute(c, recompute)
-        assert apply_fsdp(c, ps, offload)
+        assert apply_fsdp(c, ps, offload, gather_once=gather_once)
     params = tag_parameters(chunks, ps)
     opt, _ = build_optimizer([(n, p) for c in chunks for n, p in c.named_parameters()], _optim_cfg(optimizer))
     ex = PipelineExecutor(chunks, ps, seq_tokens=SEQ, hidden_size=cfg.hidden_size, mtp_loss_scale=MTP_SCALE)
@@ -74,6 +74,8 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer):
         clip_gradients(params, 1.0, norm)
         opt.step()
         opt.zero_grad()
+        if gather_once:
+            reshard(chunks)
         loss, _, _ = reduce_step_loss(stats.loss_sum, stats.num_tokens)
         assert abs(loss - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, loss, ref_losses[step])
 

@@ -1,5 +1,5 @@
 """FSDP2 (dense over DP, experts over expert-DP), with and without CPU offload and activation
-recompute, AdamW and Muon: same losses and the same parameters after two optimizer steps as one
+recompute, gathering per micro-batch or once per step, AdamW and Muon: same losses and the same parameters after two optimizer steps as one
 unsharded process (fp32, gloo). Tolerance 1e-5 relative per tensor."""
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ CASES = {  # name: (world, pp, ep, offload, recompute, optimizer)
     "dp2_offload_experts_muon": (2, 1, 1, "experts", "none", "muon"),
     "pp2_ep2_adamw_offload_experts": (4, 2, 2, "experts", "none", "adamw"),
     "pp2_ep2_muon_recompute": (4, 2, 2, "none", "full", "muon"),
+    "pp2_ep2_adamw_gather_once": (4, 2, 2, "none", "none", "adamw", True),
+    "dp2_muon_gather_once_offload": (2, 1, 1, "all", "selective", "muon", True),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_fsdp_matches_one_unsharded_process(tmp_path, name):
-    world, pp, ep, offload, recompute, optimizer = CASES[name]
-    run_ranks(world, check_fsdp, pp, ep, offload, recompute, optimizer, tmpdir=str(tmp_path))
+    world, pp, ep, offload, recompute, optimizer, *gather_once = CASES[name]
+    run_ranks(world, check_fsdp, pp, ep, offload, recompute, optimizer, *gather_once, tmpdir=str(tmp_path))
