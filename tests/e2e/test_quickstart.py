@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_quickstart_produces_datasets_and_a_loss_curve(tmp_path):
     """The quickstart as a new user runs it (10 iterations instead of 300 to keep CI short)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
-    env["MASTER_PORT"] = str(29600 + os.getpid() % 90)
+    from tests.e2e.test_training import free_port
+
+    env["MASTER_PORT"] = str(free_port())
     out = subprocess.run(["bash", "examples/quickstart.sh", str(tmp_path), "10"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -30,6 +30,14 @@ def dataset(tmp_path_factory) -> str:
     return prefix
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def train(args: list[str], log_dir, world: int = 1, check: bool = True) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
@@ -37,7 +45,7 @@ def train(args: list[str], log_dir, world: int = 1, check: bool = True) -> list[
         cmd = [sys.executable, "pretrain_step37.py"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--master-port", str(29700 + os.getpid() % 200), "pretrain_step37.py"]
+               "--master-port", str(free_port()), "pretrain_step37.py"]
     out = subprocess.run(cmd + COMMON + args + ["--log-dir", str(log_dir)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     if check:
