@@ -138,13 +138,13 @@ class Trainer:
         if not ck.load:
             return
         try:
-            resolve(ck.load)
+            path = resolve(ck.load)
         except CheckpointError as e:
             if os.path.exists(os.path.join(ck.load, "latest")):
                 raise
             self.log.info(f"no checkpoint in {ck.load} yet: starting from scratch ({e})")
             return
-        meta, extra = load_checkpoint(ck.load, self.chunks, self.optimizer)
+        meta, extra = load_checkpoint(path, self.chunks, self.optimizer)
         self.iteration = meta["iteration"]
         state = extra.get("loader") or {"global_consumed": self.iteration * self.M * self.ps.sizes.dp,
                                         "fingerprint": self.loader.fingerprint()}
@@ -152,7 +152,7 @@ class Trainer:
         if "rng" in extra:
             torch.set_rng_state(extra["rng"])
         self.skipped = int(extra.get("skipped", 0))
-        self.log.info(f"resumed from {resolve(ck.load)} at iteration {self.iteration}")
+        self.log.info(f"resumed from {path} at iteration {self.iteration}")
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> dict:

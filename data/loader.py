@@ -18,7 +18,9 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from core.packed_seq import PackedSeqParams
 from data.indexed_dataset import IndexedDataset
 from data.packing import PackPlan, cached_plan, permutation
 from data.thd import THDBatch, build_thd_batch
@@ -202,10 +204,6 @@ class THDLoader:
 
 def _concat(batches: list[THDBatch]) -> THDBatch:
     """Join single-pack batches (from different datasets) into one micro-batch."""
-    import torch
-
-    from core.packed_seq import PackedSeqParams
-
     offset, cu, cu_pad, real_offset = 0, [torch.zeros(1, dtype=torch.int32)], \
         [torch.zeros(1, dtype=torch.int32)], 0
     for b in batches:

@@ -162,16 +162,19 @@ def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list]:
     return found, missing, misshaped
 
 
-def check_checkpoint(model, path: str) -> dict:
-    """Missing, unexpected and mis-shaped tensors of ``path`` for ``model``."""
-    ckpt = CheckpointIndex(path)
-    found, missing, misshaped = plan_load(model, ckpt)
+def _report(ckpt: CheckpointIndex, found: dict, missing: list, misshaped: list) -> dict:
     used = {c for c, _ in found.values()} | {m[1] for m in misshaped}
     unexpected = sorted(k for k in ckpt.file_of if k not in used and not k.startswith(VISION_PREFIXES)
                         and not k.endswith("rotary_emb.inv_freq"))
-    vision = sorted(k for k in ckpt.file_of if k.startswith(VISION_PREFIXES))
+    vision = sum(k.startswith(VISION_PREFIXES) for k in ckpt.file_of)
     return {"missing": missing, "unexpected": unexpected, "misshaped": misshaped,
-            "loaded": len(found), "vision_tensors": len(vision)}
+            "loaded": len(found), "vision_tensors": vision}
+
+
+def check_checkpoint(model, path: str) -> dict:
+    """Missing, unexpected and mis-shaped tensors of ``path`` for ``model``."""
+    ckpt = CheckpointIndex(path)
+    return _report(ckpt, *plan_load(model, ckpt))
 
 
 @torch.no_grad()
@@ -181,8 +184,8 @@ def load_hf_weights(model, path: str, *, strict: bool = True) -> dict:
     With ``strict``, missing or mis-shaped tensors raise; an MTP depth without its own output
     head takes the main ``lm_head`` (checkpoints that share it)."""
     ckpt = CheckpointIndex(path)
-    report = check_checkpoint(model, path)
     found, missing, misshaped = plan_load(model, ckpt)
+    report = _report(ckpt, found, missing, misshaped)
     head_fallback = [n for n in missing if re.fullmatch(r"mtp\.\d+\.head\.weight", n)
                      and "lm_head.weight" in ckpt.file_of]
     missing = [n for n in missing if n not in head_fallback]
@@ -193,7 +196,7 @@ def load_hf_weights(model, path: str, *, strict: bool = True) -> dict:
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, (cand, half) in found.items():
         t = tensors[name]
-        tensors[name].copy_(ckpt.read(cand, half, _expert_rows(model, name, t)).to(t.dtype))
+        t.copy_(ckpt.read(cand, half, _expert_rows(model, name, t)).to(t.dtype))
     for name in head_fallback:
         tensors[name].copy_(ckpt.read("lm_head.weight").to(tensors[name].dtype))
     report["head_fallback"] = head_fallback

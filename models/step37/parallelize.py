@@ -83,18 +83,3 @@ def apply_recompute(model: Step37Model, granularity: str, num_layers: int = 0) -
     chosen = layers if num_layers <= 0 else layers[:num_layers]
     for layer in chosen:
         layer.recompute = granularity
-
-
-@torch.no_grad()
-def copy_from_full(chunk: Step37Model, full: Step37Model) -> None:
-    """Fill a stage (possibly holding a slice of the experts) from a whole model's weights."""
-    source = dict(full.named_parameters()) | dict(full.named_buffers())
-    for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers()):
-        if name.startswith("rotary."):
-            continue
-        src = source[name]
-        if ".moe.experts." in name:
-            off = chunk.get_submodule(name.rsplit(".", 1)[0]).expert_offset
-            src = src[off:off + t.shape[0]]
-        t.copy_(src)
-
