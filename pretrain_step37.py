@@ -74,7 +74,10 @@ def validate(args, world: int, check_data: bool = True) -> tuple[Step37Config, P
 def init_distributed() -> tuple[int, int]:
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # with GPUs: NCCL for device tensors, gloo for the few host-side counters
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if world == 1 and "MASTER_ADDR" not in os.environ:  # plain `python`: no rendezvous, no port
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
@@ -96,12 +99,14 @@ class Trainer:
         self.chunks = build_chunks(cfg, ps, args.parallel.pipeline_layout,
                                    dispatcher=args.model.moe_dispatcher)
         self.dtype = torch.bfloat16 if args.memory.params_dtype == "bf16" else torch.float32
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         self.gather_once = args.memory.data_parallel_sharding == "fsdp" and args.memory.fsdp_gather_once
         for c in self.chunks:
             c.reset_parameters(s.seed)
             if args.model.load_hf:
                 c.load_hf(args.model.load_hf)
-            c.to(self.dtype)
+            c.to(self.device, self.dtype)
             apply_recompute(c, args.memory.recompute_granularity, args.memory.recompute_num_layers)
             if args.memory.data_parallel_sharding == "fsdp":
                 apply_fsdp(c, ps, args.memory.cpu_offload, "cuda" if torch.cuda.is_available() else "cpu",
@@ -111,7 +116,7 @@ class Trainer:
         self.optimizer, self.groups_summary = build_optimizer(named, args.optim)
         self.executor = PipelineExecutor(
             self.chunks, ps, seq_tokens=d.seq_length * d.micro_batch_size, hidden_size=cfg.hidden_size,
-            dtype=self.dtype, mtp_loss_scale=args.model.mtp_loss_scale, aux_coeff=args.model.moe_aux_loss_coeff)
+            dtype=self.dtype, device=self.device, mtp_loss_scale=args.model.mtp_loss_scale, aux_coeff=args.model.moe_aux_loss_coeff)
         self.actions = build_schedule(ps.sizes.pp, ps.sizes.vpp, M)[ps.pp_rank]
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, args.logging.log_dir, args.logging.tensorboard)
@@ -163,7 +168,7 @@ class Trainer:
         apply_lr(self.optimizer, mult)
         lr = a.optim.lr * mult  # the --lr group (matrices under muon/dion)
         t0 = time.perf_counter()
-        batches = [next(self.loader) for _ in range(self.M)]
+        batches = [next(self.loader).to(self.device) for _ in range(self.M)]
         counts = torch.tensor([sum(b.num_target_tokens for b in batches),
                                sum(int(b.packed_seq_params.cu_seqlens[-1]) for b in batches)])
         if self.ps.sizes.dp > 1:

@@ -33,6 +33,10 @@ class THDBatch:
     position_ids: torch.Tensor  # int64 [T]
     packed_seq_params: PackedSeqParams
 
+    def to(self, device) -> "THDBatch":
+        return THDBatch(self.tokens.to(device), self.labels.to(device), self.position_ids.to(device),
+                        self.packed_seq_params.to(device))
+
     @property
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())

@@ -62,7 +62,7 @@ def sync_gradients(params: list, pstate: ParallelState) -> None:
 
 def grad_norm(params: list, pstate: ParallelState) -> torch.Tensor:
     """Global L2 norm of the gradient, each distinct parameter counted once (fp64 sum)."""
-    sq = torch.zeros((), dtype=torch.float64)
+    terms = []
     for p in params:
         if p.shared_embedding and not pstate.is_first_stage:
             continue  # the last stage's copy of the embedding
@@ -71,7 +71,11 @@ def grad_norm(params: list, pstate: ParallelState) -> torch.Tensor:
         else:
             owner = pstate.dp_rank == 0 if p.replicated_over == "dp" else pstate.expert_dp_rank == 0
         if owner and p.grad is not None:
-            sq += local(p.grad).detach().double().pow(2).sum()
+            terms.append(local(p.grad).detach().double().pow(2).sum())
+    device = params[0].device if params else torch.device("cpu")
+    # one sum on one device (offloaded shards may sit on the host), no per-tensor sync
+    sq = torch.stack([t.to(device) for t in terms]).sum() if terms else \
+        torch.zeros((), dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
@@ -82,7 +86,7 @@ def clip_gradients(params: list, max_norm: float, norm: torch.Tensor) -> torch.T
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            local(p.grad).mul_(factor.to(p.grad.dtype))
+            local(p.grad).mul_(factor.to(p.grad.device, p.grad.dtype))
     return factor
 
 

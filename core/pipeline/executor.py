@@ -66,7 +66,8 @@ class PipelineExecutor:
         saved: dict = {}
         # FSDP: reduce-scatter gradients only on each chunk's last backward of the step
         last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
-        stats = StepStats(torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64))
+        stats = StepStats(torch.zeros((), dtype=torch.float64, device=self.device),
+                          torch.zeros((), dtype=torch.int64, device=self.device))
         for i, a in enumerate(actions):
             stage = a.chunk * self.pp + self.ps.pp_rank
             if a.kind == "F":
@@ -89,7 +90,7 @@ class PipelineExecutor:
                     batch.packed_seq_params, hidden=inp, labels=batch.labels if last else None)
         aux = self._aux(model, n_mb)
         if last:
-            loss = out.loss_sum + self.mtp_loss_scale * sum(out.mtp_loss_sums, torch.zeros(()))
+            loss = out.loss_sum + self.mtp_loss_scale * sum(out.mtp_loss_sums)
             stats.loss_sum += out.loss_sum.detach().double()
             stats.num_tokens += out.num_tokens
             stats.mtp_loss_sums = [x + y.detach().double() for x, y in
