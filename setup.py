@@ -20,7 +20,7 @@ setup(
     version="0.1.0",
     description="Megatron-style trainer for Step-3.7 MoE models on packed THD sequences",
     python_requires=">=3.10",
-    packages=find_packages(include=["core", "core.*", "models", "models.*", "data", "data.*",
+    packages=find_packages(include=["core", "core.*", "models", "models.*", "data", "data.*", "training",
                                     "tools", "tools.*"]),
     py_modules=["pretrain_step37", "train_args"],
     ext_modules=ext_modules,

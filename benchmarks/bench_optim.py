@@ -52,7 +52,7 @@ def mid_config() -> Step37Config:
 
 def measure(cfg: Step37Config, kind: dict, repeats: int) -> tuple[float, float]:
     model = Step37Model(cfg, seed=0)
-    opt, _ = build_optimizer(list(model.named_parameters()), args_for(kind))
+    opt, _ = build_optimizer([model], args_for(kind))
     g = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g) * 1e-3

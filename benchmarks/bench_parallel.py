@@ -4,7 +4,8 @@
 1. Simulated bubble (the executor's own action lists; backward = 2 x forward, equal stages):
    StepFun's Step-3.7 layout (PP8, 3 virtual stages, 32 micro-batches) and NeMo Automodel's
    (PP4, EP2; 8 micro-batches), against (p-1)/(m+p-1) and its interleaved form (p-1)/(v*m+p-1).
-2. Measured step time of 4 gloo ranks (PP2 x EP2) against 1 rank on the same global batch of a
+2. Measured time of the trainer's ``train_step`` (forward, backward, gradient sync, clipping,
+   an SGD update) on 4 gloo ranks (PP2 x EP2) against 1 rank on the same global batch of a
    small MoE model, with the bytes each rank moves per step by pipeline p2p and by the expert
    all-to-all (backward moves as much as forward).
 
@@ -60,14 +61,13 @@ def _rank(rank, world, port, args, out):
     import torch
     import torch.distributed as dist
 
-    from core.distributed.grads import sync_gradients, tag_parameters
     from core.parallel_state import ParallelSizes, ParallelState
-    from core.pipeline.executor import PipelineExecutor
-    from core.pipeline.schedules import build_schedule
+    from core.train_step import StepSettings, train_step
     from data.indexed_dataset import InMemoryDataset
     from data.packing import plan_packs
     from data.thd import build_thd_batch
-    from models.step37.parallelize import build_chunks
+    from models.step37.parallelize import parallelize
+    from train_args import parse
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -75,8 +75,9 @@ def _rank(rank, world, port, args, out):
     cfg = _config(args.hidden, args.layers)
     pp, ep = (2, 2) if world == 4 else (1, 1)
     ps = ParallelState.build(ParallelSizes(world, pp=pp, ep=ep), cfg.num_layers, cfg.num_experts)
-    chunks = build_chunks(cfg, ps)
-    params = tag_parameters(chunks, ps)
+    chunks = parallelize(cfg, ps, parse(["--data-path", "unused", "--pipeline-model-parallel-size", str(pp),
+                                         "--expert-model-parallel-size", str(ep)]))
+    optimizer = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-4)
     dp, M_total, S = ps.sizes.dp, 8, args.seq
     M = M_total // dp
 
@@ -89,23 +90,18 @@ def _rank(rank, world, port, args, out):
                                S, pad_id=0)
 
     batches = [batch(m) for m in range(M)]
-    n = torch.tensor(sum(int(b.num_target_tokens) for b in batches))
-    if dp > 1:
-        dist.all_reduce(n, group=ps.group("dp"))
-    ex = PipelineExecutor(chunks, ps, seq_tokens=S, hidden_size=cfg.hidden_size)
-    times = []
+    settings = StepSettings(hidden_size=cfg.hidden_size, clip_grad=1.0)
+    times, p2p = [], 0
     for step in range(args.steps + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        ex.run(build_schedule(pp, 1, M)[ps.pp_rank], lambda m: batches[m], int(n), M_total)
-        sync_gradients(params, ps)
+        p2p += train_step(chunks, ps, optimizer, batches, settings).p2p_bytes
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    a2a = sum(m.moe.dispatcher.sent_bytes for c in chunks for m in c.layers.values()
-              if hasattr(m, "moe") and hasattr(m.moe.dispatcher, "sent_bytes"))
+    a2a = sum(getattr(m.dispatcher, "sent_bytes", 0) for c in chunks for m in c.moe_layers())
     steps = args.steps + 1
     with open(os.path.join(out, f"{world}_{rank}.json"), "w") as f:
-        json.dump({"step": sorted(times[1:])[len(times[1:]) // 2], "p2p": ex.p2p_bytes / steps,
+        json.dump({"step": sorted(times[1:])[len(times[1:]) // 2], "p2p": p2p / steps,
                    "a2a": 2 * a2a / steps}, f)
     dist.destroy_process_group()
 

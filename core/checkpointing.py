@@ -5,8 +5,9 @@ Layout on disk::
     SAVE/iter_0000200/          model + optimizer tensors (DCP), extra_rank{r}.pt, meta.json
     SAVE/latest                 "iter_0000200", updated last
 
-Keys are layout-independent: every tensor is stored under its global parameter name, and the
-stacked expert weights (and their optimizer state) one expert per key (``name#e17``). A run with
+Keys are layout-independent: every tensor is stored under its global parameter name, and
+parameters that the model declares as stacked experts (``ParamSpec.expert_offset``), with their
+optimizer state, one expert per key (``name#e17``). A run with
 another pipeline or expert-parallel layout asks for the keys it owns and gets them, so a
 checkpoint saved at PP2 x EP2 loads at PP1. Replicated tensors are written once (DCP dedups).
 
@@ -26,15 +27,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-EXPERT = ".moe.experts."
+from core.model_api import iter_params, persistent_tensors
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def _expert_offset(chunk, name: str) -> int:
-    return chunk.get_submodule(name.rsplit(".", 1)[0]).expert_offset
 
 
 def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
@@ -52,12 +49,13 @@ def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
 
 
 def model_state(chunks) -> dict:
+    """Parameters and persistent buffers under their global names (experts split)."""
     out = {}
     for chunk in chunks:
-        for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers()):
-            if name.startswith("rotary."):
-                continue
-            out.update(_split(f"model/{name}", t.data, _expert_offset(chunk, name) if EXPERT in name else None))
+        specs = chunk.param_specs()
+        for name, t in persistent_tensors(chunk):
+            offset = specs[name].expert_offset if name in specs else None
+            out.update(_split(f"model/{name}", t, offset))
     return out
 
 
@@ -66,17 +64,16 @@ def optimizer_state(chunks, optimizer, *, allocate_from: dict | None = None) -> 
 
     ``allocate_from``: checkpoint metadata; states that do not exist yet (optimizers create
     them lazily) are allocated with the saved shapes so DCP can load into them."""
-    names = {id(p): (chunk, n) for chunk in chunks for n, p in chunk.named_parameters()}
+    names = {id(p): (name, spec.expert_offset) for _, name, p, spec in iter_params(chunks)}
     out = {}
     for opt_name, opt in optimizer.optimizers.items():
         for group in opt.param_groups:
             for p in group["params"]:
-                chunk, name = names[id(p)]
+                name, offset = names[id(p)]
                 state = opt.state[p]
                 prefix = f"optim/{opt_name}/{name}/"
                 if allocate_from is not None and not state:
-                    _allocate(state, p, prefix, allocate_from, EXPERT in name)
-                offset = _expert_offset(chunk, name) if EXPERT in name else None
+                    _allocate(state, p, prefix, allocate_from, offset is not None)
                 for key, t in state.items():
                     if torch.is_tensor(t):
                         per_expert = offset is not None and t.dim() > 0 and t.shape[:1] == p.shape[:1]

@@ -33,16 +33,19 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def add_to_parser(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
-    """Add one flag per field of dataclass ``cls`` (in its own group when ``title`` is given)."""
+def add_to_parser(parser: argparse.ArgumentParser, cls: type, title: str | None = None,
+                  optional: tuple = ()) -> None:
+    """Add one flag per field of dataclass ``cls`` (in its own group when ``title`` is given);
+    fields named in ``optional`` are not required even without a default (they default to None)."""
     group = parser.add_argument_group(title, (cls.__doc__ or "").strip().split("\n")[0]) if title else parser
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         kwargs = dict(f.metadata.get("argparse", {}))
         helptext = f.metadata.get("help", "")
-        required = f.default is _MISSING and f.default_factory is _MISSING
-        default = None if required else (f.default if f.default is not _MISSING else f.default_factory())
+        required = f.default is _MISSING and f.default_factory is _MISSING and f.name not in optional
+        default = f.default if f.default is not _MISSING else \
+            (f.default_factory() if f.default_factory is not _MISSING else None)
         if f.type in (bool, "bool") and "action" not in kwargs:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif "type" not in kwargs and "action" not in kwargs:

@@ -31,10 +31,6 @@ class PackedSeqParams:
         if self.qkv_format != "thd":
             raise ValueError(f"PackedSeqParams.qkv_format must be 'thd', got {self.qkv_format!r}")
 
-    @property
-    def num_docs(self) -> int:
-        return self.cu_seqlens.numel() - 1
-
     def to(self, device: torch.device | str) -> "PackedSeqParams":
         return PackedSeqParams(self.cu_seqlens.to(device), self.cu_seqlens_padded.to(device),
                                self.max_seqlen, self.qkv_format)

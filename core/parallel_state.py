@@ -14,7 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
+
+
+def local_device() -> torch.device:
+    """This process's compute device: its GPU (set from LOCAL_RANK at start-up) or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
 
 
 @dataclass(frozen=True)

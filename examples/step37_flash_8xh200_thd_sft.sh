@@ -6,9 +6,12 @@
 # per iteration; with DP = 8 / PP4 = 2 (EP2 inside it) and micro-batch 1 pack, each pipeline
 # runs 32 micro-batches per iteration (1F1B bubble (p-1)/(m+p-1) = 8.6%).
 #
-# NOT yet runnable at this size: the full model does not fit 8 x 141 GB without FSDP over the
-# data-parallel ranks, CPU offload and activation recompute (see docs/parallelism.md and the
-# open issue on fitting Step-3.7-Flash). The flags below are the ones that exist today.
+# Memory: bf16 parameters, FSDP2 over the data-parallel ranks with every shard offloaded to host
+# memory, and full activation recompute. The planner says this fits (about 32 GB on the busiest
+# GPU, 115 GB of host memory per rank); plan it before you spend a node-hour, with the same flags:
+#   python tools/plan_memory.py --world-size 8 <the flags below>
+# This layout has not run on GPUs yet: bf16 here has no fp32 master weights, and offload copies
+# every layer's shards for each micro-batch (slow); see docs/memory.md.
 #
 #   bash examples/step37_flash_8xh200_thd_sft.sh /data/Step-3.7-Flash /data/sft_text_document /out
 set -euo pipefail
@@ -19,6 +22,7 @@ OUT=${3:?}
 torchrun --nproc-per-node 8 pretrain_step37.py \
     --hf-config "$HF" --load-hf "$HF" --attention-backend flex \
     --pipeline-model-parallel-size 4 --expert-model-parallel-size 2 \
+    --params-dtype bf16 --data-parallel-sharding fsdp --cpu-offload all --recompute-granularity full \
     --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \
     --seq-length 8192 --micro-batch-size 1 --global-batch-size 64 --long-docs truncate \
     --optimizer muon --muon-momentum 0 --lr 2e-4 --adamw-lr 1e-5 --min-lr 2e-5 \

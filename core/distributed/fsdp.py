@@ -1,9 +1,10 @@
 """FSDP2 for pipeline stages: dense parameters sharded over the data-parallel ranks, expert
 parameters over the expert-data-parallel ranks, optional CPU offload.
 
-Each decoder layer (and MTP depth) is one FSDP unit, the experts of a layer their own unit on
-the expert-DP mesh; the stage's remaining parameters (embedding, final norm, heads) form the
-root unit. Gradients are *summed* across replicas (divide factor 1), because the loss is
+The model names its units (``fsdp_units()``, innermost first, each with the replication group
+of its parameters): units over ``"dp"`` shard on the data-parallel mesh, units over
+``"expert_dp"`` (routed experts) on the expert-data-parallel mesh; the chunk's remaining
+parameters (for a decoder: embedding, final norm, heads) form the root unit. Gradients are *summed* across replicas (divide factor 1), because the loss is
 already normalised by the step's global token count. Where expert-DP is 1 each EP rank owns its
 experts whole: they are left out of FSDP (``ignored_params``), or, when offloading, put on a
 one-rank mesh so FSDP moves them between host and device.
@@ -17,7 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-from core.moe.experts import GroupedExperts
+from core.model_api import iter_params
 from core.parallel_state import ParallelState
 
 SHARDING_MODES = ("none", "fsdp")
@@ -47,17 +48,16 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
         edp_mesh = DeviceMesh.from_group(ps.group("self"), device_type)
     else:
         edp_mesh = None
-    experts = {p for m in chunk.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    experts = {p for _, _, p, spec in iter_params([chunk]) if spec.replicated_over == "expert_dp"}
     ignored = experts if edp_mesh is None else None
-    blocks = list(chunk.layers.values()) + (list(chunk.mtp.values()) if chunk.mtp is not None else [])
-    for block in blocks:
-        if edp_mesh is not None:
-            for m in block.modules():
-                if isinstance(m, GroupedExperts):
-                    fully_shard(m, mesh=edp_mesh, offload_policy=_policy(cpu_offload != "none"),
-                                reshard_after_forward=not gather_once)
-        fully_shard(block, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"),
-                    ignored_params=ignored, reshard_after_forward=not gather_once)
+    for unit, over in chunk.fsdp_units():
+        if over == "expert_dp":
+            if edp_mesh is not None:
+                fully_shard(unit, mesh=edp_mesh, offload_policy=_policy(cpu_offload != "none"),
+                            reshard_after_forward=not gather_once)
+        else:
+            fully_shard(unit, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"),
+                        ignored_params=ignored, reshard_after_forward=not gather_once)
     fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), ignored_params=ignored,
                 reshard_after_forward=not gather_once)
     for m in chunk.modules():

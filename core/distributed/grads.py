@@ -1,10 +1,11 @@
 """Gradient synchronisation, global grad norm and clipping across pp, ep and dp.
 
-Every parameter carries ``replicated_over``: ``"dp"`` (dense: one copy per data-parallel rank,
-EP ranks included) or ``"expert_dp"`` (an expert shard: one copy per expert-data-parallel
-rank). The loss is already normalised by the global token count, so replicas' gradients are
-*summed*. The embedding that a last stage holds for MTP is a second copy of stage 0's
-(``shared_embedding``): their gradients are summed over the ``embedding`` group.
+Each parameter's ``ParamSpec`` (declared by the model, ``core/model_api.py``) says where its
+replicas live: ``"dp"`` (dense: one copy per data-parallel rank, EP ranks included) or
+``"expert_dp"`` (an expert shard: one copy per expert-data-parallel rank). The loss is already
+normalised by the global token count, so replicas' gradients are *summed*. A ``tied``
+parameter (e.g. the embedding that a last stage holds for MTP) has a copy on the first stage:
+their gradients are summed over the ``embedding`` group.
 
 The grad norm counts each distinct parameter once: dense ones on DP rank 0 of each stage,
 expert shards on expert-DP rank 0 of each (stage, EP rank), tied copies only on stage 0, then
@@ -18,19 +19,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from core.parallel_state import ParallelState
-
-
-def tag_parameters(chunks, pstate: ParallelState) -> list[torch.nn.Parameter]:
-    """Set replication metadata on every parameter of this rank's chunks; return them."""
-    params = []
-    for chunk in chunks:
-        # with MTP and a pipeline, the first and the last stage each hold the embedding
-        shared = chunk.config.num_mtp_layers > 0 and pstate.sizes.pp > 1
-        for name, p in chunk.named_parameters():
-            p.replicated_over = "expert_dp" if ".moe.experts." in name else "dp"
-            p.shared_embedding = shared and name == "embed_tokens.weight"
-            params.append(p)
-    return params
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -47,42 +35,44 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
         t.copy_(synced)
 
 
-def sync_gradients(params: list, pstate: ParallelState) -> None:
-    """Sum gradients over their replicas (one flat bucket per group). FSDP-sharded parameters
-    were already reduce-scattered by FSDP; only the shared embedding's shards meet here."""
-    for p in params:
+def sync_gradients(specs: list, pstate: ParallelState) -> None:
+    """Sum gradients over their replicas (one flat bucket per group). ``specs``: ``(parameter,
+    ParamSpec)`` pairs (``core.model_api.specs_of``). FSDP-sharded parameters were already
+    reduce-scattered by FSDP; only tied parameters' shards meet here."""
+    for p, _ in specs:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     for kind in ("dp", "expert_dp"):
-        _all_reduce_flat([p.grad for p in params if p.replicated_over == kind
+        _all_reduce_flat([p.grad for p, spec in specs if spec.replicated_over == kind
                           and not isinstance(p, DTensor)], pstate.group(kind))
     if len(pstate.ranks("embedding")) > 1:
-        _all_reduce_flat([local(p.grad) for p in params if p.shared_embedding], pstate.group("embedding"))
+        _all_reduce_flat([local(p.grad) for p, spec in specs if spec.tied], pstate.group("embedding"))
 
 
-def grad_norm(params: list, pstate: ParallelState) -> torch.Tensor:
+def grad_norm(specs: list, pstate: ParallelState) -> torch.Tensor:
     """Global L2 norm of the gradient, each distinct parameter counted once (fp64 sum)."""
-    terms = []
-    for p in params:
-        if p.shared_embedding and not pstate.is_first_stage:
-            continue  # the last stage's copy of the embedding
+    terms, device = [], None
+    for p, spec in specs:
+        device = device or p.device
+        if spec.tied and not pstate.is_first_stage:
+            continue  # the copy that is not on the first stage
         if isinstance(p, DTensor):
             owner = True  # a shard: every rank holds a different part
         else:
-            owner = pstate.dp_rank == 0 if p.replicated_over == "dp" else pstate.expert_dp_rank == 0
+            owner = pstate.dp_rank == 0 if spec.replicated_over == "dp" else pstate.expert_dp_rank == 0
         if owner and p.grad is not None:
             terms.append(local(p.grad).detach().double().pow(2).sum())
-    device = params[0].device if params else torch.device("cpu")
     # one sum on one device (offloaded shards may sit on the host), no per-tensor sync
     sq = torch.stack([t.to(device) for t in terms]).sum() if terms else \
-        torch.zeros((), dtype=torch.float64, device=device)
+        torch.zeros((), dtype=torch.float64, device=device or "cpu")
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()
 
 
-def clip_gradients(params: list, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
-    """Scale all gradients by ``min(1, max_norm / norm)``; returns the factor used."""
+def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """Scale the gradients of ``params`` (every parameter this rank holds) by
+    ``min(1, max_norm / norm)``; returns the factor used."""
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
@@ -90,16 +80,10 @@ def clip_gradients(params: list, max_norm: float, norm: torch.Tensor) -> torch.T
     return factor
 
 
-def reduce_step_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, extra: list | tuple = (),
-                     num_extra: int = 0) -> tuple[float, int, list]:
-    """Global per-token loss of the step on every rank (non-last stages contribute zeros), plus
-    ``num_extra`` more sums (e.g. MTP depths) per main-head token. One all-reduce; every rank
-    must call it with the same ``num_extra``."""
-    t = torch.zeros(2 + num_extra, dtype=torch.float64)
-    t[0], t[1] = loss_sum.double(), num_tokens.double()
-    for i, x in enumerate(extra):
-        t[2 + i] = float(x)
+def reduce_step_metrics(values: list[torch.Tensor]) -> list[float]:
+    """Sum scalar tensors over the world in one fp64 all-reduce (one host sync); every rank must
+    pass the same number of values."""
+    t = torch.stack([v.detach().to(values[0].device, torch.float64).reshape(()) for v in values])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-    n = t[1].clamp(min=1)
-    return float(t[0] / n), int(t[1]), [float(x / n) for x in t[2:]]
+    return t.tolist()

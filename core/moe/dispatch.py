@@ -1,8 +1,8 @@
 """Token dispatch: routed tokens -> rows grouped by expert -> back, weighted.
 
-``permute``/``unpermute`` are pure local functions; a dispatcher adds communication around them
-(the expert-parallel all-to-all arrives with the parallelism work). ``LocalDispatcher`` is the
-single-process one.
+``permute``/``unpermute`` are pure local functions; a dispatcher adds communication around them.
+``LocalDispatcher`` keeps every expert in this process; ``AllToAllDispatcher`` and
+``AllGatherDispatcher`` move tokens to the expert-parallel rank that holds their experts.
 """
 from __future__ import annotations
 

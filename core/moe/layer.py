@@ -1,4 +1,9 @@
-"""The MoE feed-forward: ``scaling * routed(x) + shared_expert(x)``."""
+"""The MoE feed-forward: ``scaling * routed(x) + shared_expert(x)``, and its routing statistics.
+
+The statistics (tokens per expert over non-padding tokens, the router's auxiliary loss) are
+returned with the output rather than kept on the module, so a caller sums them over every
+micro-batch of a step, and activation recompute (which runs the forward again during backward)
+cannot count a micro-batch twice."""
 from __future__ import annotations
 
 import torch
@@ -21,9 +26,10 @@ class MoELayer(nn.Module):
         self.shared_expert = SwiGLUMLP(hidden, shared_size, shared_limit)
         self.scaling = scaling
         self.dispatcher = LocalDispatcher()  # replaced by parallelize for expert parallelism
-        self.last_stats: dict = {}
 
-    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
-        weights, experts, self.last_stats = self.router(x_TH, valid_T)
+    def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """``(output [T, hidden], stats)``; ``stats``: ``tokens_per_expert`` [E] fp32 and
+        ``aux_loss`` (see :class:`SigmoidRouter`)."""
+        weights, experts, stats = self.router(x_TH, valid_T)
         routed = self.dispatcher(x_TH, weights, experts, self.experts)
-        return routed * self.scaling + self.shared_expert(x_TH)
+        return routed * self.scaling + self.shared_expert(x_TH), stats

@@ -1,28 +1,25 @@
 """Parameter grouping and the composite optimizer.
 
 Rules (printed at start-up): with ``--optimizer muon`` or ``dion``, every matrix (2-D) and
-expert stack (3-D) goes to Muon / Dion *except* the embedding and the output heads
-(``embed_tokens``, ``lm_head``, ``mtp.*.head``); those, the norms and all vectors go to AdamW
-with its own learning rate (``--adamw-lr``, default ``--lr``). ``--optimizer adamw`` puts
+expert stack (3-D) goes to Muon / Dion *except* the parameters the model declares as embeddings
+or output heads (``ParamSpec.role``); those, the norms and all vectors go to AdamW with its own
+learning rate (``--adamw-lr``, default ``--lr``). ``--optimizer adamw`` puts
 everything in AdamW. Weight decay is decoupled; norms and vectors get none.
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
+from core.model_api import ParamSpec, iter_params
 from core.optim.dion import Dion
 from core.optim.muon import Muon
 
-_ADAMW_MATRICES = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$|^mtp\.\d+\.head\.weight$")
 
-
-def classify(name: str, p: torch.Tensor, optimizer: str) -> str:
-    """Which optimizer a named parameter belongs to: 'matrix', 'adamw' or 'adamw_no_wd'."""
+def classify(spec: ParamSpec, p: torch.Tensor, optimizer: str) -> str:
+    """Which optimizer a parameter belongs to: 'matrix', 'adamw' or 'adamw_no_wd'."""
     if p.dim() < 2:
         return "adamw_no_wd"
-    if optimizer == "adamw" or _ADAMW_MATRICES.search(name):
+    if optimizer == "adamw" or spec.role in ("embedding", "head"):
         return "adamw"
     return "matrix"
 
@@ -49,22 +46,16 @@ class CompositeOptimizer:
         return sum(t.numel() * t.element_size() for opt in self.optimizers.values()
                    for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
 
-    def state_dict(self) -> dict:
-        return {k: opt.state_dict() for k, opt in self.optimizers.items()}
 
-    def load_state_dict(self, state: dict) -> None:
-        for k, opt in self.optimizers.items():
-            opt.load_state_dict(state[k])
-
-
-def build_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], cfg) -> tuple[CompositeOptimizer, str]:
-    """``cfg`` needs: optimizer, lr, adamw_lr, weight_decay, adam_beta1/2, adam_eps,
+def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
+    """One optimizer over every parameter of ``chunks`` (grouped by their ``ParamSpec``).
+    ``cfg`` needs: optimizer, lr, adamw_lr, weight_decay, adam_beta1/2, adam_eps,
     muon_momentum, muon_nesterov, muon_ns_steps, muon_ns_method, muon_lr_adjust,
     dion_momentum, dion_rank_fraction. Returns the optimizer and a printable summary."""
     buckets: dict[str, list] = {"matrix": [], "adamw": [], "adamw_no_wd": []}
     names: dict[str, list] = {k: [] for k in buckets}
-    for name, p in named_params:
-        kind = classify(name, p, cfg.optimizer)
+    for _, name, p, spec in iter_params(chunks):
+        kind = classify(spec, p, cfg.optimizer)
         buckets[kind].append(p)
         names[kind].append(name)
     adamw_lr = cfg.adamw_lr if cfg.adamw_lr is not None else cfg.lr

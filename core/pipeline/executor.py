@@ -8,6 +8,8 @@ carry a tag naming (kind, micro-batch, stage), so any schedule the simulator acc
 without deadlock. The objective is ``(sum of main + MTP token losses) / num_tokens`` with
 ``num_tokens`` the step's global target count (all micro-batches, all data-parallel ranks),
 plus ``aux_coeff`` times each MoE layer's aux loss averaged over micro-batches and DP ranks.
+Each chunk's forward returns a ``StageOutput`` (``core/model_api.py``); the executor sums its
+losses and its MoE routing load over the step's micro-batches.
 """
 from __future__ import annotations
 
@@ -27,6 +29,18 @@ class StepStats:
     loss_sum: torch.Tensor      # main-head token-loss sum over this rank's micro-batches
     num_tokens: torch.Tensor    # main-head targets over this rank's micro-batches
     mtp_loss_sums: list = field(default_factory=list)
+    expert_load: dict = field(default_factory=dict)  # chunk -> [moe layers, experts] tokens, summed
+
+    def add(self, chunk: int, out) -> None:
+        if out.expert_load is not None:
+            load = out.expert_load.detach()
+            self.expert_load[chunk] = self.expert_load[chunk] + load if chunk in self.expert_load else load
+        if out.loss_sum is None:
+            return
+        self.loss_sum += out.loss_sum.detach().double()
+        self.num_tokens += out.num_tokens
+        sums = self.mtp_loss_sums or [0.0] * len(out.mtp_loss_sums)
+        self.mtp_loss_sums = [x + y.detach().double() for x, y in zip(sums, out.mtp_loss_sums)]
 
 
 class PipelineExecutor:
@@ -86,20 +100,16 @@ class PipelineExecutor:
         inp = None
         if not first:
             inp = self._recv("F", a.microbatch, stage, self.ps.pp_peer(-1)).requires_grad_()
-        out = model(batch.tokens if first or model.mtp is not None else None, batch.position_ids,
-                    batch.packed_seq_params, hidden=inp, labels=batch.labels if last else None)
-        aux = self._aux(model, n_mb)
+        out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
+                    labels=batch.labels)
+        stats.add(a.chunk, out)
+        aux = self.aux_coeff * out.aux_loss / n_mb if self.aux_coeff and out.aux_loss is not None else None
         if last:
             loss = out.loss_sum + self.mtp_loss_scale * sum(out.mtp_loss_sums)
-            stats.loss_sum += out.loss_sum.detach().double()
-            stats.num_tokens += out.num_tokens
-            stats.mtp_loss_sums = [x + y.detach().double() for x, y in
-                                   zip(stats.mtp_loss_sums or [0.0] * len(out.mtp_loss_sums),
-                                       out.mtp_loss_sums)]
             return inp, loss / num_tokens + (aux if aux is not None else 0.0), None
-        self._send(out, "F", a.microbatch, stage + 1, self.ps.pp_peer(1))
-        _free_values(out)
-        return inp, out, aux
+        self._send(out.hidden, "F", a.microbatch, stage + 1, self.ps.pp_peer(1))
+        _free_values(out.hidden)
+        return inp, out.hidden, aux
 
     def _backward(self, a: Action, stage: int, saved) -> None:
         inp, out, aux = saved
@@ -116,12 +126,6 @@ class PipelineExecutor:
                 tuple(tensors), tuple(grads), False, False, (), True, True)
         if inp is not None:
             self._send(inp.grad, "B", a.microbatch, stage - 1, self.ps.pp_peer(-1))
-
-    def _aux(self, model, n_mb: int):
-        if not self.aux_coeff:
-            return None
-        aux = model._aux_loss()
-        return None if aux is None else self.aux_coeff * aux / n_mb
 
 
 def _free_values(out: torch.Tensor) -> None:

@@ -86,8 +86,8 @@ def _shard_numel(t: torch.Tensor, world: int) -> int:
     return math.ceil(t.shape[0] / world) * (t.numel() // t.shape[0])
 
 
-def _optimizer_bytes(name: str, t: torch.Tensor, numel: int, inp: PlanInputs) -> int:
-    kind = classify(name, t, inp.optimizer)
+def _optimizer_bytes(spec, t: torch.Tensor, numel: int, inp: PlanInputs) -> int:
+    kind = classify(spec, t, inp.optimizer)
     b = inp.param_bytes
     if kind != "matrix":
         return 2 * numel * b + 4  # AdamW moments + fp32 step counter
@@ -121,8 +121,9 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
             host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
             largest_layer, all_layers = 0, 0
             for chunk in chunks:
+                specs = chunk.param_specs()
                 for name, t in chunk.named_parameters():
-                    expert = ".moe.experts." in name
+                    expert = specs[name].replicated_over == "expert_dp"
                     shard_world = (sizes.expert_dp if expert else sizes.dp) if fsdp else 1
                     numel = _shard_numel(t, shard_world)
                     r.parameters += numel
@@ -130,7 +131,7 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
                     where = host if offloaded else dev
                     where["parameters"] += numel * b
                     where["gradients"] += numel * b
-                    where["optimizer"] += _optimizer_bytes(name, t, numel, inp)
+                    where["optimizer"] += _optimizer_bytes(specs[name], t, numel, inp)
                 if fsdp:
                     for layer in chunk.layers.values():
                         size = sum(p.numel() for p in layer.parameters()) * b

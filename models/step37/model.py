@@ -3,9 +3,12 @@ outside, see DESIGN.md). Layers live in a ``ModuleDict`` keyed by global index, 
 stage that owns layers ``a..b`` has the same parameter names as the whole model.
 
 Forward: ``model(tokens, position_ids, packed_seq_params)`` -> logits ``[T, vocab]`` (or the
-hidden state ``[T, hidden]`` on a stage without the head). With ``labels`` it returns a
-:class:`LossOutput`: sums of token cross-entropies and target counts, main head and each MTP
-depth separately; the caller normalises (once per step, by the global token count).
+hidden state ``[T, hidden]`` on a stage without the head). With ``labels`` (training) it returns
+core's :class:`~core.model_api.StageOutput`: the hidden state to send on, or on the last stage
+sums of token cross-entropies and target counts (main head and each MTP depth separately; the
+caller normalises once per step by the global token count), plus the MoE layers' auxiliary loss
+and routing load. ``param_specs``, ``fsdp_units`` and ``moe_layers`` tell core the rest of what
+it needs (see ``core/model_api.py``).
 
 Multi-token prediction, depth k = 1..D (DeepSeek-V3 style): ``h_k = block_k(eh_proj([enorm(
 embed(x shifted by k)), hnorm(h_{k-1})]))`` with ``h_0`` the main model's last hidden state
@@ -16,13 +19,13 @@ document gets padding and no target.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from core.model_api import ParamSpec, StageOutput
+from core.moe.experts import GroupedExperts
 from core.moe.layer import MoELayer
 from core.packed_seq import PackedSeqParams
 from core.transformer.attention import GatedAttention
@@ -33,15 +36,6 @@ from core.transformer.rotary import RotaryEmbedding
 from models.step37.config import Step37Config
 
 IGNORE_INDEX = -100
-
-
-@dataclass
-class LossOutput:
-    loss_sum: torch.Tensor                 # sum of main-head token losses (fp32 scalar)
-    num_tokens: torch.Tensor               # number of main-head targets (int64 scalar)
-    mtp_loss_sums: list = field(default_factory=list)
-    mtp_num_tokens: list = field(default_factory=list)
-    aux_loss: torch.Tensor | None = None   # sum over MoE layers of the router aux loss
 
 
 class DecoderLayer(nn.Module):
@@ -66,12 +60,14 @@ class DecoderLayer(nn.Module):
 
     recompute: str = "none"  # "full": keep only the input; "selective": drop attention and FFN internals
 
-    def forward(self, x_TH, ropes: dict, layout: DocLayout, valid_T) -> torch.Tensor:
+    def forward(self, x_TH, ropes: dict, layout: DocLayout, valid_T) -> tuple[torch.Tensor, dict | None]:
+        """``(output, MoE statistics or None)``; recompute reruns the maths during backward but
+        its statistics are dropped there, so each micro-batch counts once."""
         if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x_TH, ropes, layout, valid_T, use_reentrant=False)
         return self._forward(x_TH, ropes, layout, valid_T)
 
-    def _forward(self, x_TH, ropes, layout, valid_T) -> torch.Tensor:
+    def _forward(self, x_TH, ropes, layout, valid_T):
         selective = self.recompute == "selective" and torch.is_grad_enabled()
         h_in = self.input_layernorm(x_TH)
         attn = (checkpoint(self.self_attn, h_in, ropes[self.layer_type], layout, use_reentrant=False)
@@ -81,7 +77,8 @@ class DecoderLayer(nn.Module):
         ffn = self.mlp if hasattr(self, "mlp") else self.moe
         args = (y,) if hasattr(self, "mlp") else (y, valid_T)
         y = checkpoint(ffn, *args, use_reentrant=False) if selective else ffn(*args)
-        return h + y
+        y, stats = y if isinstance(y, tuple) else (y, None)
+        return h + y, stats
 
 
 class MTPDepth(nn.Module):
@@ -97,11 +94,12 @@ class MTPDepth(nn.Module):
         self.head = nn.Linear(H, cfg.vocab_size, bias=False)
 
     def forward(self, emb_TH, h_prev_TH, ropes, layout, valid_T):
-        """(hidden state for the next depth, this depth's logits). The head runs inside the
-        forward so a wrapper that gathers this module's weights (FSDP) covers it."""
+        """(hidden state for the next depth, this depth's logits, MoE statistics or None). The
+        head runs inside the forward so a wrapper that gathers this module's weights (FSDP)
+        covers it."""
         x = self.eh_proj(torch.cat([self.enorm(emb_TH), self.hnorm(h_prev_TH)], dim=-1))
-        h = self.block(x, ropes, layout, valid_T)
-        return h, self.head(self.head_norm(h))
+        h, stats = self.block(x, ropes, layout, valid_T)
+        return h, self.head(self.head_norm(h)), stats
 
 
 class Step37Model(nn.Module):
@@ -136,31 +134,64 @@ class Step37Model(nn.Module):
         weights) draws from its own generator seeded by its global name, so a model split over
         any pipeline / expert layout starts from exactly the weights of the whole model."""
         std = self.config.init_std
+        specs = self.param_specs()
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
+            offset = specs[name].expert_offset
             if "norm" in name.split(".")[-2]:
                 p.zero_()  # RMSNorm scales by 1 + weight
-            elif ".moe.experts." in name:
-                offset = self.get_submodule(name.rsplit(".", 1)[0]).expert_offset
+            elif offset is not None:
                 for e in range(p.shape[0]):
                     p[e].copy_(_seeded_normal(p.shape[1:], std, seed, f"{name}#{offset + e}"))
             else:
                 p.copy_(_seeded_normal(p.shape, std, seed, name))
 
+    # ------------------------------------------------------------------ what core needs
+    def param_specs(self) -> dict[str, ParamSpec]:
+        """Roles for core (``core/model_api.py``): embedding and heads stay on AdamW; routed
+        experts are expert-parallel shards stacked on dim 0; with MTP the embedding has a copy
+        on the last stage too (tied: its gradients are summed with the first stage's)."""
+        embedding = ParamSpec(role="embedding", tied=self.config.num_mtp_layers > 0)
+        heads = [self.lm_head] + ([d.head for d in self.mtp.values()] if self.mtp is not None else [])
+        special = {id(m.weight): ParamSpec(role="head") for m in heads if m is not None}
+        if self.embed_tokens is not None:
+            special[id(self.embed_tokens.weight)] = embedding
+        for m in self.modules():
+            if isinstance(m, GroupedExperts):
+                spec = ParamSpec(replicated_over="expert_dp", expert_offset=m.expert_offset)
+                special.update({id(p): spec for p in m.parameters()})
+        return {n: special.get(id(p), ParamSpec()) for n, p in self.named_parameters()}
+
+    def _blocks(self) -> list[nn.Module]:
+        return list(self.layers.values()) + (list(self.mtp.values()) if self.mtp is not None else [])
+
+    def fsdp_units(self) -> list[tuple[nn.Module, str]]:
+        """Each decoder layer and MTP depth is a unit over DP, its routed experts an inner unit
+        over expert-DP; embedding, final norm and head fall to the root (the chunk itself)."""
+        units = []
+        for block in self._blocks():
+            units += [(m, "expert_dp") for m in block.modules() if isinstance(m, GroupedExperts)]
+            units.append((block, "dp"))
+        return units
+
+    def moe_layers(self) -> list[MoELayer]:
+        """MoE layers in forward order: the rows of ``StageOutput.expert_load``."""
+        return [m for block in self._blocks() for m in block.modules() if isinstance(m, MoELayer)]
+
     # ------------------------------------------------------------------ forward
     def forward(self, tokens=None, position_ids=None, packed_seq_params: PackedSeqParams = None,
                 *, hidden=None, labels=None):
-        x, ropes, layout, valid = self._trunk(tokens, position_ids, packed_seq_params, hidden)
-        if not self.last:
-            return x
-        logits = self.lm_head(self.norm(x))
+        x, ropes, layout, valid, stats = self._trunk(tokens, position_ids, packed_seq_params, hidden)
         if labels is None:
-            return logits
-        out = LossOutput(*_token_loss(logits, labels), aux_loss=self._aux_loss())
+            return self.lm_head(self.norm(x)) if self.last else x
+        if not self.last:
+            return _with_moe_stats(StageOutput(hidden=x), stats)
+        loss_sum, num_tokens = _token_loss(self.lm_head(self.norm(x)), labels)
+        out = StageOutput(loss_sum=loss_sum, num_tokens=num_tokens)
         if self.mtp is not None:
-            self._mtp_losses(out, x, tokens, labels, ropes, layout, valid)
-        return out
+            self._mtp_losses(out, stats, x, tokens, labels, ropes, layout, valid)
+        return _with_moe_stats(out, stats)
 
     def final_hidden(self, tokens, position_ids, packed_seq_params) -> torch.Tensor:
         """The normalised last hidden state ``[T, hidden]`` (what the head reads)."""
@@ -171,25 +202,23 @@ class Step37Model(nn.Module):
         valid = layout.valid_mask(position_ids.device)
         x = self.embed_tokens(tokens) if self.first else hidden
         ropes = {t: rope(position_ids, x.dtype) for t, rope in self.rotary.items()}
+        stats = []
         for layer in self.layers.values():
-            x = layer(x, ropes, layout, valid)
-        return x, ropes, layout, valid
+            x, s = layer(x, ropes, layout, valid)
+            stats += [s] if s is not None else []
+        return x, ropes, layout, valid, stats
 
-    def _mtp_losses(self, out: LossOutput, h, tokens, labels, ropes, layout, valid) -> None:
+    def _mtp_losses(self, out: StageOutput, stats: list, h, tokens, labels, ropes, layout, valid) -> None:
         nxt, ok = _next_in_document(layout, tokens.device)
         shifted_tokens, shifted_labels = tokens, labels
         for k, depth in enumerate(self.mtp.values(), start=1):
             shifted_tokens = torch.where(ok, shifted_tokens[nxt], torch.zeros_like(tokens))
             shifted_labels = torch.where(ok, shifted_labels[nxt], torch.full_like(labels, IGNORE_INDEX))
-            h, logits = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid)
+            h, logits, s = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid)
+            stats += [s] if s is not None else []
             loss, n = _token_loss(logits, shifted_labels)
             out.mtp_loss_sums.append(loss)
             out.mtp_num_tokens.append(n)
-
-    def _aux_loss(self):
-        terms = [m.last_stats["aux_loss"] for m in self.modules()
-                 if isinstance(m, MoELayer) and m.last_stats]
-        return torch.stack(terms).sum() if terms else None
 
     # ------------------------------------------------------------------ weights
     def load_hf(self, path: str, **kwargs):
@@ -201,6 +230,13 @@ class Step37Model(nn.Module):
         from models.step37.hf_weights import save_hf_weights
 
         return save_hf_weights(self, path, **kwargs)
+
+
+def _with_moe_stats(out: StageOutput, stats: list) -> StageOutput:
+    if stats:
+        out.aux_loss = torch.stack([s["aux_loss"] for s in stats]).sum()
+        out.expert_load = torch.stack([s["tokens_per_expert"] for s in stats])
+    return out
 
 
 def _seeded_normal(shape, std: float, seed: int, key: str) -> torch.Tensor:
@@ -227,12 +263,13 @@ def count_parameters(model: nn.Module, config: Step37Config) -> dict:
     """Total parameters and parameters active per token (embeddings and head included; top-k
     of the routed experts, all of the shared expert), with and without MTP."""
     total = mtp = routed = 0
+    specs = model.param_specs()
     for name, p in model.named_parameters():
         n = p.numel()
         total += n
         if name.startswith("mtp."):
             mtp += n
-        if ".moe.experts." in name and not name.startswith("mtp."):
+        elif specs[name].expert_offset is not None:
             routed += n
     active_routed = routed * config.num_experts_per_tok // config.num_experts
     return {"total": total, "total_without_mtp": total - mtp, "mtp": mtp,

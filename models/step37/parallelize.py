@@ -1,22 +1,49 @@
-"""Parallelism applied to Step37Model from outside, in one documented order:
+"""Parallelism applied to Step37Model from outside: ``parallelize`` is the only place that does
+it, in this order (each step needs the one before it):
 
-1. ``stage_layers``: split the layers over ``pp * vpp`` virtual stages (balanced, or
-   ``--pipeline-layout``);
-2. ``build_chunks``: this rank's ``vpp`` chunks (first stage: embedding; last: norm, head, MTP);
-3. ``apply_expert_parallel``: keep this EP rank's ``E / ep`` experts and route through the
-   all-to-all (or all-gather) dispatcher;
-4. ``apply_recompute``: activation checkpointing of whole layers (``full``) or of attention and
-   FFN internals (``selective``), on the first ``num_layers`` layers of each chunk (0: all).
+1. pipeline split (``build_chunks``): this rank's ``vpp`` chunks of ``stage_layers`` (first
+   stage: embedding; last: final norm, head, MTP), each holding only its EP rank's experts;
+2. expert parallelism (``apply_expert_parallel``): MoE layers route through the all-to-all (or
+   all-gather) dispatcher over the EP group, so the experts see only their own tokens;
+3. initialisation or Hugging Face load: every tensor seeded by its global name (any layout gets
+   the same weights), then ``--load-hf`` overwrites what the checkpoint has. This runs before
+   placement and sharding because the chunks are still whole host tensors here; building on the
+   meta device and materialising each rank's shard is the full-size path's job;
+4. dtype and device placement: after loading, so a checkpoint is read at full precision;
+5. activation recompute (``apply_recompute``): a flag on the layers, read by their forward;
+6. FSDP (``core.distributed.fsdp.apply_fsdp``): last, because it replaces each unit's
+   parameters with DTensor shards of the placed, initialised ones.
+
+``--load`` of a training checkpoint happens after this, in the trainer (it fills the shards).
 """
 from __future__ import annotations
 
 import torch
 
+from core.distributed.fsdp import apply_fsdp
 from core.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from core.moe.layer import MoELayer
-from core.parallel_state import ParallelState
+from core.parallel_state import ParallelState, local_device
 from models.step37.config import Step37Config
 from models.step37.model import Step37Model
+
+
+def parallelize(config: Step37Config, ps: ParallelState, args) -> list[Step37Model]:
+    """This rank's model chunks with every parallelism applied. ``args``: the parsed training
+    flags (``train_args.parse``): sections ``parallel``, ``memory``, ``model``, ``schedule``."""
+    m, mem = args.model, args.memory
+    chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seed=args.schedule.seed)
+    device, dtype = local_device(), torch.bfloat16 if mem.params_dtype == "bf16" else torch.float32
+    for chunk in chunks:
+        if ps.sizes.ep > 1:
+            apply_expert_parallel(chunk, ps, m.moe_dispatcher)
+        if m.load_hf:
+            chunk.load_hf(m.load_hf)
+        chunk.to(device, dtype)
+        apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
+        if mem.data_parallel_sharding == "fsdp":
+            apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once)
+    return chunks
 
 
 def stage_layers(num_layers: int, num_stages: int, layout: str | None = None) -> list[range]:
@@ -42,18 +69,17 @@ def stage_layers(num_layers: int, num_stages: int, layout: str | None = None) ->
 
 
 def build_chunks(config: Step37Config, pstate: ParallelState, layout: str | None = None,
-                 *, dispatcher: str = "alltoall", device="cpu") -> list[Step37Model]:
+                 *, seed: int = 0, device="cpu") -> list[Step37Model]:
+    """This rank's pipeline chunks (virtual stage ``c * pp + pp_rank`` for chunk ``c``), with
+    its EP rank's share of the experts, initialised from ``seed`` (nothing on ``meta``)."""
     pp, vpp = pstate.sizes.pp, pstate.sizes.vpp
     ranges = stage_layers(config.num_layers, pp * vpp, layout)
     chunks = []
     for c in range(vpp):
         s = c * pp + pstate.pp_rank
         with torch.device(device):
-            chunk = Step37Model(config, layers=ranges[s], first=s == 0, last=s == pp * vpp - 1,
-                                experts=_expert_range(config, pstate))
-        if pstate.sizes.ep > 1:
-            apply_expert_parallel(chunk, pstate, dispatcher)
-        chunks.append(chunk)
+            chunks.append(Step37Model(config, layers=ranges[s], first=s == 0, last=s == pp * vpp - 1,
+                                      experts=_expert_range(config, pstate), seed=seed))
     return chunks
 
 

@@ -5,15 +5,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from core.distributed.grads import clip_gradients, grad_norm, reduce_step_loss, sync_gradients, tag_parameters
+from core.distributed.grads import clip_gradients
 from core.parallel_state import ParallelSizes, ParallelState
-from core.pipeline.executor import PipelineExecutor
-from core.pipeline.schedules import build_schedule
+from core.train_step import StepSettings, train_step
 from data.indexed_dataset import InMemoryDataset
 from data.packing import plan_packs
 from data.thd import build_thd_batch
 from models.step37 import Step37Config, Step37Model
-from models.step37.parallelize import build_chunks
+from models.step37.parallelize import parallelize
+from train_args import parse
 
 SEQ = 48          # tokens per micro-batch (one pack)
 MTP_SCALE = 0.3
@@ -39,12 +39,14 @@ def tiny_config(**kw) -> Step37Config:
 
 
 def reference(cfg, batches, aux_coeff, router_bias=None):
-    """One process, every micro-batch of every DP rank: the objective the layouts must match."""
+    """One process, every micro-batch of every DP rank: the objective the layouts must match.
+    Returns the model (gradients accumulated), the loss per target token and the routing load
+    of the whole step per MoE layer."""
     model = Step37Model(cfg, seed=0)
     _set_bias(model, router_bias)
     flat = [b for row in batches for b in row]
     n = sum(int(b.num_target_tokens) for b in flat)
-    loss_sum = 0.0
+    loss_sum, load = 0.0, 0
     for b in flat:
         out = model(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
         obj = (out.loss_sum + MTP_SCALE * sum(out.mtp_loss_sums)) / n
@@ -52,7 +54,8 @@ def reference(cfg, batches, aux_coeff, router_bias=None):
             obj = obj + aux_coeff * out.aux_loss / len(flat)
         obj.backward()
         loss_sum += float(out.loss_sum)
-    return model, loss_sum / n
+        load = load + out.expert_load
+    return model, loss_sum / n, load
 
 
 def _set_bias(model, router_bias):
@@ -67,57 +70,82 @@ def rel_err(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0, router_bias=None):
+def run_args(pp: int = 1, vpp: int = 1, ep: int = 1, *flags: str):
+    """The training flags of a layout, parsed as pretrain_step37.py parses them (seed 0: the
+    reference's initial weights)."""
+    return parse(["--data-path", "unused", "--seed", "0", "--pipeline-model-parallel-size", str(pp),
+                  "--virtual-pipeline-model-parallel-size", str(vpp),
+                  "--expert-model-parallel-size", str(ep), *flags])
+
+
+def settings(cfg, **kw) -> StepSettings:
+    return StepSettings(hidden_size=cfg.hidden_size, mtp_depths=cfg.num_mtp_layers,
+                        mtp_loss_scale=MTP_SCALE, **kw)
+
+
+def global_params(chunk, ref: dict):
+    """(name, parameter, the reference's matching tensor name and expert rows) of a chunk."""
+    specs = chunk.param_specs()
+    for name, p in chunk.named_parameters():
+        off = specs[name].expert_offset
+        rows = slice(off, off + p.shape[0]) if off is not None else slice(None)
+        yield name, p, ref[name], rows
+
+
+def expected_bias(ref_model, loads, rate):
+    """Router bias after one aux-loss-free update from the step's whole load, by layer name."""
+    names = {id(m): n for n, m in ref_model.named_modules()}
+    return {names[id(m)]: m.router.e_score_correction_bias + rate * torch.sign(load.mean() - load)
+            for m, load in zip(ref_model.moe_layers(), loads)}
+
+
+def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0, router_bias=None,
+                 bias_rate=0.0):
+    """One ``train_step`` (clipped SGD with momentum) of the layout against one process: loss,
+    grad norm, clipped gradients, parameters after the update, MoE load statistics. (Not AdamW:
+    its first update is ~lr * sign(g), which turns 1e-7-relative noise in near-zero entries into
+    full-size steps.) Tolerance 1e-5 relative per tensor: layouts sum the same fp32 terms in
+    another order (~1e-7 relative), so 1e-5 leaves 100x margin and still catches a dropped or
+    doubled term."""
     cfg = tiny_config()
     sizes = ParallelSizes(world, pp=pp, ep=ep, vpp=vpp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     M = max(2, pp)
     batches = micro_batches(sizes.dp, M, cfg.vocab_size)
-    ref_model, ref_loss = reference(cfg, batches, aux_coeff, router_bias)
+    ref_model, ref_loss, loads = reference(cfg, batches, aux_coeff, router_bias)
+    ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
+    ref_init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
 
-    chunks = build_chunks(cfg, ps, dispatcher=dispatcher)
+    chunks = parallelize(cfg, ps, run_args(pp, vpp, ep, "--moe-dispatcher", dispatcher))
     for c in chunks:
         _set_bias(c, router_bias)
-    mine = batches[ps.dp_rank]
-    n = torch.tensor(sum(int(b.num_target_tokens) for row in batches for b in row))
-    ex = PipelineExecutor(chunks, ps, seq_tokens=SEQ, hidden_size=cfg.hidden_size,
-                          mtp_loss_scale=MTP_SCALE, aux_coeff=aux_coeff)
-    stats = ex.run(build_schedule(pp, vpp, M)[ps.pp_rank], lambda m: mine[m], int(n), M * sizes.dp)
-    params = tag_parameters(chunks, ps)
-    sync_gradients(params, ps)
+    for c in chunks:
+        for name, p, want, rows in global_params(c, ref_init):
+            assert torch.equal(p.detach(), want[rows]), f"init differs: {name}"
+    params = [p for c in chunks for p in c.parameters()]
+    clip = 0.5 * float(ref_norm)
+    m = train_step(chunks, ps, torch.optim.SGD(params, lr=0.5, momentum=0.9), batches[ps.dp_rank],
+                   settings(cfg, aux_loss_coeff=aux_coeff, clip_grad=clip, router_bias_rate=bias_rate))
 
+    n = sum(int(b.num_target_tokens) for row in batches for b in row)
+    assert m.num_targets == n and abs(m.loss - ref_loss) <= 1e-5 * abs(ref_loss), (m.loss, ref_loss)
+    assert abs(m.grad_norm - float(ref_norm)) <= 1e-5 * float(ref_norm), (m.grad_norm, float(ref_norm))
+    ref_imbalance = float(torch.stack([l.max() / l.mean() for l in loads]).mean())
+    assert abs(m.moe_imbalance - ref_imbalance) <= 1e-6 * ref_imbalance, (m.moe_imbalance, ref_imbalance)
+
+    clip_gradients(list(ref_model.parameters()), clip, ref_norm)
+    torch.optim.SGD(ref_model.parameters(), lr=0.5, momentum=0.9).step()
     ref = dict(ref_model.named_parameters())
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            want = ref[name]
-            if ".moe.experts." in name:
-                off = chunk.get_submodule(name.rsplit(".", 1)[0]).expert_offset
-                assert torch.equal(p.detach(), want.detach()[off:off + p.shape[0]]), f"init differs: {name}"
-                want_grad = want.grad[off:off + p.shape[0]]
-            else:
-                assert torch.equal(p.detach(), want.detach()), f"init differs: {name}"
-                want_grad = want.grad
-            err = rel_err(p.grad, want_grad) if want_grad.abs().max() > 0 else float(p.grad.abs().max())
+    for c in chunks:
+        for name, p, want, rows in global_params(c, ref):
+            err = rel_err(p.grad, want.grad[rows])
             assert err < 1e-5, f"rank {rank}: gradient of {name} differs (relative {err:.2e})"
-
-    loss, tokens, _ = reduce_step_loss(stats.loss_sum, stats.num_tokens)
-    assert tokens == int(n) and abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
-    norm = grad_norm(params, ps)
-    ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
-    assert abs(float(norm) - float(ref_norm)) <= 1e-5 * float(ref_norm), (float(norm), float(ref_norm))
-
-    # one clipped SGD step on both sides gives the same parameters. (Not AdamW: its first update
-    # is ~lr * sign(g), which turns 1e-7-relative noise in near-zero entries into full-size steps.)
-    clip_gradients(params, 0.5 * float(ref_norm), norm)
-    clip_gradients(list(ref_model.parameters()), 0.5 * float(ref_norm), ref_norm)
-    for opt in (torch.optim.SGD(params, lr=0.5, momentum=0.9),
-                torch.optim.SGD(ref_model.parameters(), lr=0.5, momentum=0.9)):
-        opt.step()
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            want = ref[name].detach()
-            if ".moe.experts." in name:
-                off = chunk.get_submodule(name.rsplit(".", 1)[0]).expert_offset
-                want = want[off:off + p.shape[0]]
-            assert rel_err(p.detach(), want) < 1e-5, f"parameter {name} after the step differs"
+            assert rel_err(p.detach(), want.detach()[rows]) < 1e-5, f"parameter {name} after the step differs"
+    if bias_rate:  # exact: signs of sums of whole token counts
+        want_bias = expected_bias(ref_model, loads, bias_rate)
+        for c in chunks:
+            names = {id(mod): n for n, mod in c.named_modules()}
+            for layer in c.moe_layers():
+                got = layer.router.e_score_correction_bias
+                assert torch.equal(got, want_bias[names[id(layer)]]), names[id(layer)]
     dist.barrier()

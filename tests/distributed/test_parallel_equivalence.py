@@ -1,6 +1,7 @@
-"""PP / virtual PP / EP / DP layouts vs one process: same loss, gradients, grad norm and
-parameters after a clipped SGD step (fp32, gloo, the tiny model with every feature on:
-sliding and full layers, dense and MoE, clamps, MTP on the last stage).
+"""PP / virtual PP / EP / DP layouts vs one process, through the trainer's own ``train_step``:
+same loss, gradients, grad norm, MoE load statistics and parameters after a clipped SGD step
+(fp32, gloo, the tiny model with every feature on: sliding and full layers, dense and MoE,
+clamps, MTP on the last stage).
 
 Tolerance 1e-5 relative per tensor: layouts sum the same terms in a different order."""
 from __future__ import annotations
@@ -25,6 +26,12 @@ LAYOUTS = {  # name: (world, pp, vpp, ep)
 def test_layout_matches_one_process(tmp_path, name):
     world, pp, vpp, ep = LAYOUTS[name]
     run_ranks(world, check_layout, pp, vpp, ep, tmpdir=str(tmp_path))
+
+
+def test_router_bias_update_uses_the_whole_step_load(tmp_path):
+    """PP2 x EP2 (DP 2): the aux-loss-free bias moves by the sign of the load summed over every
+    micro-batch and DP rank of the step (not the last micro-batch's), equal to one process."""
+    run_ranks(4, check_layout, 2, 1, 2, "alltoall", 0.0, None, 0.01, tmpdir=str(tmp_path))
 
 
 def test_allgather_dispatcher_and_aux_loss(tmp_path):

@@ -39,8 +39,7 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(optimizer, momentum):
         params = [p for c in chunks for p in c.parameters()]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
-        opt, _ = build_optimizer([(n, p) for c in chunks for n, p in c.named_parameters()],
-                                 _optim_args(optimizer, momentum))
+        opt, _ = build_optimizer(chunks, _optim_args(optimizer, momentum))
         opt.step()
         assert r.device["parameters"] == _bytes(params)
         assert r.device["gradients"] == _bytes(p.grad for p in params)

@@ -1,0 +1,87 @@
+"""What a model tells core: the contract between model code and the model-agnostic machinery.
+
+core never matches a model's parameter names or reaches into its attributes. Each pipeline
+chunk of a model implements:
+
+- ``param_specs() -> dict[str, ParamSpec]``: for every named parameter, its role for the
+  optimizer, where its replicas live, whether a copy of it sits on another pipeline stage, and
+  whether dim 0 stacks experts (checkpoints store one key per expert);
+- ``fsdp_units() -> list[tuple[nn.Module, str]]``: submodules to shard as FSDP units, innermost
+  first, each with the replication group of its parameters (``"dp"`` or ``"expert_dp"``); the
+  chunk itself is the root unit;
+- ``moe_layers() -> list[MoELayer]``: its MoE layers in the order of ``StageOutput.expert_load``;
+- ``forward(tokens, position_ids, packed_seq_params, *, hidden=None, labels=None)``: with
+  ``labels`` (the training path) it returns a :class:`StageOutput`. Every stage receives the
+  whole micro-batch and uses what its role needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+ROLES = ("weight", "embedding", "head")
+REPLICATION = ("dp", "expert_dp")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    role: str = "weight"            # "embedding" / "head": AdamW even under Muon or Dion
+    replicated_over: str = "dp"     # "dp": dense; "expert_dp": an expert-parallel shard
+    tied: bool = False              # copies on the first and the last pipeline stage (MTP's embedding)
+    expert_offset: int | None = None  # dim 0 stacks experts; global index of the first one
+
+    def __post_init__(self):
+        if self.role not in ROLES or self.replicated_over not in REPLICATION:
+            raise ValueError(f"ParamSpec: role {self.role!r} must be one of {ROLES}, "
+                             f"replicated_over {self.replicated_over!r} one of {REPLICATION}")
+
+
+@dataclass
+class StageOutput:
+    """What one chunk's training forward returns.
+
+    Non-last stages fill ``hidden`` (sent to the next stage). The last stage fills the loss
+    sums: main head and each multi-token-prediction depth, summed over tokens (fp32), with their
+    target counts; the caller normalises once per step by the global target count. Every stage
+    returns its MoE layers' auxiliary loss (summed) and routing load (tokens per expert, padding
+    excluded, ``[num_moe_layers, num_experts]`` fp32), for the step-level statistics."""
+
+    hidden: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
+    mtp_loss_sums: list = field(default_factory=list)
+    mtp_num_tokens: list = field(default_factory=list)
+    aux_loss: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
+
+
+def iter_params(chunks) -> Iterator[tuple[nn.Module, str, nn.Parameter, ParamSpec]]:
+    """``(chunk, name, parameter, spec)`` for every parameter of ``chunks``; a parameter the
+    model gives no spec for is an error (core would otherwise guess).
+
+    Call it between steps: FSDP registers the unsharded parameters on the modules while they are
+    gathered (e.g. from a forward until ``reshard()``), and the optimizer holds the shards."""
+    for chunk in chunks:
+        specs = chunk.param_specs()
+        for name, p in chunk.named_parameters():
+            if name not in specs:
+                raise KeyError(f"{type(chunk).__name__}.param_specs() has no entry for {name!r}")
+            yield chunk, name, p, specs[name]
+
+
+def specs_of(chunks) -> list[tuple[nn.Parameter, ParamSpec]]:
+    """``(parameter, spec)`` pairs of ``chunks``, captured once (see ``iter_params``)."""
+    return [(p, spec) for _, _, p, spec in iter_params(chunks)]
+
+
+def persistent_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Named parameters and persistent buffers (what a checkpoint holds), as ``.data``."""
+    for name, p in module.named_parameters():
+        yield name, p.data
+    for prefix, m in module.named_modules():
+        for bname, b in m.named_buffers(recurse=False):
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                yield (f"{prefix}.{bname}" if prefix else bname), b

@@ -1,0 +1,119 @@
+"""One training iteration: the step that the trainer, the distributed tests and the benchmarks
+all call, so the tests check the trainer's own step and not a copy of it.
+
+Collective over the world. The gradients of a step stay on the parameters until the next step
+starts (as in Megatron), so a caller can inspect them after the update.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from core.distributed.fsdp import reshard
+from core.distributed.grads import clip_gradients, grad_norm, reduce_step_metrics, sync_gradients
+from core.model_api import specs_of
+from core.parallel_state import ParallelState
+from core.pipeline.executor import PipelineExecutor
+from core.pipeline.schedules import build_schedule
+
+
+@dataclass
+class StepSettings:
+    """What a step needs besides the model chunks, the optimizer and the micro-batches."""
+
+    hidden_size: int                    # width of the pipeline's [T, hidden] transfers
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32  # activation dtype on the pipeline wire
+    mtp_depths: int = 0                 # multi-token-prediction depths of the model (every rank)
+    mtp_loss_scale: float = 0.0         # weight of the MTP token losses in the objective
+    aux_loss_coeff: float = 0.0         # weight of the MoE router auxiliary loss
+    clip_grad: float = 0.0              # clip the global grad norm to this (0: off)
+    router_bias_rate: float = 0.0       # aux-loss-free balancing: bias step per iteration (0: off)
+    reshard_after_step: bool = False    # FSDP gather-once: drop the gathered copies after the update
+
+
+@dataclass
+class StepMetrics:
+    loss: float                         # main-head loss per target token, whole step, all ranks
+    mtp_losses: list = field(default_factory=list)  # per MTP depth, per main-head target token
+    grad_norm: float = 0.0              # before clipping
+    num_targets: int = 0                # main-head target tokens of the step (global)
+    num_tokens: int = 0                 # real (non-padding) tokens of the step (global)
+    moe_imbalance: float | None = None  # mean over MoE layers of max/mean tokens per expert
+    skipped: bool = False               # non-finite loss or grad norm: no update
+    p2p_bytes: int = 0                  # pipeline bytes this rank sent
+
+
+def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: StepSettings) -> StepMetrics:
+    """Forward and backward of ``batches`` (this DP rank's micro-batches, on the host) through
+    the pipeline schedule, gradient sync, global norm, clipping, the optimizer update and the
+    router-bias update; nothing is updated when the loss or the norm is not finite."""
+    optimizer.zero_grad(set_to_none=True)
+    params = specs_of(chunks)  # before the forward: FSDP's shards, not gathered copies
+    targets, tokens = _global_counts(batches, ps)
+    on_device = [b.to(s.device) for b in batches]
+    executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
+                                hidden_size=s.hidden_size, dtype=s.dtype, device=s.device,
+                                mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff)
+    actions = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))[ps.pp_rank]
+    stats = executor.run(actions, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
+
+    sync_gradients(params, ps)
+    norm = grad_norm(params, ps)
+    loads = _reduce_expert_load(stats.expert_load, ps)  # one flat all-reduce over DP
+    mtp = stats.mtp_loss_sums or [torch.zeros(())] * s.mtp_depths
+    if len(mtp) != s.mtp_depths:
+        raise ValueError(f"the model returned {len(mtp)} MTP losses, StepSettings.mtp_depths is {s.mtp_depths}")
+    loss_sum, n, imbalance_sum, moe_layers, *mtp_sums = reduce_step_metrics(
+        [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads), *mtp])
+    n = max(n, 1.0)
+    metrics = StepMetrics(loss_sum / n, [x / n for x in mtp_sums], float(norm), targets, tokens,
+                          imbalance_sum / moe_layers if moe_layers else None, p2p_bytes=executor.p2p_bytes)
+    metrics.skipped = not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
+    if not metrics.skipped:
+        if s.clip_grad > 0:
+            clip_gradients([p for p, _ in params], s.clip_grad, norm)
+        optimizer.step()
+        for c, load in loads.items() if s.router_bias_rate else ():
+            for layer, layer_load in zip(chunks[c].moe_layers(), load):
+                layer.router.update_bias(layer_load, s.router_bias_rate)
+    if s.reshard_after_step:  # FSDP gather-once: drop the gathered (now stale) copies
+        reshard(chunks)
+    return metrics
+
+
+def _global_counts(batches: list, ps: ParallelState) -> tuple[int, int]:
+    """Target and real-token counts of the step over all DP ranks, from host-side batches."""
+    counts = torch.tensor([sum(int(b.num_target_tokens) for b in batches),
+                           sum(int(b.packed_seq_params.cu_seqlens[-1]) for b in batches)])
+    if ps.sizes.dp > 1:
+        dist.all_reduce(counts, group=ps.group("dp"))
+    return int(counts[0]), int(counts[1])
+
+
+def _reduce_expert_load(load: dict, ps: ParallelState) -> dict:
+    """Tokens per expert of every MoE layer of this rank's chunks, summed over the step's
+    micro-batches (by the executor) and over the DP ranks here, in one flat all-reduce. Every
+    DP rank of a stage holds the same layers, so the flat buffers line up."""
+    if not load:
+        return {}
+    keys = sorted(load)
+    flat = torch.cat([load[k].flatten() for k in keys])
+    if ps.sizes.dp > 1:
+        dist.all_reduce(flat, group=ps.group("dp"))
+    parts = flat.split([load[k].numel() for k in keys])
+    return {k: part.view_as(load[k]) for k, part in zip(keys, parts)}
+
+
+def _imbalance_terms(loads: dict) -> list[torch.Tensor]:
+    """(sum over this rank's MoE layers of max/mean load, number of layers). Summed over the
+    world, every DP replica adds the same layers, so the ratio is the mean over all layers."""
+    rows = [l for l in loads.values()]
+    if not rows:
+        return [torch.zeros(()), torch.zeros(())]
+    load = torch.cat(rows)
+    ratio = load.max(-1).values / load.mean(-1).clamp(min=1e-9)
+    return [ratio.sum(), torch.tensor(float(load.shape[0]))]

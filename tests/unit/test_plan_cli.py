@@ -1,0 +1,66 @@
+"""The planner takes a training command as it is: the recipe's torchrun flags pasted after
+``tools/plan_memory.py --world-size 8`` plan that run, one JSON entry per rank, and agree with
+``pretrain_step37.py --dry-run 8`` (one code path)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+from models.step37 import Step37Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE = os.path.join(ROOT, "examples", "step37_flash_8xh200_thd_sft.sh")
+
+
+def recipe_flags(hf_dir: str) -> list[str]:
+    """The flags the recipe passes to pretrain_step37.py, with its variables filled in."""
+    text = open(RECIPE).read().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if "pretrain_step37.py" in l and l.startswith("torchrun"))
+    line = line.split("pretrain_step37.py", 1)[1]
+    line = re.sub(r'"\$HF"', hf_dir, line)
+    line = re.sub(r'"\$DATA"', "/nonexistent/sft_text_document", line)
+    line = re.sub(r'"\$OUT', '"/nonexistent/out', line)
+    return shlex.split(line)
+
+
+def run(*cmd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
+    hf = tmp_path / "Step-3.7-Flash"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(Step37Config.preset("step37-flash").to_hf()))
+    flags = recipe_flags(str(hf))
+    assert "--data-parallel-sharding" in flags and "--data-path" in flags  # pasted whole
+    out = run("tools/plan_memory.py", "--world-size", "8", *flags, "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    ranks = plan["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(8))
+    assert {(r["pp_rank"], r["ep_rank"]) for r in ranks} == {(p, e) for p in range(4) for e in range(2)}
+    inp = plan["inputs"]
+    assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (4, 2, 2, 32)
+    assert inp["sharding"] == "fsdp" and inp["cpu_offload"] == "all" and inp["param_bytes"] == 2
+    assert all(r["fits"] for r in ranks)
+
+    table = run("tools/plan_memory.py", "--world-size", "8", *flags)
+    dry = run("pretrain_step37.py", *flags, "--dry-run", "8")
+    assert table.returncode == dry.returncode == 0, dry.stderr
+    body = lambda s: [l for l in s.splitlines() if l.startswith("pp")]
+    assert body(table.stdout) == body(dry.stdout) and len(body(dry.stdout)) == 8
+
+
+def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
+    out = run("tools/plan_memory.py", "--world-size", "2", "--json")  # tiny model, fp32, adamw
+    assert out.returncode == 0, out.stderr
+    inp = json.loads(out.stdout)["inputs"]
+    assert (inp["param_bytes"], inp["optimizer"], inp["seq_length"]) == (4, "adamw", 4096)
+    bad = run("tools/plan_memory.py", "--world-size", "3", "--pipeline-model-parallel-size", "2")
+    assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
+    gbs = run("tools/plan_memory.py", "--world-size", "4", "--global-batch-size", "6")
+    assert gbs.returncode == 2 and "--global-batch-size 6 must be a multiple" in gbs.stderr
