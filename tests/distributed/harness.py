@@ -1,13 +1,29 @@
-"""Run a function on N gloo ranks (spawned processes) and fail loudly with each rank's error."""
+"""Run a function on N gloo ranks (spawned processes) and fail loudly with each rank's error.
+
+Every rank writes its stdout and stderr (file descriptors 1 and 2, so C++/gloo output too) to
+``rank{r}.log`` in ``tmpdir`` and its outcome ("ok" or the traceback of ``fn``) to ``rank{r}.txt``.
+The parent waits at most ``timeout`` seconds in all. A rank still running shortly before the
+deadline writes its Python stack (all threads) to its log; at the deadline every live rank is
+terminated and the test fails with each rank's log tail. A rank that exits non-zero (``fn``
+raised, a segfault, killed) gets the other ranks terminated at once, rather than leaving them
+blocked in a collective until the deadline."""
 from __future__ import annotations
 
+import datetime
+import faulthandler
 import os
+import signal
 import socket
+import sys
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+LOG_TAIL_CHARS = 3000
+GRACE_S = 2.0  # after a rank fails: how long the others get to exit, then SIGTERM -> SIGKILL
 
 
 def _free_port() -> int:
@@ -16,35 +32,175 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, outdir):
+def _log_path(outdir: str, rank: int) -> str:
+    return os.path.join(outdir, f"rank{rank}.log")
+
+
+def _result_path(outdir: str, rank: int) -> str:
+    return os.path.join(outdir, f"rank{rank}.txt")
+
+
+def _redirect_output(path: str):
+    """Point fds 1 and 2 at ``path`` (line-buffered Python streams on top); returns the file."""
+    log = open(path, "a", buffering=1)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=True)
+        except Exception:
+            pass
+    return log
+
+
+def _entry(rank, world, port, fn, args, outdir, deadline, timeout):
+    log = _redirect_output(_log_path(outdir, rank))
+    try:  # die with the parent (pytest killed by CI) instead of the SIGINT torch arranges
+        mp._prctl_pr_set_pdeathsig(signal.SIGKILL)
+    except Exception:
+        pass
+    faulthandler.enable(file=log)  # segfault / abort: Python stack to the log
+    faulthandler.register(signal.SIGTERM, file=log, chain=True)  # stack when the parent kills us
+    # Dump the stack a little before the parent's deadline (``deadline`` is wall-clock, so the
+    # seconds this process took to start count against it).
+    margin = min(10.0, max(2.0, 0.05 * timeout))
+    faulthandler.dump_traceback_later(max(0.5, deadline - time.time() - margin), exit=False,
+                                      file=log)
+    print(f"[harness] rank {rank}/{world} pid {os.getpid()}", flush=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    # Subgroups made by dist.new_group() without a timeout take this module default (30 min),
+    # not the world group's: lower it in this process so their collectives time out too.
+    dist.distributed_c10d.default_pg_timeout = pg_timeout
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=pg_timeout)
         fn(rank, world, *args)
-        msg = "ok"
-    except Exception:
-        msg = traceback.format_exc()
-    finally:
-        with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
-            f.write(msg)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        # Report, then exit non-zero without destroying the group (a peer may be blocked in a
+        # collective with us) or running finalizers: the parent then terminates the others.
+        with open(_result_path(outdir, rank), "w") as f:
+            f.write(traceback.format_exc())
+        print(f"[harness] rank {rank}: fn raised, traceback in {_result_path(outdir, rank)}",
+              flush=True)
+        log.flush()
+        os._exit(1)
+    faulthandler.cancel_dump_traceback_later()
+    with open(_result_path(outdir, rank), "w") as f:
+        f.write("ok")
+    dist.destroy_process_group()
+
+
+def _terminate(processes) -> None:
+    """SIGTERM every live process, SIGKILL whatever is still alive after GRACE_S, reap all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + GRACE_S
+    for p in processes:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _tail(path: str, n: int = LOG_TAIL_CHARS) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - n))
+        text = f.read().decode("utf-8", errors="replace")
+    return ("[...]\n" if size > n else "") + text
+
+
+def _exit_status(code, killed_by_us: bool) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (" from the harness" if killed_by_us else "")
+    return f"exit code {code}"
 
 
 def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0) -> None:
-    ctx = mp.start_processes(_entry, args=(world, _free_port(), fn, args, tmpdir), nprocs=world,
-                             join=False, start_method="spawn")
-    try:
-        if not ctx.join(timeout=timeout):
-            while not ctx.join(timeout=timeout):
-                pass
-    except Exception:
-        pass
-    errors = []
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; AssertionError unless all return.
+
+    ``fn`` must be importable (module level) since ranks are spawned. Fails after ``timeout``
+    seconds in all, with every rank's log tail (including its stack dumped before the deadline)."""
+    os.makedirs(tmpdir, exist_ok=True)
     for r in range(world):
-        path = os.path.join(tmpdir, f"rank{r}.txt")
-        msg = open(path).read() if os.path.exists(path) else "no result (crashed or timed out)"
-        if msg != "ok":
-            errors.append(f"--- rank {r} ---\n{msg}")
-    assert not errors, "\n".join(errors)
+        for path in (_log_path(tmpdir, r), _result_path(tmpdir, r)):
+            if os.path.exists(path):
+                os.remove(path)
+    start = time.monotonic()
+    deadline = start + timeout
+    ctx = mp.start_processes(_entry, args=(world, _free_port(), fn, args, tmpdir,
+                                           time.time() + timeout, timeout),
+                             nprocs=world, join=False, start_method="spawn")
+    timed_out = False
+    failed_rank = None  # the rank whose non-zero exit stopped the run
+    alive_at_stop: set[int] = set()
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            try:
+                if ctx.join(timeout=remaining, grace_period=GRACE_S):
+                    break
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+                # a rank exited non-zero; join() has already terminated the others
+                failed_rank = e.error_index
+                break
+    finally:
+        alive_at_stop = {r for r, p in enumerate(ctx.processes) if p.is_alive()}
+        _terminate(ctx.processes)
+    elapsed = time.monotonic() - start
+
+    codes = [p.exitcode for p in ctx.processes]
+    results = []
+    for r in range(world):
+        path = _result_path(tmpdir, r)
+        results.append(open(path).read() if os.path.exists(path) else None)
+    if not timed_out and failed_rank is None and all(c == 0 for c in codes) and \
+            all(res == "ok" for res in results):
+        return
+
+    if timed_out:
+        head = (f"run_ranks timed out after {timeout:g} s (waited {elapsed:.1f} s); "
+                f"ranks still running at the deadline: {sorted(alive_at_stop)}")
+    else:
+        bad = [r for r in range(world) if codes[r] != 0 or results[r] != "ok"]
+        head = f"run_ranks: rank(s) {bad} failed after {elapsed:.1f} s"
+        if failed_rank is not None:
+            head += (f"; rank {failed_rank} exited first "
+                     f"({_exit_status(codes[failed_rank], False)}), then the others were stopped")
+    blocks = [head]
+    for r in range(world):
+        killed_by_us = r in alive_at_stop or (
+            failed_rank is not None and r != failed_rank
+            and codes[r] in (-signal.SIGTERM, -signal.SIGKILL))
+        status = _exit_status(codes[r], killed_by_us)
+        if results[r] == "ok":
+            block = f"--- rank {r} --- ok ({status})"
+        elif results[r] is not None:
+            block = f"--- rank {r} --- ({status})\n{results[r]}"
+        else:
+            block = f"--- rank {r} --- no result ({status})"
+        log = _tail(_log_path(tmpdir, r))
+        block += f"\n[log {_log_path(tmpdir, r)}, last {LOG_TAIL_CHARS} chars]\n" + \
+            (log if log is not None else "<no log file>")
+        blocks.append(block)
+    raise AssertionError("\n".join(blocks))

@@ -7,7 +7,8 @@ import torch
 from core.packed_seq import PackedSeqParams
 from models.step37 import Step37Config, Step37Model
 from tests.unit.hf_reference import randomize
-from tests.unit.test_model_hf import assert_close_rel, thd
+from tests.unit.numerics import assert_close_rel
+from tests.unit.test_model_hf import thd
 
 LENGTHS = [9, 3, 14, 1, 11]  # window 8: three documents exceed it
 
@@ -42,15 +43,19 @@ def test_packed_logits_equal_each_document_alone(backend):
         for n in LENGTHS:
             t, p, q = thd([n])
             alone = model(tokens[s:s + n], p, q)
-            torch.testing.assert_close(packed[s:s + n], alone, rtol=1e-5, atol=1e-5)
+            # fp32, the pack's GEMMs and attention reduce in another order than one document's:
+            # measured <= 2.3e-6 relative (logits up to ~10) over 10 model/token seeds, sdpa and
+            # flex alike; 2e-5 leaves ~9x margin
+            assert_close_rel(packed[s:s + n], alone, rel=2e-5)
             s += n
 
 
 def test_flex_forward_equals_sdpa():
     tokens, pos, psp = thd(LENGTHS, seed=2)
     with torch.no_grad():
-        torch.testing.assert_close(tiny("flex")(tokens, pos, psp), tiny("sdpa")(tokens, pos, psp),
-                                   rtol=1e-5, atol=1e-5)
+        # fp32, two attention kernels summing in different orders: measured <= 1.3e-6 relative
+        # over 10 model/token seeds; 1e-5 leaves ~8x margin
+        assert_close_rel(tiny("flex")(tokens, pos, psp), tiny("sdpa")(tokens, pos, psp), rel=1e-5)
 
 
 def test_packed_gradients_equal_sum_of_documents_alone():
@@ -74,8 +79,11 @@ def test_packed_gradients_equal_sum_of_documents_alone():
     assert count == int(out.num_tokens) == sum(n - 1 for n in LENGTHS)
     assert mtp_counts == [int(c) for c in out.mtp_num_tokens] == \
         [sum(max(n - 1 - k, 0) for n in LENGTHS) for k in (1, 2)]
-    for name, p in model.named_parameters():  # per tensor, relative to its largest entry
-        assert_close_rel(packed[name], p.grad, rel=1e-5)
+    # per tensor, relative to its largest entry (they range ~0.1 to ~10). fp32, one backward over
+    # the pack vs five accumulated ones: measured <= 4.7e-6 relative over 10 model/token seeds;
+    # 5e-5 leaves ~10x margin
+    for name, p in model.named_parameters():
+        assert_close_rel(packed[name], p.grad, rel=5e-5)
 
 
 def test_padding_and_padded_offsets_do_not_change_real_tokens():
@@ -92,8 +100,10 @@ def test_padding_and_padded_offsets_do_not_change_real_tokens():
     with torch.no_grad():
         a = model(padded_tokens, padded_pos, params)
         b = model(tokens, pos, psp)
-    torch.testing.assert_close(a[0:5], b[:5], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(a[8:15], b[5:], rtol=1e-5, atol=1e-5)
+    # fp32, padded vs unpadded shapes change the GEMM/attention reduction order: measured
+    # <= 7.6e-7 relative over 10 model/token seeds; 1e-5 leaves ~13x margin
+    assert_close_rel(a[0:5], b[:5], rel=1e-5)
+    assert_close_rel(a[8:15], b[5:], rel=1e-5)
 
 
 def test_mtp_targets_are_shifted_within_documents():

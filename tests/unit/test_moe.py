@@ -7,6 +7,7 @@ from core.moe.dispatch import permute, unpermute
 from core.moe.experts import GroupedExperts
 from core.moe.layer import MoELayer
 from core.moe.router import SigmoidRouter
+from tests.unit.numerics import assert_close_rel
 
 
 def test_router_chooses_with_bias_and_weights_without():
@@ -21,6 +22,8 @@ def test_router_chooses_with_bias_and_weights_without():
     s = torch.sigmoid(torch.tensor([0.0, -1.0]))  # scores of experts 2 and 3, no bias
     expected = (s / s.sum()).tolist()
     got = dict(zip(experts[0].tolist(), weights[0].tolist()))
+    # normalised weights (0.65, 0.35): absolute is relative here. fp32 sigmoid + normalise is a
+    # few ulp (6e-8) at most; measured bit-identical; 1e-6 allows ~16 ulp
     assert abs(got[2] - expected[0]) < 1e-6 and abs(got[3] - expected[1]) < 1e-6
 
 
@@ -65,9 +68,12 @@ def test_grouped_equals_loop_forward_and_backward_with_an_empty_expert():
     ex.zero_grad()
     ref = _loop_reference(ex, x, counts)
     (ref * g).sum().backward()
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, [x.grad] + [p.grad for p in ex.parameters()]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # fp32, grouped GEMM vs per-expert matmuls (K <= 16): bit-identical on CPU today (measured 0
+    # over 20 seeds), but a grouped kernel may sum in another order: each side is within 3.8e-7
+    # relative of an fp64 loop, so they differ by < 1e-6; 1e-5 leaves 10x margin
+    assert_close_rel(y, ref, rel=1e-5)
+    for a, b in zip(grads, [x.grad] + [p.grad for p in ex.parameters()]):  # per tensor
+        assert_close_rel(a, b, rel=1e-5)
     assert grads[1][1].abs().sum() == 0  # the empty expert gets no gradient
 
 
@@ -79,7 +85,9 @@ def test_segmented_fallback_equals_grouped_mm():
     x, counts = torch.randn(7, 16), torch.tensor([2, 5, 0])
     a = ex(x, counts)
     ex.use_grouped_mm = False
-    torch.testing.assert_close(a, ex(x, counts), rtol=1e-5, atol=1e-5)
+    # as above: bit-identical on CPU today; another summation order < 1e-6 relative (fp64 says
+    # each side is within 2.2e-7); 1e-5 leaves 10x margin
+    assert_close_rel(a, ex(x, counts), rel=1e-5)
 
 
 def test_permute_unpermute_is_a_weighted_sum():
@@ -89,7 +97,9 @@ def test_permute_unpermute_is_a_weighted_sum():
     xp, counts, state = permute(x, experts, 3)
     assert counts.tolist() == [4, 3, 3]
     out = unpermute(xp * 2.0, weights, state)  # "expert" doubles its input
-    torch.testing.assert_close(out, 2.0 * x * weights.sum(1, keepdim=True))
+    # fp32, w0 * 2x + w1 * 2x vs (w0 + w1) * 2x: two roundings, measured <= 8.2e-8 relative over
+    # 20 seeds; 1e-6 leaves ~12x margin
+    assert_close_rel(out, 2.0 * x * weights.sum(1, keepdim=True), rel=1e-6)
 
 
 def test_moe_layer_is_scaled_routed_plus_shared():
@@ -106,4 +116,6 @@ def test_moe_layer_is_scaled_routed_plus_shared():
             xe = x[t:t + 1]
             h = torch.nn.functional.silu(xe @ moe.experts.gate_proj[ex].T) * (xe @ moe.experts.up_proj[ex].T)
             routed[t] += w[t, k] * (h @ moe.experts.down_proj[ex].T)[0]
-    torch.testing.assert_close(moe(x), 3.0 * routed + moe.shared_expert(x), rtol=1e-5, atol=1e-5)
+    # fp32, grouped experts vs a per-token loop (outputs up to ~10): measured <= 3.2e-7 relative
+    # over 20 seeds; 1e-5 leaves 30x margin, for BLAS kernels that block differently
+    assert_close_rel(moe(x)[0], 3.0 * routed + moe.shared_expert(x), rel=1e-5)
