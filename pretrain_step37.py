@@ -31,12 +31,16 @@ def init_distributed() -> tuple[int, int]:
     if not dist.is_initialized():
         # with GPUs: NCCL for device tensors, gloo for the few host-side counters
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        kwargs = {}
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            # eager NCCL init bound to this GPU: batched p2p then runs on the main communicator
+            # instead of lazily creating one per pair (which is itself a collective)
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         if world == 1 and "MASTER_ADDR" not in os.environ:  # plain `python`: no rendezvous, no port
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         else:
-            dist.init_process_group(backend, rank=rank, world_size=world)
+            dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
     return world, rank
 
 

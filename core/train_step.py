@@ -45,6 +45,9 @@ class StepMetrics:
     moe_imbalance: float | None = None  # mean over MoE layers of max/mean tokens per expert
     skipped: bool = False               # non-finite loss or grad norm: no update
     p2p_bytes: int = 0                  # pipeline bytes this rank sent
+    p2p_trace: list = field(default_factory=list)  # the p2p batches this rank issued (NCCL replay)
+    peak_held_bytes: int = 0            # most activation bytes the pipeline executor held
+    held_bytes_after: int = 0           # what it still held when the step ended (0)
 
 
 def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: StepSettings) -> StepMetrics:
@@ -58,8 +61,8 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
                                 hidden_size=s.hidden_size, dtype=s.dtype, device=s.device,
                                 mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff)
-    actions = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))[ps.pp_rank]
-    stats = executor.run(actions, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
+    schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))
+    stats = executor.run(schedule, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
 
     sync_gradients(params, ps)
     norm = grad_norm(params, ps)
@@ -71,7 +74,9 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
         [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads), *mtp])
     n = max(n, 1.0)
     metrics = StepMetrics(loss_sum / n, [x / n for x in mtp_sums], float(norm), targets, tokens,
-                          imbalance_sum / moe_layers if moe_layers else None, p2p_bytes=executor.p2p_bytes)
+                          imbalance_sum / moe_layers if moe_layers else None, p2p_bytes=executor.p2p_bytes,
+                          p2p_trace=executor.trace, peak_held_bytes=executor.peak_held_bytes,
+                          held_bytes_after=executor.held_bytes())
     metrics.skipped = not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
     if not metrics.skipped:
         if s.clip_grad > 0:

@@ -1,15 +1,20 @@
-"""Runs one rank's action list: forward/backward of micro-batches on its model chunks, with
-fixed-shape ``[T, hidden]`` point-to-point transfers of activations and their gradients.
+"""Runs one rank's part of a pipeline schedule: forward/backward of micro-batches on its model
+chunks, with fixed-shape ``[T, hidden]`` point-to-point transfers of activations and their
+gradients.
 
 Every stage builds micro-batch ``m`` itself (``get_batch(m)``: tokens, position ids, packed
 sequence metadata, labels), so only hidden states cross stages, and they always have the
-same shape: no shape exchange, no metadata on the wire. Sends are non-blocking and receives
-carry a tag naming (kind, micro-batch, stage), so any schedule the simulator accepts runs
-without deadlock. The objective is ``(sum of main + MTP token losses) / num_tokens`` with
-``num_tokens`` the step's global target count (all micro-batches, all data-parallel ranks),
-plus ``aux_coeff`` times each MoE layer's aux loss averaged over micro-batches and DP ranks.
-Each chunk's forward returns a ``StageOutput`` (``core/model_api.py``); the executor sums its
-losses and its MoE routing load over the step's micro-batches.
+same shape: no shape exchange, no metadata on the wire. The transfers follow the plan of
+``core/pipeline/p2p.py``: batches of ``batch_isend_irecv``, each waited on before the next
+action, deadlock-free under NCCL's in-order matching (proven by ``nccl_replay``; the executor
+records what it issues in ``trace`` so tests replay the real thing). A sent activation's buffer
+and values are released as soon as its batch completes.
+
+The objective is ``(sum of main + MTP token losses) / num_tokens`` with ``num_tokens`` the
+step's global target count (all micro-batches, all data-parallel ranks), plus ``aux_coeff``
+times each MoE layer's aux loss averaged over micro-batches and DP ranks. Each chunk's forward
+returns a ``StageOutput`` (``core/model_api.py``); the executor sums its losses and its MoE
+routing load over the step's micro-batches.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch.distributed as dist
 
 from core.distributed.fsdp import set_gradient_sync
 from core.parallel_state import ParallelState
+from core.pipeline.p2p import P2POp, plan_all
 from core.pipeline.schedules import Action
 
 
@@ -52,54 +58,81 @@ class PipelineExecutor:
         self.mtp_loss_scale, self.aux_coeff = mtp_loss_scale, aux_coeff
         self.pp, self.vpp = pstate.sizes.pp, len(chunks)
         self.num_stages = self.pp * self.vpp
-        self.p2p_bytes = 0  # bytes this rank has sent point to point (activations and grads)
+        self.p2p_bytes = 0       # bytes this rank has sent point to point (activations and grads)
+        self.trace: list = []    # every batch issued, as P2POp lists (for the NCCL replay)
+        self.peak_held_bytes = 0  # most activation bytes the executor referenced after an action
+        self._saved: dict = {}   # (micro-batch, chunk) -> (input, output, aux) until its backward
+        self._inbox: dict = {}   # message label -> received tensor, until its action consumes it
+        self._outbox: dict = {}  # message label -> (tensor to send, (micro-batch, chunk) or None)
 
     # ------------------------------------------------------------------ p2p
-    def _tag(self, kind: str, m: int, stage: int) -> int:
-        return (m * self.num_stages + stage) * 2 + (kind == "B")
+    def _exchange(self, batch: list[P2POp]) -> None:
+        """One planned batch as one ``batch_isend_irecv``, in the plan's order, waited on whole;
+        then the sent tensors (and a sent stage output's values) are released."""
+        ops, issued = [], []
+        for op in batch:
+            if op.op == "send":
+                t = self._outbox[op.label][0]
+                self.p2p_bytes += t.numel() * t.element_size()
+                ops.append(dist.P2POp(dist.isend, t, op.peer))
+            else:
+                t = self._inbox[op.label] = torch.empty(self.T, self.H, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, t, op.peer))
+            issued.append(P2POp(op.op, op.peer, op.label, tuple(t.shape), str(t.dtype)))
+        self.trace.append(issued)
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for op in batch:
+            if op.op == "send":
+                _, owner = self._outbox.pop(op.label)
+                if owner is not None:  # a stage output: backward needs its node, not its values
+                    _free_values(self._saved[owner][1])
 
-    def _recv(self, kind: str, m: int, stage: int, src: int) -> torch.Tensor:
-        buf = torch.empty(self.T, self.H, dtype=self.dtype, device=self.device)
-        dist.recv(buf, src=src, tag=self._tag(kind, m, stage))
-        return buf
-
-    def _send(self, t: torch.Tensor, kind: str, m: int, stage: int, dst: int) -> None:
-        buf = t.detach().to(self.dtype).contiguous()
-        self.p2p_bytes += buf.numel() * buf.element_size()
-        self._pending.append(dist.isend(buf, dst=dst, tag=self._tag(kind, m, stage)))
+    def held_bytes(self) -> int:
+        """Bytes of the distinct tensors the executor references (saved stage inputs and
+        outputs, received and unsent buffers); autograd's own saved tensors are not counted."""
+        tensors = [t for v in self._saved.values() for t in v if torch.is_tensor(t)]
+        tensors += list(self._inbox.values()) + [t for t, _ in self._outbox.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
 
     # ------------------------------------------------------------------ steps
-    def run(self, actions: list[Action], get_batch: Callable[[int], object], num_tokens: int,
+    def run(self, schedule: list[list[Action]], get_batch: Callable[[int], object], num_tokens: int,
             num_microbatches_global: int) -> StepStats:
-        """Execute ``actions``; gradients accumulate in the chunks' parameters.
+        """Execute this rank's part of ``schedule`` (every pipeline rank's action list, so the
+        communication plan is the same on all of them); gradients accumulate in the chunks'
+        parameters.
 
         ``num_tokens``: global main-head target count of the step (all-reduced by the caller).
         ``num_microbatches_global``: micro-batches over all DP ranks (for the aux average).
         """
-        self._pending: list = []
-        saved: dict = {}
+        program = plan_all(schedule, self.ps.ranks("pp"))[self.ps.rank] if self.pp > 1 else schedule[0]
+        actions = [a for a in program if isinstance(a, Action)]
         # FSDP: reduce-scatter gradients only on each chunk's last backward of the step
         last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
         stats = StepStats(torch.zeros((), dtype=torch.float64, device=self.device),
                           torch.zeros((), dtype=torch.int64, device=self.device))
-        for i, a in enumerate(actions):
-            stage = a.chunk * self.pp + self.ps.pp_rank
+        i = 0
+        for item in program:
+            if not isinstance(item, Action):
+                self._exchange(item)
+                continue
+            a, stage = item, item.chunk * self.pp + self.ps.pp_rank
             if a.kind == "F":
-                saved[(a.microbatch, a.chunk)] = self._forward(a, stage, get_batch(a.microbatch),
-                                                               num_tokens, num_microbatches_global, stats)
+                self._saved[(a.microbatch, a.chunk)] = self._forward(
+                    a, stage, get_batch(a.microbatch), num_tokens, num_microbatches_global, stats)
             else:
                 set_gradient_sync(self.chunks[a.chunk], last_backward[a.chunk] == i)
-                self._backward(a, stage, saved.pop((a.microbatch, a.chunk)))
-        for w in self._pending:
-            w.wait()
+                self._backward(a, stage, self._saved.pop((a.microbatch, a.chunk)))
+            i += 1
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
+        assert not (self._saved or self._inbox or self._outbox), "pipeline step ended with tensors in flight"
         return stats
 
     def _forward(self, a: Action, stage: int, batch, num_tokens: int, n_mb: int, stats: StepStats):
         model = self.chunks[a.chunk]
-        first, last = stage == 0, stage == self.num_stages - 1
-        inp = None
-        if not first:
-            inp = self._recv("F", a.microbatch, stage, self.ps.pp_peer(-1)).requires_grad_()
+        last = stage == self.num_stages - 1
+        inp = None if stage == 0 else self._inbox.pop(("F", a.microbatch, stage)).requires_grad_()
         out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
                     labels=batch.labels)
         stats.add(a.chunk, out)
@@ -107,8 +140,8 @@ class PipelineExecutor:
         if last:
             loss = out.loss_sum + self.mtp_loss_scale * sum(out.mtp_loss_sums)
             return inp, loss / num_tokens + (aux if aux is not None else 0.0), None
-        self._send(out.hidden, "F", a.microbatch, stage + 1, self.ps.pp_peer(1))
-        _free_values(out.hidden)
+        buf = out.hidden.detach().to(self.dtype).contiguous()
+        self._outbox[("F", a.microbatch, stage + 1)] = (buf, (a.microbatch, a.chunk))
         return inp, out.hidden, aux
 
     def _backward(self, a: Action, stage: int, saved) -> None:
@@ -116,7 +149,7 @@ class PipelineExecutor:
         if stage == self.num_stages - 1:
             out.backward()
         else:
-            grad = self._recv("B", a.microbatch, stage, self.ps.pp_peer(1)).to(out.dtype)
+            grad = self._inbox.pop(("B", a.microbatch, stage)).to(out.dtype)
             tensors, grads = [out], [grad]
             if aux is not None:
                 tensors.append(aux)
@@ -125,14 +158,14 @@ class PipelineExecutor:
             torch.autograd.Variable._execution_engine.run_backward(
                 tuple(tensors), tuple(grads), False, False, (), True, True)
         if inp is not None:
-            self._send(inp.grad, "B", a.microbatch, stage - 1, self.ps.pp_peer(-1))
+            self._outbox[("B", a.microbatch, stage - 1)] = (inp.grad, None)
 
 
 def _free_values(out: torch.Tensor) -> None:
     """Drop a sent stage output's values, keep its autograd node (Megatron's pseudo-deallocation).
 
-    Backward of the residual add that ends a stage needs no values of its output, so the
-    ``[T, hidden]`` buffer is released as soon as the send completes instead of living until
+    Backward of the residual add that ends a stage needs no values of its output, so once the
+    send of the ``[T, hidden]`` output completes its storage is released instead of living until
     this micro-batch's backward; with 1F1B that is up to ``pp`` buffers per rank."""
     if type(out.grad_fn).__name__ == "AddBackward0":
         out.data = torch.empty(1, dtype=out.dtype, device=out.device)

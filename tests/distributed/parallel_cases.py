@@ -7,6 +7,10 @@ import torch.distributed as dist
 
 from core.distributed.grads import clip_gradients
 from core.parallel_state import ParallelSizes, ParallelState
+from core.pipeline.nccl_replay import replay
+from core.pipeline.p2p import max_live_buffers, plan_all
+from core.pipeline.schedules import build_schedule
+from core.pipeline.simulate import simulate
 from core.train_step import StepSettings, train_step
 from data.indexed_dataset import InMemoryDataset
 from data.packing import plan_packs
@@ -99,8 +103,30 @@ def expected_bias(ref_model, loads, rate):
             for m, load in zip(ref_model.moe_layers(), loads)}
 
 
+def held_bound(ps, M: int, T: int, H: int, elt: int = 4) -> int:
+    """Most activation bytes the executor may hold after an action: the plan's live ``[T, H]``
+    buffers when each is released as early as possible (``max_live_buffers``), plus 64 bytes per
+    in-flight micro-batch for scalar losses and freed output placeholders."""
+    schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, M)
+    program = plan_all(schedule, ps.ranks("pp"))[ps.rank]
+    buffers = max_live_buffers(program, ps.pp_rank, ps.sizes.pp, ps.sizes.pp * ps.sizes.vpp)
+    return buffers * T * H * elt + 64 * simulate(schedule).peak_in_flight[ps.pp_rank]
+
+
+def check_pipeline_comm(m, ps, M: int, cfg) -> None:
+    """What the executor issued, replayed under NCCL's rules (all ranks' traces, on rank 0), and
+    the activation bytes it held."""
+    traces = [None] * ps.sizes.world
+    dist.all_gather_object(traces, m.p2p_trace)
+    if ps.rank == 0:
+        replay(dict(enumerate(traces)))
+    assert m.held_bytes_after == 0, m.held_bytes_after
+    bound = held_bound(ps, M, SEQ, cfg.hidden_size)
+    assert m.peak_held_bytes <= bound, f"rank {ps.rank} held {m.peak_held_bytes} bytes > bound {bound}"
+
+
 def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0, router_bias=None,
-                 bias_rate=0.0):
+                 bias_rate=0.0, M=None):
     """One ``train_step`` (clipped SGD with momentum) of the layout against one process: loss,
     grad norm, clipped gradients, parameters after the update, MoE load statistics. (Not AdamW:
     its first update is ~lr * sign(g), which turns 1e-7-relative noise in near-zero entries into
@@ -110,7 +136,7 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
     cfg = tiny_config()
     sizes = ParallelSizes(world, pp=pp, ep=ep, vpp=vpp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
-    M = max(2, pp)
+    M = M or max(2, pp)
     batches = micro_batches(sizes.dp, M, cfg.vocab_size)
     ref_model, ref_loss, loads = reference(cfg, batches, aux_coeff, router_bias)
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
@@ -127,6 +153,7 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
     m = train_step(chunks, ps, torch.optim.SGD(params, lr=0.5, momentum=0.9), batches[ps.dp_rank],
                    settings(cfg, aux_loss_coeff=aux_coeff, clip_grad=clip, router_bias_rate=bias_rate))
 
+    check_pipeline_comm(m, ps, M, cfg)
     n = sum(int(b.num_target_tokens) for row in batches for b in row)
     assert m.num_targets == n and abs(m.loss - ref_loss) <= 1e-5 * abs(ref_loss), (m.loss, ref_loss)
     assert abs(m.grad_norm - float(ref_norm)) <= 1e-5 * float(ref_norm), (m.grad_norm, float(ref_norm))

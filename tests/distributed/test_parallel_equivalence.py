@@ -1,7 +1,9 @@
 """PP / virtual PP / EP / DP layouts vs one process, through the trainer's own ``train_step``:
 same loss, gradients, grad norm, MoE load statistics and parameters after a clipped SGD step
 (fp32, gloo, the tiny model with every feature on: sliding and full layers, dense and MoE,
-clamps, MTP on the last stage).
+clamps, MTP on the last stage). Every layout's point-to-point operations, as the executor
+issued them, are replayed under NCCL's rules (in order per rank pair, tags ignored, every
+operation blocking until matched): no deadlock, every message paired with itself.
 
 Tolerance 1e-5 relative per tensor: layouts sum the same terms in a different order."""
 from __future__ import annotations
@@ -26,6 +28,13 @@ LAYOUTS = {  # name: (world, pp, vpp, ep)
 def test_layout_matches_one_process(tmp_path, name):
     world, pp, vpp, ep = LAYOUTS[name]
     run_ranks(world, check_layout, pp, vpp, ep, tmpdir=str(tmp_path))
+
+
+def test_executor_releases_sent_activations(tmp_path):
+    """PP2 with 8 micro-batches (4x the stages): rank 0 sends 8 activations; each is released
+    when its send completes, so the executor never holds more than the in-flight bound (which
+    keeping them until the end of the step would exceed), and nothing at the end."""
+    run_ranks(2, check_layout, 2, 1, 1, "alltoall", 0.0, None, 0.0, 8, tmpdir=str(tmp_path))
 
 
 def test_router_bias_update_uses_the_whole_step_load(tmp_path):

@@ -1,0 +1,109 @@
+"""Replay recorded point-to-point operations under NCCL's rules, to prove on CPU what gloo
+cannot show (gloo buffers sends and honours tags; NCCL does neither).
+
+The rules: each rank runs its batches in order and waits for a batch to complete before the
+next; an operation completes once its partner is posted; a batch (one ``batch_isend_irecv``)
+completes when all its operations have; every operation may block until matched (a large send
+does). The k-th send from rank a to rank b matches the k-th receive on b from a, whatever the
+tags. Matched pairs must agree in shape and dtype (NCCL would not notice otherwise) and carry the
+same message (else a rank would silently compute on another micro-batch's tensor).
+
+``replay(traces)`` raises :class:`NCCLDeadlock` or :class:`P2PMismatch`, naming the ranks, the
+batches and the operations, or returns how many batches and operations ran.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NCCLDeadlock(RuntimeError):
+    pass
+
+
+class P2PMismatch(RuntimeError):
+    pass
+
+
+@dataclass
+class ReplayResult:
+    batches: int
+    operations: int
+
+
+def _match(traces: dict) -> dict:
+    """Partner of every operation: (rank, batch, index) -> (rank, batch, index)."""
+    sends, recvs = {}, {}
+    for r, batches in traces.items():
+        count: dict = {}
+        for b, batch in enumerate(batches):
+            for i, op in enumerate(batch):
+                pair = (r, op.peer) if op.op == "send" else (op.peer, r)
+                k = count[(op.op, pair)] = count.get((op.op, pair), -1) + 1
+                (sends if op.op == "send" else recvs)[(pair, k)] = (r, b, i)
+    partner, problems = {}, []
+    for key in sends.keys() | recvs.keys():
+        (src, dst), k = key
+        if key not in recvs:
+            problems.append(f"rank {src}'s send #{k + 1} to rank {dst} ({_op(traces, sends[key])}) has no "
+                            f"receive on rank {dst}")
+            continue
+        if key not in sends:
+            problems.append(f"rank {dst}'s receive #{k + 1} from rank {src} ({_op(traces, recvs[key])}) has "
+                            f"no send on rank {src}")
+            continue
+        s, rv = _op(traces, sends[key]), _op(traces, recvs[key])
+        if (s.shape, s.dtype) != (rv.shape, rv.dtype):
+            problems.append(f"send #{k + 1} rank {src} -> {dst} is {s.shape} {s.dtype}, its receive "
+                            f"{rv.shape} {rv.dtype}")
+        if s.label != rv.label:
+            problems.append(f"send #{k + 1} rank {src} -> {dst} carries {s!r} but is received as {rv!r} "
+                            "(NCCL pairs by order: the receiver would get another message)")
+        partner[sends[key]], partner[recvs[key]] = recvs[key], sends[key]
+    if problems:
+        raise P2PMismatch("; ".join(sorted(problems)[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
+    return partner
+
+
+def _op(traces, where):
+    r, b, i = where
+    return traces[r][b][i]
+
+
+def replay(traces: dict) -> ReplayResult:
+    """``traces``: rank -> list of batches, each a list of ``P2POp`` (``core/pipeline/p2p.py``)
+    in issue order. Ranks absent from ``traces`` take part in no point-to-point operation."""
+    partner = _match(traces)
+    pos = {r: 0 for r in traces}
+    matched: set = set()
+    done_batches = done_ops = 0
+    while True:
+        current = {r: b for r, b in pos.items() if b < len(traces[r])}
+        if not current:
+            return ReplayResult(done_batches, done_ops)
+        for r, b in current.items():  # an operation matches once both sides are posted
+            for i in range(len(traces[r][b])):
+                pr, pb, _ = partner[(r, b, i)]
+                if pos.get(pr) == pb:
+                    matched.add((r, b, i))
+        advanced = [r for r, b in current.items()
+                    if all((r, b, i) in matched for i in range(len(traces[r][b])))]
+        if not advanced:
+            raise NCCLDeadlock(_describe(traces, current, partner, matched, done_ops))
+        for r in advanced:
+            done_ops += len(traces[r][pos[r]])
+            done_batches += 1
+            pos[r] += 1
+
+
+def _describe(traces, current, partner, matched, done_ops) -> str:
+    total = sum(len(b) for batches in traces.values() for b in batches)
+    lines = [f"deadlock under NCCL's rules after {done_ops} of {total} operations:"]
+    for r, b in sorted(current.items()):
+        waiting = []
+        for i, op in enumerate(traces[r][b]):
+            if (r, b, i) not in matched:
+                pr, pb, _ = partner[(r, b, i)]
+                waiting.append(f"{op!r} (its partner is in rank {pr}'s batch {pb}; rank {pr} is at batch "
+                               f"{current.get(pr, len(traces[pr]))})")
+        lines.append(f"  rank {r} waits in batch {b}: " + "; ".join(waiting))
+    return "\n".join(lines)
