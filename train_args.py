@@ -74,8 +74,9 @@ class ParallelArgs:
     virtual_pipeline_model_parallel_size: int = option(1, "model chunks per pipeline rank "
                                                           "(interleaved 1F1B)")
     expert_model_parallel_size: int = option(1, "ranks that split the experts (carved out of DP)")
-    pipeline_layout: str = option(None, "layers per virtual stage, e.g. 10,12,12,11 "
-                                        "(default: balanced)")
+    pipeline_layout: str = option(None, "layers per virtual stage, e.g. 14,14,14,3 (default: the "
+                                        "split that minimises the slowest stage's FLOPs, counting "
+                                        "the head and MTP depths on the last stage)")
 
 
 @dataclass
@@ -233,7 +234,7 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     sizes = ParallelSizes(world, pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                           vpp=p.virtual_pipeline_model_parallel_size)
     sizes.validate(cfg.num_layers, cfg.num_experts)
-    stage_layers(cfg.num_layers, sizes.pp * sizes.vpp, p.pipeline_layout)
+    stage_layers(cfg, sizes.pp * sizes.vpp, p.pipeline_layout, d.seq_length)
     per_step = d.micro_batch_size * sizes.dp
     if d.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {d.global_batch_size} must be a multiple of "

@@ -7,8 +7,9 @@
 # runs 32 micro-batches per iteration (1F1B bubble (p-1)/(m+p-1) = 8.6%).
 #
 # Memory: bf16 parameters, FSDP2 over the data-parallel ranks with every shard offloaded to host
-# memory, and full activation recompute. The planner says this fits (about 32 GB on the busiest
-# GPU, 115 GB of host memory per rank); plan it before you spend a node-hour, with the same flags:
+# memory, and full activation recompute; layers split by cost (14,14,14,3: the last stage runs
+# the head and three MTP depths). The planner says this fits (about 31 GB on the busiest GPU, up
+# to 130 GB of host memory per rank); plan it before you spend a node-hour, with the same flags:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
 # This layout has not run on GPUs yet: bf16 here has no fp32 master weights, and offload copies
 # every layer's shards for each micro-batch (slow); see docs/memory.md.

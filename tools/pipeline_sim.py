@@ -5,9 +5,14 @@ drawing of the timeline.
 
     python tools/pipeline_sim.py --pp 8 --vpp 3 --microbatches 32 [--fwd-cost 1 --bwd-cost 2]
         [--stage-costs 1.2,1,1,...] [--plot schedule.png]
+    python tools/pipeline_sim.py --pp 4 --microbatches 32 --model-preset step37-flash \
+        --seq-length 8192 [--pipeline-layout 14,14,14,3]
 
 The action lists are the ones the executor runs (core/pipeline/schedules.py). Costs are per
-virtual stage (forward; backward = bwd/fwd ratio times it).
+virtual stage (forward; backward = bwd/fwd ratio times it). With a model, the costs are its
+forward FLOPs per token per stage (models/step37/costs.py) and the trainer's default layout
+(or --pipeline-layout) is compared side by side with the even split: per-stage work and each
+rank's idle fraction, bubble included.
 """
 from __future__ import annotations
 
@@ -43,6 +48,48 @@ def plot(result, pp: int, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _idle(result) -> list[float]:
+    return [1.0 - b / result.makespan for b in result.busy]
+
+
+def compare_layouts(sched, args) -> int:
+    """The model's stages, even split vs the trainer's layout: work per stage and idle per rank."""
+    from models.step37 import Step37Config
+    from models.step37.costs import stage_flops
+    from models.step37.parallelize import even_layout, stage_layers
+
+    cfg = Step37Config.from_hf(args.hf_config) if args.hf_config else Step37Config.preset(args.model_preset)
+    S = args.pp * args.vpp
+    try:
+        chosen = [len(r) for r in stage_layers(cfg, S, args.pipeline_layout, args.seq_length)]
+        even = even_layout(cfg.num_layers, S)
+    except ValueError as e:
+        print(f"pipeline_sim: error: {e}", file=sys.stderr)
+        return 1
+    ratio = args.bwd_cost / args.fwd_cost
+    runs = {}
+    for name, counts in (("even", even), ("default" if not args.pipeline_layout else "given", chosen)):
+        work = [f / 1e9 for f in stage_flops(cfg, counts, args.seq_length)]
+        runs[name] = (counts, work, simulate(sched, work, [w * ratio for w in work]))
+    (n1, (c1, w1, r1)), (n2, (c2, w2, r2)) = runs.items()
+    i1, i2 = _idle(r1), _idle(r2)
+    print(f"{cfg.num_layers} layers over {args.pp} ranks x {args.vpp} virtual, {args.microbatches} "
+          f"micro-batches, seq {args.seq_length}; work = forward GFLOP per token (backward {ratio:g}x)")
+    print(f"{'stage':>5}{'rank':>5} | {n1 + ' layers':>13}{'work':>8}{'idle':>8} | {n2 + ' layers':>16}"
+          f"{'work':>8}{'idle':>8}")
+    for s in range(S):
+        r = s % args.pp
+        print(f"{s:>5}{r:>5} | {c1[s]:>13}{w1[s]:>8.2f}{100 * i1[r]:>7.1f}% | {c2[s]:>16}{w2[s]:>8.2f}"
+              f"{100 * i2[r]:>7.1f}%")
+    print(f"step time (makespan, GFLOP-units per token): {n1} {r1.makespan:.1f}, {n2} {r2.makespan:.1f} "
+          f"({100 * (1 - r2.makespan / r1.makespan):.1f}% less); mean idle {n1} {100 * r1.bubble:.1f}%, "
+          f"{n2} {100 * r2.bubble:.1f}% (textbook bubble with equal stages "
+          f"{100 * textbook_bubble(args.pp, args.microbatches, args.vpp):.1f}%)")
+    print(f"pipeline_sim: {n2} layout {','.join(map(str, c2))}: slowest stage {max(w2):.2f} vs "
+          f"{max(w1):.2f} GFLOP/token ({n1} {','.join(map(str, c1))}); NCCL-safe")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
@@ -52,6 +99,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-cost", type=float, default=2.0, help="backward time of a stage (default 2)")
     ap.add_argument("--stage-costs", help="comma-separated forward cost per virtual stage "
                                           "(overrides --fwd-cost; backward scales with it)")
+    ap.add_argument("--model-preset", help="cost the stages of this model (e.g. step37-flash)")
+    ap.add_argument("--hf-config", help="or of the model of this Hugging Face config.json")
+    ap.add_argument("--seq-length", type=int, default=8192, help="tokens per pack, for attention costs")
+    ap.add_argument("--pipeline-layout", help="layers per virtual stage (default: the trainer's)")
     ap.add_argument("--width", type=int, default=100, help="characters of the text timeline")
     ap.add_argument("--plot", metavar="PNG", help="also draw the timeline (matplotlib)")
     args = ap.parse_args(argv)
@@ -62,6 +113,8 @@ def main(argv=None) -> int:
     except (ValueError, Deadlock, NCCLDeadlock, P2PMismatch) as e:
         print(f"pipeline_sim: error: {e}", file=sys.stderr)
         return 1
+    if args.model_preset or args.hf_config:
+        return compare_layouts(sched, args)
     fwd = args.fwd_cost
     if args.stage_costs:
         fwd = [float(x) for x in args.stage_costs.split(",")]
@@ -72,6 +125,7 @@ def main(argv=None) -> int:
     result = simulate(sched, fwd, bwd)
     print(render_text(result, args.width))
     print(f"peak in-flight micro-batches per rank: {result.peak_in_flight}")
+    print("idle per rank (bubble and imbalance): " + ", ".join(f"{100 * x:.1f}%" for x in _idle(result)))
     print(f"point-to-point plan: NCCL-safe ({comm.batches} batch_isend_irecv groups, "
           f"{comm.operations} operations replayed in issue order, tags ignored: no deadlock, "
           "every message paired with itself)")

@@ -99,9 +99,9 @@ def _optimizer_bytes(spec, t: torch.Tensor, numel: int, inp: PlanInputs) -> int:
     return numel * b + batch * n * r * b
 
 
-def _rank_state(cfg: Step37Config, sizes: ParallelSizes, pp_rank: int, ep_rank: int, layout):
+def _rank_state(cfg: Step37Config, sizes: ParallelSizes, pp_rank: int, ep_rank: int, layout, seq_length):
     rank = sizes.rank_of(dp=ep_rank, pp=pp_rank)
-    return build_chunks(cfg, ParallelState(sizes, rank, {}), layout, device="meta")
+    return build_chunks(cfg, ParallelState(sizes, rank, {}), layout, seq_length=seq_length, device="meta")
 
 
 def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
@@ -114,7 +114,7 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
     out = []
     for pp_rank in range(inp.pp):
         for ep_rank in range(inp.ep):
-            chunks = _rank_state(cfg, sizes, pp_rank, ep_rank, inp.pipeline_layout)
+            chunks = _rank_state(cfg, sizes, pp_rank, ep_rank, inp.pipeline_layout, inp.seq_length)
             r = RankMemory(pp_rank, ep_rank)
             dev = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "p2p buffers",
                                  "all-to-all buffers", "gathered layers"), 0)

@@ -2,7 +2,8 @@
 it, in this order (each step needs the one before it):
 
 1. pipeline split (``build_chunks``): this rank's ``vpp`` chunks of ``stage_layers`` (first
-   stage: embedding; last: final norm, head, MTP), each holding only its EP rank's experts;
+   stage: embedding; last: final norm, head, MTP; layers split by cost unless
+   ``--pipeline-layout`` says otherwise), each holding only its EP rank's experts;
 2. expert parallelism (``apply_expert_parallel``): MoE layers route through the all-to-all (or
    all-gather) dispatcher over the EP group, so the experts see only their own tokens;
 3. initialisation or Hugging Face load: every tensor seeded by its global name (any layout gets
@@ -25,6 +26,7 @@ from core.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from core.moe.layer import MoELayer
 from core.parallel_state import ParallelState, local_device
 from models.step37.config import Step37Config
+from models.step37.costs import balanced_layout
 from models.step37.model import Step37Model
 
 
@@ -32,7 +34,8 @@ def parallelize(config: Step37Config, ps: ParallelState, args) -> list[Step37Mod
     """This rank's model chunks with every parallelism applied. ``args``: the parsed training
     flags (``train_args.parse``): sections ``parallel``, ``memory``, ``model``, ``schedule``."""
     m, mem = args.model, args.memory
-    chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seed=args.schedule.seed)
+    chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seq_length=args.data.seq_length,
+                          seed=args.schedule.seed)
     device, dtype = local_device(), torch.bfloat16 if mem.params_dtype == "bf16" else torch.float32
     for chunk in chunks:
         if ps.sizes.ep > 1:
@@ -46,21 +49,30 @@ def parallelize(config: Step37Config, ps: ParallelState, args) -> list[Step37Mod
     return chunks
 
 
-def stage_layers(num_layers: int, num_stages: int, layout: str | None = None) -> list[range]:
+def even_layout(num_layers: int, num_stages: int) -> list[int]:
+    """Equal layer counts per stage, the remainder in the middle stages (ignores what the first
+    and last stage carry besides their layers)."""
+    if num_layers < num_stages:
+        raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    first_extra = (num_stages - extra) // 2
+    return [base + (first_extra <= s < first_extra + extra) for s in range(num_stages)]
+
+
+def stage_layers(config: Step37Config, num_stages: int, layout: str | None = None,
+                 seq_length: int = 4096) -> list[range]:
     """Contiguous layer ranges per virtual stage. ``layout``: comma-separated layer counts
-    (e.g. ``"10,12,12,11"``, fewer where the embedding or the head sit); default balanced,
-    with the remainder going to the middle stages."""
+    (``--pipeline-layout``, e.g. ``"14,14,14,3"``), which wins; by default the split that
+    minimises the slowest stage under the cost model of ``costs.py`` at ``seq_length`` (the
+    last stage also runs the head and the MTP depths, so it gets fewer layers)."""
+    L = config.num_layers
     if layout:
         counts = [int(x) for x in layout.split(",")]
-        if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
+        if len(counts) != num_stages or sum(counts) != L or min(counts) < 1:
             raise ValueError(f"--pipeline-layout {layout!r}: need {num_stages} positive counts "
-                             f"summing to {num_layers}")
+                             f"summing to {L}")
     else:
-        if num_layers < num_stages:
-            raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
-        base, extra = divmod(num_layers, num_stages)
-        first_extra = (num_stages - extra) // 2
-        counts = [base + (first_extra <= s < first_extra + extra) for s in range(num_stages)]
+        counts = balanced_layout(config, num_stages, seq_length)
     out, start = [], 0
     for c in counts:
         out.append(range(start, start + c))
@@ -69,11 +81,11 @@ def stage_layers(num_layers: int, num_stages: int, layout: str | None = None) ->
 
 
 def build_chunks(config: Step37Config, pstate: ParallelState, layout: str | None = None,
-                 *, seed: int = 0, device="cpu") -> list[Step37Model]:
+                 *, seq_length: int = 4096, seed: int = 0, device="cpu") -> list[Step37Model]:
     """This rank's pipeline chunks (virtual stage ``c * pp + pp_rank`` for chunk ``c``), with
     its EP rank's share of the experts, initialised from ``seed`` (nothing on ``meta``)."""
     pp, vpp = pstate.sizes.pp, pstate.sizes.vpp
-    ranges = stage_layers(config.num_layers, pp * vpp, layout)
+    ranges = stage_layers(config, pp * vpp, layout, seq_length)
     chunks = []
     for c in range(vpp):
         s = c * pp + pstate.pp_rank

@@ -72,7 +72,12 @@ def test_pipeline_sim_cli(tmp_path):
                           "--microbatches", "32", "--plot", str(tmp_path / "s.png")],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "no deadlock, bubble 6.80%" in out.stdout and (tmp_path / "s.png").stat().st_size > 0
+    assert "no deadlock, NCCL-safe, bubble 6.80%" in out.stdout and (tmp_path / "s.png").stat().st_size > 0
+    model = subprocess.run([sys.executable, "tools/pipeline_sim.py", "--pp", "4", "--microbatches", "32",
+                            "--model-preset", "step37-flash", "--seq-length", "8192"],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert model.returncode == 0, model.stderr
+    assert "default layout 14,14,14,3: slowest stage 7.61 vs 11.93 GFLOP/token (even 11,12,11,11)" in model.stdout
     bad = subprocess.run([sys.executable, "tools/pipeline_sim.py", "--pp", "4", "--vpp", "2",
                           "--microbatches", "6"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 1 and "multiple of --pipeline-model-parallel-size" in bad.stderr
@@ -84,14 +89,17 @@ def test_dry_run_and_plan_memory_for_the_full_model():
                           "--expert-model-parallel-size", "2", "--data-path", "unused",
                           "--seq-length", "8192", "--global-batch-size", "64", "--optimizer", "muon",
                           "--muon-momentum", "0", "--recompute-granularity", "full",
-                          "--params-dtype", "bf16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--params-dtype", "bf16", "--pipeline-layout", "11,12,11,11"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "32 micro-batches per pipeline; nothing allocated" in out.stdout
     assert out.stdout.count("\npp") == 8 and "does NOT fit 141 GB" in out.stdout
-    js = subprocess.run([sys.executable, "tools/plan_memory.py", "--pp", "4", "--ep", "2", "--dp", "2",
-                         "--num-microbatches", "32", "--recompute-granularity", "full",
-                         "--data-parallel-sharding", "fsdp", "--cpu-offload", "all", "--json"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    js = subprocess.run([sys.executable, "tools/plan_memory.py", "--world-size", "8", "--model-preset",
+                         "step37-flash", "--pipeline-model-parallel-size", "4",
+                         "--expert-model-parallel-size", "2", "--seq-length", "8192", "--global-batch-size",
+                         "64", "--optimizer", "muon", "--muon-momentum", "0", "--params-dtype", "bf16",
+                         "--recompute-granularity", "full", "--data-parallel-sharding", "fsdp",
+                         "--cpu-offload", "all", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert js.returncode == 0, js.stderr
     ranks = json.loads(js.stdout)["ranks"]
     assert len(ranks) == 8 and all(r["fits"] for r in ranks) and all(r["host_total"] > 0 for r in ranks)
