@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 
 from core.cli import add_to_parser, from_namespace, option
@@ -49,6 +50,9 @@ class DataArgs:
     tokenizer_type: str = option("byte", "tokenizer the data was made with (for the pad id)",
                                  choices=TOKENIZER_TYPES)
     tokenizer_model: str = option(None, "its model file or directory")
+    data_cache_path: str = option(None, "directory for pack plans and dataset statistics (default: "
+                                        "beside each dataset, or $XDG_CACHE_HOME/step37-trainer "
+                                        "when the dataset's directory is read-only)")
 
     def __post_init__(self):
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
@@ -83,7 +87,12 @@ class ParallelArgs:
 class MemoryArgs:
     """Memory: precision, activation recompute, and a dry run that plans without allocating."""
 
-    params_dtype: str = option("fp32", "parameter, gradient and activation dtype", choices=("fp32", "bf16"))
+    bf16: bool = option(False, "bf16 compute over fp32 master weights: fp32 gradient accumulation "
+                               "and reduction (FSDP2 mixed precision; without --data-parallel-sharding "
+                               "on one-rank meshes); routers, RoPE, norm and softmax statistics and "
+                               "the loss stay fp32")
+    params_dtype: str = option(None, "deprecated: --params-dtype bf16 means --bf16, fp32 is the default",
+                               choices=("fp32", "bf16"))
     data_parallel_sharding: str = option("none", "fsdp: FSDP2-shard dense parameters over the DP ranks "
                                                  "and experts over the expert-DP ranks",
                                          choices=("none", "fsdp"))
@@ -103,6 +112,12 @@ class MemoryArgs:
     def __post_init__(self):
         if self.cpu_offload != "none" and self.data_parallel_sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+        if self.params_dtype is not None:
+            print(f"warning: --params-dtype is deprecated; use --bf16 (fp32 master weights). "
+                  f"--params-dtype {self.params_dtype} is taken as {'--bf16' if self.params_dtype == 'bf16' else 'the fp32 default'}",
+                  file=sys.stderr)
+            self.bf16 = self.bf16 or self.params_dtype == "bf16"
+            self.params_dtype = None
 
 
 @dataclass
@@ -249,12 +264,17 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
 
 
 def _check_files(args, cfg: Step37Config) -> None:
+    """The files a run reads, and the data against the model: the whole index, token ids below
+    cfg.vocab_size, some training targets (data/checks.py)."""
+    from data.checks import check_training_data  # local: keeps this section's edits in one place
+
     d, ck = args.data, args.checkpoint
     if not d.data_path:
         raise ValueError("--data-path is required")
     for _, prefix in parse_data_path(d.data_path):
         if not os.path.exists(prefix + ".idx"):
             raise ValueError(f"--data-path {prefix}: no {prefix}.idx (write it with tools/preprocess_data.py)")
+        check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
     tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's {cfg.vocab_size}")

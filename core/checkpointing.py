@@ -90,8 +90,9 @@ def _allocate(state: dict, p: torch.Tensor, prefix: str, meta: dict, expert: boo
             shape = [p.shape[0]] + shape
         if shape == list(p.shape):  # shaped like the parameter: shard it the same way (FSDP)
             state[key] = torch.zeros_like(p, dtype=m.properties.dtype)
-        else:
-            state[key] = torch.zeros(shape, dtype=m.properties.dtype)
+        else:  # e.g. Dion's Q: a plain tensor beside this rank's part of the parameter
+            device = p.to_local().device if isinstance(p, DTensor) else p.device
+            state[key] = torch.zeros(shape, dtype=m.properties.dtype, device=device)
 
 
 def save_checkpoint(save_dir: str, iteration: int, chunks, optimizer, extra: dict, meta: dict,

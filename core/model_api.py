@@ -6,9 +6,9 @@ chunk of a model implements:
 - ``param_specs() -> dict[str, ParamSpec]``: for every named parameter, its role for the
   optimizer, where its replicas live, whether a copy of it sits on another pipeline stage, and
   whether dim 0 stacks experts (checkpoints store one key per expert);
-- ``fsdp_units() -> list[tuple[nn.Module, str]]``: submodules to shard as FSDP units, innermost
-  first, each with the replication group of its parameters (``"dp"`` or ``"expert_dp"``); the
-  chunk itself is the root unit;
+- ``fsdp_units() -> list[FSDPUnit]``: submodules to wrap as FSDP units, innermost first, each
+  with the replication group of its parameters (``"dp"`` or ``"expert_dp"``) and whether it
+  must compute in fp32 under bf16 mixed precision (e.g. a router); the chunk itself is the root;
 - ``moe_layers() -> list[MoELayer]``: its MoE layers in the order of ``StageOutput.expert_load``;
 - ``forward(tokens, position_ids, packed_seq_params, *, hidden=None, labels=None)``: with
   ``labels`` (the training path) it returns a :class:`StageOutput`. Every stage receives the
@@ -37,6 +37,13 @@ class ParamSpec:
         if self.role not in ROLES or self.replicated_over not in REPLICATION:
             raise ValueError(f"ParamSpec: role {self.role!r} must be one of {ROLES}, "
                              f"replicated_over {self.replicated_over!r} one of {REPLICATION}")
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    module: nn.Module
+    replicated_over: str = "dp"
+    fp32: bool = False  # under --bf16: compute with the fp32 parameters (a unit of its own)
 
 
 @dataclass

@@ -125,9 +125,9 @@ class ParallelState:
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     mine[kind] = (group, ranks)
-        if sizes.expert_dp == 1 and sizes.world > 1:
-            # a one-rank group per rank (created by all ranks, in order) so FSDP can still manage,
-            # and offload, experts that no other rank replicates
+        if sizes.world > 1:
+            # a one-rank group per rank (created by all ranks, in order) for one-rank FSDP meshes:
+            # experts that no other rank replicates (offload), mixed precision without sharding
             for r in range(sizes.world):
                 group = dist.new_group([r])
                 if r == rank:

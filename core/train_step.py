@@ -32,7 +32,6 @@ class StepSettings:
     aux_loss_coeff: float = 0.0         # weight of the MoE router auxiliary loss
     clip_grad: float = 0.0              # clip the global grad norm to this (0: off)
     router_bias_rate: float = 0.0       # aux-loss-free balancing: bias step per iteration (0: off)
-    reshard_after_step: bool = False    # FSDP gather-once: drop the gathered copies after the update
 
 
 @dataclass
@@ -85,8 +84,7 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
         for c, load in loads.items() if s.router_bias_rate else ():
             for layer, layer_load in zip(chunks[c].moe_layers(), load):
                 layer.router.update_bias(layer_load, s.router_bias_rate)
-    if s.reshard_after_step:  # FSDP gather-once: drop the gathered (now stale) copies
-        reshard(chunks)
+    reshard(chunks)  # FSDP units gathered for the whole step (gather-once, bf16 copies): now stale
     return metrics
 
 

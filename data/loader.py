@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ def parse_data_path(args: list[str]) -> list[tuple[float, str]]:
             weight = float(w)
         except ValueError:
             raise ValueError(f"--data-path: {w!r} is not a weight (expected 'WEIGHT PREFIX' pairs)") from None
-        if weight <= 0:
-            raise ValueError(f"--data-path: weight {weight} for {prefix} must be > 0")
+        if not (math.isfinite(weight) and weight > 0):  # nan fails every comparison: test it
+            raise ValueError(f"--data-path: weight {w!r} for {prefix} must be a finite number > 0")
         pairs.append((weight, prefix))
     return pairs
 
@@ -70,18 +71,26 @@ class PackedSource:
     skipped: dict
 
 
+def loss_mask_prefix(prefix: str) -> str | None:
+    """The chat loss mask dataset beside ``PREFIX`` (``..._loss_mask_document``), if any."""
+    mask_prefix = prefix.replace("_text_document", "_loss_mask_document")
+    return mask_prefix if mask_prefix != prefix and os.path.exists(mask_prefix + ".idx") else None
+
+
 def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
-                pad_multiple: int = 1, train_fraction: float = 1.0) -> PackedSource:
+                pad_multiple: int = 1, train_fraction: float = 1.0,
+                cache_dir: str | None = None) -> PackedSource:
     """Open ``PREFIX`` (``..._text_document``) and plan its packs, skipping unusable documents.
 
     Zero-length documents and documents whose loss mask length differs from their token count
     are left out of the plan, counted and reported once (with their ids). ``train_fraction``
     keeps only the first part of the documents (``--split``; the rest is held out).
+    ``cache_dir`` (``--data-cache-path``) is where the pack plan is cached; by default beside
+    the dataset, or the user cache when that directory is read-only (``data/cache.py``).
     """
     text = IndexedDataset(prefix)
-    mask_prefix = prefix.replace("_text_document", "_loss_mask_document")
-    mask = IndexedDataset(mask_prefix) if mask_prefix != prefix and os.path.exists(mask_prefix + ".idx") \
-        else None
+    mask_prefix = loss_mask_prefix(prefix)
+    mask = IndexedDataset(mask_prefix) if mask_prefix else None
     lengths = text.lengths.astype(np.int64)
     skipped = {"empty": np.flatnonzero(lengths == 0)}
     if mask is not None:
@@ -96,7 +105,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
     if train_fraction < 1.0:
         lengths[max(1, int(len(lengths) * train_fraction)):] = 0
     plan_lengths = lengths if pad_multiple == 1 else (lengths + pad_multiple - 1) // pad_multiple * pad_multiple
-    plan = cached_plan(plan_lengths, seq_length, prefix, long_docs=long_docs, seed=seed)
+    plan = cached_plan(plan_lengths, seq_length, prefix, long_docs=long_docs, seed=seed,
+                       cache_path=cache_dir)
     if pad_multiple != 1:  # the plan holds padded lengths; segments must carry the real ones
         plan = _unpad_plan(plan, text.lengths)
     if plan.num_packs == 0:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data import _csrc
+from data import _csrc, cache
 
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
 _PLAN_FORMAT = 1  # bump when the planner's output for the same inputs changes
@@ -97,29 +97,33 @@ def plan_cache_key(lengths: np.ndarray, seq_length: int, long_docs: str, seed: i
 
 
 def cached_plan(lengths, seq_length: int, cache_prefix: str, *, long_docs: str = "split",
-                seed: int = 0) -> PackPlan:
-    """``plan_packs``, saved as ``.npy`` beside ``cache_prefix`` and memory-mapped once built.
+                seed: int = 0, cache_path: str | None = None) -> PackPlan:
+    """``plan_packs``, saved as ``.npy`` files and memory-mapped once built.
 
-    The file names carry the hash of the inputs, so a changed dataset, length, policy or seed
-    never reuses a stale plan. Writes go to temporary names renamed at the end.
+    Where (``data/cache.py``): in ``cache_path`` when given (``--data-cache-path``), else beside
+    ``cache_prefix``, else, when that directory cannot be written, in the user cache. The file
+    names carry the hash of the inputs, so a changed dataset, length, policy or seed never
+    reuses a stale plan. Writes go to temporary names renamed at the end, the meta file last.
     """
     lengths = np.asarray(lengths)
     key = plan_cache_key(lengths, seq_length, long_docs, seed)
-    base = f"{cache_prefix}_packplan_{key}"
-    files = {"offsets": base + "_offsets.npy", "segments": base + "_segments.npy",
-             "meta": base + "_meta.json"}
-    if all(os.path.exists(f) for f in files.values()):
-        with open(files["meta"]) as f:
-            meta = json.load(f)
-        return PackPlan(np.load(files["offsets"], mmap_mode="r"),
-                        np.load(files["segments"], mmap_mode="r"), int(seq_length), **meta)
+    suffixes = [f"_packplan_{key}_offsets.npy", f"_packplan_{key}_segments.npy",
+                f"_packplan_{key}_meta.json"]  # meta last: its presence marks a complete plan
+    for base in cache.read_bases(cache_prefix, cache_path):
+        if all(os.path.exists(base + s) for s in suffixes):
+            with open(base + suffixes[2]) as f:
+                meta = json.load(f)
+            return PackPlan(np.load(base + suffixes[0], mmap_mode="r"),
+                            np.load(base + suffixes[1], mmap_mode="r"), int(seq_length), **meta)
     plan = plan_packs(lengths, seq_length, long_docs=long_docs, seed=seed)
-    tag = f".tmp-{os.getpid()}"
-    np.save(files["offsets"] + tag, plan.pack_offsets, allow_pickle=False)
-    np.save(files["segments"] + tag, plan.segments, allow_pickle=False)
-    with open(files["meta"] + tag, "w") as f:
-        json.dump(plan.counts(), f)
-    for name in ("offsets", "segments", "meta"):  # meta last: its presence marks a complete plan
-        src = files[name] + tag + (".npy" if name != "meta" else "")
-        os.replace(src, files[name])
+    arrays = {suffixes[0]: plan.pack_offsets, suffixes[1]: plan.segments}
+
+    def write(suffix, f):
+        if suffix in arrays:
+            np.save(f, arrays[suffix], allow_pickle=False)
+        else:
+            f.write(json.dumps(plan.counts()).encode())
+
+    cache.save(cache.cache_bases(cache_prefix, cache_path), suffixes, write,
+               f"pack plan of {cache_prefix}")
     return plan

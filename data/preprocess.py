@@ -5,6 +5,13 @@ worker reads itself, so the parent never touches the text: it only writes the to
 come back, in input order. A ``.gz`` file cannot be seeked, so the parent decompresses and
 ships the chunk's bytes. Rows are split on ``\\n`` only: a row whose strings hold U+2028,
 U+2029 or a bare ``\\r`` is one row (``str.splitlines`` would cut it, silently losing data).
+
+Failures are sorted by what they spoil. Anything wrong with one row (bad JSON or UTF-8, a lone
+surrogate escape, nesting deeper than the JSON parser's recursion limit, an exception from the
+tokenizer or chat template) rejects that row with a reason, file and line. Anything wrong with
+a file (a truncated or invalid gzip stream, a read error) stops the run naming the file and the
+rows read from it. A worker that dies stops the run naming the input range it held
+(``data/workers.py``). Temporary outputs are removed on every failure, Ctrl-C and SIGTERM.
 """
 from __future__ import annotations
 
@@ -12,21 +19,27 @@ import glob
 import gzip
 import itertools
 import json
-import multiprocessing as mp
 import os
+import signal
+import threading
 import time
+import zlib
+from contextlib import contextmanager
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from data.chat import RowError, encode_chat
+from data.chat import SURROGATE, RowError, encode_chat
 from data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from data.tokenizers import build_tokenizer
+from data.workers import OrderedPool
 
-REJECT_REASONS = ("blank_line", "invalid_utf8", "invalid_json", "not_an_object", "missing_key",
-                  "wrong_type", "empty_text", "unknown_role", "no_assistant_turn", "template_error")
+REJECT_REASONS = ("blank_line", "invalid_utf8", "invalid_unicode", "invalid_json", "too_deep",
+                  "not_an_object", "missing_key", "wrong_type", "empty_text", "unknown_role",
+                  "no_assistant_turn", "invalid_tool_call", "tool_calls_unsupported",
+                  "template_error", "tokenizer_error")
 
 
 @dataclass
@@ -73,6 +86,27 @@ def _init_worker(cfg: Any) -> None:
     _worker.update(cfg=cfg, tok=tok, dtype=token_dtype(tok.vocab_size))
 
 
+def _reject_reason(exc: Exception, default: str) -> tuple[str, str]:
+    """(reason, detail) for any exception raised while handling one row."""
+    if isinstance(exc, RowError):
+        return exc.reason, exc.detail
+    if isinstance(exc, RecursionError):
+        return "too_deep", "nested deeper than the JSON parser's recursion limit"
+    if isinstance(exc, UnicodeError):
+        return "invalid_unicode", str(exc)
+    return default, f"{type(exc).__name__}: {exc}"
+
+
+def _check_unicode(key: str, value: str) -> None:
+    """A JSON ``\\ud800`` escape without its pair decodes to a lone surrogate, which no UTF-8
+    tokenizer can encode."""
+    m = SURROGATE.search(value)
+    if m:
+        raise RowError("invalid_unicode", f"{key!r} holds a lone surrogate {m.group()!r} at "
+                                          f"character {m.start()} (a \\ud800-\\udfff escape "
+                                          "without its pair)")
+
+
 def _parse_row(raw: bytes, cfg: Any):
     """Bytes of one line -> the values to tokenize, or RowError."""
     if not raw.strip():
@@ -92,13 +126,15 @@ def _parse_row(raw: bytes, cfg: Any):
         if k not in row:
             raise RowError("missing_key", f"no key {k!r}")
     if cfg.chat:
-        return row[cfg.chat]
+        return row[cfg.chat]  # encode_chat checks the rendered text for lone surrogates
     values = [row[k] for k in keys]
     for k, v in zip(keys, values):
         if not isinstance(v, str):
             raise RowError("wrong_type", f"{k!r} must be a string, got {type(v).__name__}")
         if not v.strip():
             raise RowError("empty_text", f"{k!r} is empty after stripping whitespace")
+        if b"\\u" in raw:  # only a \\u escape can produce a surrogate in valid UTF-8 input
+            _check_unicode(k, v)
     return values
 
 
@@ -111,10 +147,35 @@ def _flatten(seqs: list, dtype, eod: int | None) -> tuple[np.ndarray, np.ndarray
     return flat.astype(dtype, copy=False), lengths
 
 
+def _encode_rows(tok, texts: list[str]) -> tuple[list, dict]:
+    """Encode a batch; if the batch call raises, encode row by row so that only the rows that
+    fail are lost. Returns the ids (None for a failed row) and {row: (reason, detail)}."""
+    try:
+        return tok.encode_batch(texts), {}
+    except Exception:
+        pass
+    ids, failed = [], {}
+    for j, t in enumerate(texts):
+        try:
+            ids.append(tok.encode(t))
+        except Exception as e:
+            ids.append(None)
+            failed[j] = _reject_reason(e, "tokenizer_error")
+    return ids, failed
+
+
 def process_chunk(task) -> dict:
     """Encode the rows of one chunk. Runs in a worker (or in-process with --workers 1)."""
+    if "file_error" in task:
+        return {"file_error": task["file_error"], "n_lines": 0, "n_bytes": 0, "rejects": []}
     cfg, tok, dtype = _worker["cfg"], _worker["tok"], _worker["dtype"]
-    data = task["data"] if "data" in task else _read_range(task["path"], task["start"], task["end"])
+    data = task.get("data")
+    if data is None:
+        try:
+            data = _read_range(task["path"], task["start"], task["end"])
+        except OSError as e:
+            return {"file_error": f"cannot read bytes {task['start']:,}-{task['end']:,}: {e}",
+                    "n_lines": 0, "n_bytes": 0, "rejects": []}
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the newline that ends the chunk's last row
@@ -123,25 +184,33 @@ def process_chunk(task) -> dict:
     for i, raw in enumerate(lines):
         try:
             parsed.append((i, _parse_row(raw, cfg)))
-        except RowError as e:
-            rejects.append((i, e.reason, e.detail, raw))
+        except Exception as e:  # any failure on one row rejects that row, never the run
+            rejects.append((i, *_reject_reason(e, "invalid_json"), raw))
     out: dict = {"n_lines": len(lines), "rejects": rejects, "n_bytes": len(data)}
     if cfg.chat:
         ids, masks = [], []
         for i, msgs in parsed:
             try:
                 t, m = encode_chat(tok, msgs)
-            except RowError as e:
-                rejects.append((i, e.reason, e.detail, lines[i]))
+            except Exception as e:
+                rejects.append((i, *_reject_reason(e, "tokenizer_error"), lines[i]))
                 continue
             ids.append(t)
             masks.append(m if eod is None else np.append(m, np.uint8(0)))
         out["text"] = _flatten(ids, dtype, eod)
         out["loss_mask"] = (np.concatenate(masks) if masks else np.zeros(0, np.uint8), out["text"][1])
-        rejects.sort(key=lambda r: r[0])
     else:
+        encoded, failed = [], {}
         for k_i, key in enumerate(cfg.json_keys):
-            out[key] = _flatten(tok.encode_batch([v[k_i] for _, v in parsed]), dtype, eod)
+            ids, bad = _encode_rows(tok, [v[k_i] for _, v in parsed])
+            encoded.append(ids)
+            for j, why in bad.items():
+                failed.setdefault(j, why)
+        for j, (reason, detail) in failed.items():  # a row failing on any key is rejected whole
+            rejects.append((parsed[j][0], reason, detail, lines[parsed[j][0]]))
+        for key, ids in zip(cfg.json_keys, encoded):
+            out[key] = _flatten([x for j, x in enumerate(ids) if j not in failed], dtype, eod)
+    rejects.sort(key=lambda r: r[0])
     return out
 
 
@@ -156,36 +225,90 @@ def _read_range(path: str, start: int, end: int) -> bytes:
 # ---------------------------------------------------------------------------------------------
 
 def iter_chunks(path: str, chunk_bytes: int):
-    """Chunks of whole lines: byte ranges for plain files, bytes for .gz files."""
-    if path.endswith(".gz"):
-        with gzip.open(path, "rb") as f:
-            rest = b""
-            while True:
-                block = f.read(chunk_bytes)
-                if not block:
-                    if rest:
-                        yield {"data": rest}
-                    return
-                block = rest + block
-                cut = block.rfind(b"\n") + 1
-                rest = block[cut:]
-                if cut:
-                    yield {"data": block[:cut]}
-    size = os.path.getsize(path)
-    start = 0
-    with open(path, "rb") as f:
-        while start < size:
-            end = min(start + chunk_bytes, size)
-            if end < size:
-                f.seek(end)
-                tail = f.readline()  # extend to the end of the line we landed in
-                end += len(tail)
-            yield {"path": path, "start": start, "end": end}
-            start = end
+    """Chunks of whole lines: byte ranges for plain files, bytes for .gz files. A file that
+    cannot be read (a truncated or invalid gzip stream, an I/O error) ends with a
+    ``{"file_error": ...}`` task, which stops the run once the rows before it are counted."""
+    try:
+        if path.endswith(".gz"):
+            yield from _gzip_chunks(path, chunk_bytes)
+            return
+        size = os.path.getsize(path)
+        start = 0
+        with open(path, "rb") as f:
+            while start < size:
+                end = min(start + chunk_bytes, size)
+                if end < size:
+                    f.seek(end)
+                    tail = f.readline()  # extend to the end of the line we landed in
+                    end += len(tail)
+                yield {"path": path, "start": start, "end": end}
+                start = end
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        what = "truncated or corrupt gzip stream" if path.endswith(".gz") else "read error"
+        yield {"path": path, "file_error": f"{what} ({type(e).__name__}: {e})"}
+
+
+def _gzip_chunks(path: str, chunk_bytes: int):
+    """Whole lines of a gzip file. On a damaged stream the whole rows decompressed so far are
+    handed over first (``read1`` returns what it has), then the error propagates."""
+    with gzip.open(path, "rb") as f:
+        rest, pos, eof = b"", 0, False  # pos: decompressed offset of rest
+        while not eof:
+            parts, n, err = [rest], len(rest), None
+            try:
+                while n < chunk_bytes:
+                    piece = f.read1(chunk_bytes - n)
+                    if not piece:
+                        eof = True
+                        break
+                    parts.append(piece)
+                    n += len(piece)
+            except (OSError, EOFError, zlib.error) as e:
+                err = e
+            block = b"".join(parts)
+            cut = len(block) if eof else block.rfind(b"\n") + 1  # a damaged last row is dropped
+            if cut:
+                yield {"data": block[:cut], "path": path, "start": pos, "end": pos + cut}
+                pos += cut
+            rest = block[cut:]
+            if err is not None:
+                raise err
+
+
+def describe_task(task: dict) -> str:
+    """The input range of a task, for error messages."""
+    if "start" not in task:
+        return task.get("path", "?")
+    unit = "decompressed bytes" if "data" in task else "bytes"
+    return f"{task['path']} {unit} {task['start']:,}-{task['end']:,}"
 
 
 class PreprocessError(RuntimeError):
-    """The run finished reading but its result must not be published."""
+    """The run's result must not be published (too many rejects, a damaged input file)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that no ``except Exception``
+    on the way (a row's rejection, say) swallows it and the run unwinds, removing its files."""
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """While preprocessing, SIGTERM raises :class:`Terminated` (in the main thread only, where
+    Python delivers signals); a second SIGTERM during the unwinding is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated("stopped by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def output_keys(cfg: Any) -> list[str]:
@@ -209,8 +332,8 @@ class _InProcess:
     def __init__(self, cfg):
         _init_worker(cfg)
 
-    def imap(self, fn, tasks):
-        return map(fn, tasks)
+    def imap(self, tasks):
+        return map(_with_file_idx, tasks)
 
     def __enter__(self):
         return self
@@ -223,74 +346,105 @@ def _executor(cfg):
     if cfg.workers == 1:
         return _InProcess(cfg)
     # spawn: workers start clean (no inherited tokenizer threads or torch state)
-    return mp.get_context("spawn").Pool(cfg.workers, initializer=_init_worker, initargs=(cfg,))
+    return OrderedPool(cfg.workers, _with_file_idx, _init_worker, (cfg,), describe=describe_task)
+
+
+class _Outputs:
+    """The datasets and rejects file of one run, under temporary names until ``publish``."""
+
+    def __init__(self, cfg, files: list[str], tok):
+        prefix = cfg.output_prefix
+        dtype = token_dtype(tok.vocab_size)
+        self.files, self.stats = files, PreprocessStats()
+        self.line_base = [0] * len(files)
+        self.meta = {"tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
+                                   "vocab_size": tok.vocab_size}}
+        self.writers = {k: IndexedDatasetWriter(f"{prefix}_{k}_document", dtype) for k in output_keys(cfg)}
+        if cfg.chat:
+            self.writers["loss_mask"] = IndexedDatasetWriter(f"{prefix}_loss_mask_document", np.uint8)
+        self.rejects_path = f"{prefix}_rejects.jsonl"
+        self.rejects_tmp = f"{self.rejects_path}.tmp-{os.getpid()}"
+        # a detail may quote a lone surrogate: escape it rather than fail the whole run
+        self.rej = open(self.rejects_tmp, "w", encoding="utf-8", errors="backslashreplace")
+
+    def add(self, file_idx: int, res: dict) -> None:
+        path, stats = self.files[file_idx], self.stats
+        if "file_error" in res:
+            raise PreprocessError(
+                f"{path}: {res['file_error']}, after {self.line_base[file_idx]:,} complete rows "
+                "of this file. No dataset was written; repair or remove the file.")
+        for i, reason, detail, raw in res["rejects"]:
+            self.rej.write(json.dumps({"file": path, "line": self.line_base[file_idx] + i + 1,
+                                       "reason": reason, "detail": detail,
+                                       "text": raw.decode("utf-8", "backslashreplace")},
+                                      ensure_ascii=False) + "\n")
+            stats.rejected[reason] += 1
+        self.line_base[file_idx] += res["n_lines"]
+        stats.rows_read += res["n_lines"]
+        for key, w in self.writers.items():
+            flat, lengths = res[key]
+            w.add_many(flat, lengths)
+            if key != "loss_mask":
+                stats.tokens += flat.size
+        stats.documents += len(lengths)
+
+    def publish(self, max_rejected_fraction: float) -> None:
+        stats = self.stats
+        stats.accepted = stats.rows_read - stats.num_rejected
+        self.rej.close()
+        os.replace(self.rejects_tmp, self.rejects_path)  # published even on failure: it says why
+        if stats.rows_read == 0:
+            raise PreprocessError(f"no rows in {', '.join(self.files)}")
+        frac = stats.num_rejected / stats.rows_read
+        if frac > max_rejected_fraction:
+            raise PreprocessError(
+                f"{stats.num_rejected:,} of {stats.rows_read:,} rows rejected ({frac:.2%} > "
+                f"--max-rejected-fraction {max_rejected_fraction:g}); see {self.rejects_path}. "
+                "No dataset was written. Fix the input or raise --max-rejected-fraction.")
+        for w in self.writers.values():
+            w.finalize(meta=self.meta)
+
+    def abort(self) -> None:
+        self.rej.close()
+        for w in self.writers.values():
+            w.abort()
+        if os.path.exists(self.rejects_tmp):
+            os.remove(self.rejects_tmp)
 
 
 def run(cfg: Any, progress: bool = True) -> PreprocessStats:
-    """Tokenize ``cfg.input`` into ``cfg.output_prefix`` datasets; returns the counts."""
+    """Tokenize ``cfg.input`` into ``cfg.output_prefix`` datasets; returns the counts.
+
+    Raises PreprocessError (nothing published but the rejects file), WorkerDied, Terminated
+    (SIGTERM) or KeyboardInterrupt; every temporary file is gone when any of them propagates.
+    """
     from tqdm import tqdm
 
     files = expand_inputs(cfg.input)
     tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
     if cfg.append_eod and tok.eod_id < 0:
         raise ValueError("--append-eod: this tokenizer defines no end-of-document (EOS) token")
-    dtype = token_dtype(tok.vocab_size)
-    prefix = cfg.output_prefix
-    writers = {k: IndexedDatasetWriter(f"{prefix}_{k}_document", dtype) for k in output_keys(cfg)}
-    if cfg.chat:
-        writers["loss_mask"] = IndexedDatasetWriter(f"{prefix}_loss_mask_document", np.uint8)
-    rejects_path = f"{prefix}_rejects.jsonl"
-    rejects_tmp = f"{rejects_path}.tmp-{os.getpid()}"
-    stats = PreprocessStats()
-    line_base = [0] * len(files)
     t0 = time.perf_counter()
     total = None if any(f.endswith(".gz") for f in files) else sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress)
-    try:
-        with open(rejects_tmp, "w", encoding="utf-8") as rej, _executor(cfg) as pool:
-            last_log = 0
-            for file_idx, res in pool.imap(_with_file_idx, _tasks(files, int(cfg.chunk_mb * 2**20))):
-                for i, reason, detail, raw in res["rejects"]:
-                    rej.write(json.dumps({"file": files[file_idx], "line": line_base[file_idx] + i + 1,
-                                          "reason": reason, "detail": detail,
-                                          "text": raw.decode("utf-8", "backslashreplace")},
-                                         ensure_ascii=False) + "\n")
-                    stats.rejected[reason] += 1
-                line_base[file_idx] += res["n_lines"]
-                stats.rows_read += res["n_lines"]
-                n_docs = 0
-                for key, w in writers.items():
-                    flat, lengths = res[key]
-                    w.add_many(flat, lengths)
-                    n_docs = len(lengths)
-                    if key != "loss_mask":
-                        stats.tokens += flat.size
-                stats.documents += n_docs
-                bar.update(res["n_bytes"])
-                if stats.rows_read - last_log >= cfg.log_interval:
-                    last_log = stats.rows_read
-                    bar.set_postfix(rows=stats.rows_read, rejected=stats.num_rejected,
-                                    tok_s=f"{stats.tokens / (time.perf_counter() - t0):,.0f}")
-        bar.close()
-        stats.accepted = stats.rows_read - stats.num_rejected
-        stats.seconds = time.perf_counter() - t0
-        os.replace(rejects_tmp, rejects_path)  # published even on failure: it says what went wrong
-        if stats.rows_read == 0:
-            raise PreprocessError(f"no rows in {', '.join(files)}")
-        frac = stats.num_rejected / stats.rows_read
-        if frac > cfg.max_rejected_fraction:
-            raise PreprocessError(
-                f"{stats.num_rejected:,} of {stats.rows_read:,} rows rejected ({frac:.2%} > "
-                f"--max-rejected-fraction {cfg.max_rejected_fraction:g}); see {rejects_path}. "
-                "No dataset was written. Fix the input or raise --max-rejected-fraction.")
-        for w in writers.values():
-            w.finalize()
-    except BaseException:
-        bar.close()
-        for w in writers.values():
-            w.abort()
-        if os.path.exists(rejects_tmp):
-            os.remove(rejects_tmp)
-        raise
-    stats.accepted = stats.rows_read - stats.num_rejected
+    with _sigterm_unwinds():
+        out = _Outputs(cfg, files, tok)
+        stats = out.stats
+        try:
+            with _executor(cfg) as pool:
+                last_log = 0
+                for file_idx, res in pool.imap(_tasks(files, int(cfg.chunk_mb * 2**20))):
+                    out.add(file_idx, res)
+                    bar.update(res["n_bytes"])
+                    if stats.rows_read - last_log >= cfg.log_interval:
+                        last_log = stats.rows_read
+                        bar.set_postfix(rows=stats.rows_read, rejected=stats.num_rejected,
+                                        tok_s=f"{stats.tokens / (time.perf_counter() - t0):,.0f}")
+            bar.close()
+            stats.seconds = time.perf_counter() - t0
+            out.publish(cfg.max_rejected_fraction)
+        except BaseException:
+            bar.close()
+            out.abort()
+            raise
     return stats

@@ -39,7 +39,7 @@ class Tokenizer:
         """Token ids and an int64 ``[n, 2]`` array of ``[start, end)`` character offsets."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no chat template")
 
 
@@ -198,9 +198,10 @@ class HuggingFaceTokenizer(Tokenizer):
         enc = self._transformers()(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], np.array(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self._transformers().apply_chat_template(messages, chat_template=self.chat_template,
-                                                        tokenize=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._transformers().apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt)
 
 
 def _token_text(tok) -> str | None:

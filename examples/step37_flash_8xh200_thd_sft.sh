@@ -6,13 +6,15 @@
 # per iteration; with DP = 8 / PP4 = 2 (EP2 inside it) and micro-batch 1 pack, each pipeline
 # runs 32 micro-batches per iteration (1F1B bubble (p-1)/(m+p-1) = 8.6%).
 #
-# Memory: bf16 parameters, FSDP2 over the data-parallel ranks with every shard offloaded to host
-# memory, and full activation recompute; layers split by cost (14,14,14,3: the last stage runs
-# the head and three MTP depths). The planner says this fits (about 31 GB on the busiest GPU, up
-# to 130 GB of host memory per rank); plan it before you spend a node-hour, with the same flags:
+# Memory: --bf16 (bf16 compute over fp32 master weights and fp32 gradients), FSDP2 over the
+# data-parallel ranks with every shard offloaded to host memory, and full activation recompute;
+# layers split by cost (14,14,14,3: the last stage runs the head and three MTP depths). The
+# planner says this fits the GPUs (about 31 GB on the busiest) but needs up to 260 GB of host
+# memory per rank (about 1.6 TB for the node); plan it before you spend a node-hour, with the
+# same flags:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
-# This layout has not run on GPUs yet: bf16 here has no fp32 master weights, and offload copies
-# every layer's shards for each micro-batch (slow); see docs/memory.md.
+# This layout has not run on GPUs yet, and offload copies every layer's shards for each
+# micro-batch (slow); see docs/memory.md.
 #
 #   bash examples/step37_flash_8xh200_thd_sft.sh /data/Step-3.7-Flash /data/sft_text_document /out
 set -euo pipefail
@@ -23,7 +25,7 @@ OUT=${3:?}
 torchrun --nproc-per-node 8 pretrain_step37.py \
     --hf-config "$HF" --load-hf "$HF" --attention-backend flex \
     --pipeline-model-parallel-size 4 --expert-model-parallel-size 2 \
-    --params-dtype bf16 --data-parallel-sharding fsdp --cpu-offload all --recompute-granularity full \
+    --bf16 --data-parallel-sharding fsdp --cpu-offload all --recompute-granularity full \
     --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \
     --seq-length 8192 --micro-batch-size 1 --global-batch-size 64 --long-docs truncate \
     --optimizer muon --muon-momentum 0 --lr 2e-4 --adamw-lr 1e-5 --min-lr 2e-5 \

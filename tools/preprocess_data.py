@@ -10,7 +10,10 @@ Chat:  python tools/preprocess_data.py --input chats.jsonl --output-prefix out/s
 
 Every rejected row goes to PREFIX_rejects.jsonl with its file, line number, reason and original
 text; rows read always equal rows accepted plus rows rejected. Outputs are published only when
-the run succeeds, and not at all when more than --max-rejected-fraction of the rows is rejected.
+the run succeeds, and not at all when more than --max-rejected-fraction of the rows is rejected,
+an input file is damaged (a truncated gzip stream, say) or a worker process dies. Ctrl-C and
+SIGTERM stop the run and remove its temporary files. Exit status: 0 published, 1 refused or
+failed, 130 interrupted, 143 terminated.
 """
 from __future__ import annotations
 
@@ -23,8 +26,10 @@ if __package__ in (None, ""):  # run as a script from a checkout: make the packa
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.cli import add_to_parser, from_namespace, option  # noqa: E402
-from data.preprocess import PreprocessError, output_keys, run  # noqa: E402
+from data.preprocess import (REJECT_REASONS, PreprocessError, Terminated,  # noqa: E402
+                             output_keys, run)
 from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from data.workers import WorkerDied, WorkerFailed  # noqa: E402
 
 
 @dataclass
@@ -65,8 +70,7 @@ class PreprocessConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Rejection reasons: blank_line, invalid_utf8, invalid_json, not_an_object, "
-               "missing_key, wrong_type, empty_text, unknown_role, no_assistant_turn, template_error.")
+        epilog=f"Rejection reasons: {', '.join(REJECT_REASONS)} (docs/data-preparation.md).")
     add_to_parser(parser, PreprocessConfig, "preprocessing")
     return parser
 
@@ -80,9 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     try:
         stats = run(cfg, progress=True)
-    except (PreprocessError, FileNotFoundError, ValueError) as e:
+    except (PreprocessError, FileNotFoundError, ValueError, WorkerFailed) as e:
         print(f"preprocess_data: error: {e}", file=sys.stderr)
         return 1
+    except WorkerDied as e:
+        print(f"preprocess_data: error: {e}. Nothing was published and the temporary files were "
+              "removed. A worker killed by SIGKILL was most likely stopped by the out-of-memory "
+              "killer: use fewer --workers or a smaller --chunk-mb.", file=sys.stderr)
+        return 1
+    except (Terminated, KeyboardInterrupt) as e:
+        why = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"preprocess_data: stopped by {why}; nothing was published and the temporary files "
+              "were removed", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     outputs = ", ".join(f"{cfg.output_prefix}_{k}_document" for k in output_keys(cfg))
     if cfg.chat:
         outputs += f", {cfg.output_prefix}_loss_mask_document"

@@ -18,7 +18,7 @@ def plan_inputs(args, layout: RunLayout, device_gb: float = 141.0) -> PlanInputs
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
                       num_microbatches=layout.num_microbatches, optimizer=o.optimizer,
                       muon_momentum=o.muon_momentum, dion_rank_fraction=o.dion_rank_fraction,
-                      param_bytes=2 if m.params_dtype == "bf16" else 4, device_gb=device_gb,
+                      bf16=m.bf16, device_gb=device_gb,
                       pipeline_layout=args.parallel.pipeline_layout)
 
 

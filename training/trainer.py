@@ -37,11 +37,10 @@ class Trainer:
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
         self.settings = StepSettings(
             hidden_size=self.cfg.hidden_size, device=local_device(),
-            dtype=torch.bfloat16 if a.memory.params_dtype == "bf16" else torch.float32,
+            dtype=torch.bfloat16 if a.memory.bf16 else torch.float32,
             mtp_depths=self.cfg.num_mtp_layers, mtp_loss_scale=a.model.mtp_loss_scale,
             aux_loss_coeff=a.model.moe_aux_loss_coeff, clip_grad=a.optim.clip_grad,
-            router_bias_rate=a.model.moe_bias_update_rate,
-            reshard_after_step=a.memory.data_parallel_sharding == "fsdp" and a.memory.fsdp_gather_once)
+            router_bias_rate=a.model.moe_bias_update_rate)
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
         self.iteration, self.skipped, self.in_a_row = 0, 0, 0

@@ -1,11 +1,13 @@
 """FSDP2 for pipeline stages: dense parameters sharded over the data-parallel ranks, expert
-parameters over the expert-data-parallel ranks, optional CPU offload.
+parameters over the expert-data-parallel ranks, optional CPU offload, and bf16 mixed precision
+over fp32 master parameters (also without sharding, on one-rank meshes).
 
 The model names its units (``fsdp_units()``, innermost first, each with the replication group
 of its parameters): units over ``"dp"`` shard on the data-parallel mesh, units over
 ``"expert_dp"`` (routed experts) on the expert-data-parallel mesh; the chunk's remaining
-parameters (for a decoder: embedding, final norm, heads) form the root unit. Gradients are *summed* across replicas (divide factor 1), because the loss is
-already normalised by the step's global token count. Where expert-DP is 1 each EP rank owns its
+parameters (for a decoder: embedding, final norm, heads) form the root unit. Gradients are
+*summed* across replicas (divide factor 1), because the loss is already normalised by the
+step's global token count. Where expert-DP is 1 each EP rank owns its
 experts whole: they are left out of FSDP (``ignored_params``), or, when offloading, put on a
 one-rank mesh so FSDP moves them between host and device.
 
@@ -15,8 +17,9 @@ chunk but its last one in the step, so FSDP reduce-scatters once per step.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from core.model_api import iter_params
 from core.parallel_state import ParallelState
@@ -30,36 +33,59 @@ def _policy(on: bool) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on else OffloadPolicy()
 
 
-def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "none",
-               device_type: str = "cpu", gather_once: bool = False) -> bool:
-    """Shard ``chunk`` in place; returns False when there is nothing to shard (DP = 1).
+def _self_mesh(ps: ParallelState, device_type: str) -> DeviceMesh:
+    group = ps.group("self") if ps.sizes.world > 1 else dist.group.WORLD
+    return DeviceMesh.from_group(group, device_type)
 
+
+def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "none",
+               device_type: str = "cpu", gather_once: bool = False, *, shard: bool = True,
+               bf16: bool = False) -> bool:
+    """Wrap ``chunk``'s units with FSDP2 in place; returns False when there is nothing to do.
+
+    ``shard``: dense parameters over DP, experts over expert-DP (nothing to shard at DP 1).
+    ``bf16``: mixed precision: the parameters stay fp32 (the master weights the optimizer
+    updates and checkpoints store), each unit computes with a bf16 copy, and gradients are
+    accumulated across micro-batches and reduced in fp32; units the model marks ``fp32``
+    (routers) compute in fp32. Without ``shard`` every unit sits on a one-rank mesh, so FSDP
+    only provides that mixed precision: replicas still sum gradients in ``sync_gradients``.
     ``gather_once``: keep each unit's gathered parameters from its first forward of the step
     until ``reshard(chunks)`` after the optimizer step (one all-gather per step instead of one
-    per micro-batch and pass, for the memory of a whole unsharded stage)."""
+    per micro-batch and pass, for the memory of a whole unsharded stage); always so on a
+    one-rank mesh, where gathering is a bf16 cast."""
     if cpu_offload not in OFFLOAD_MODES:
         raise ValueError(f"--cpu-offload {cpu_offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
-    if ps.sizes.dp == 1:
+    shard = shard and ps.sizes.dp > 1
+    if not (shard or bf16):
         return False
-    dp_mesh = DeviceMesh.from_group(ps.group("dp"), device_type)
-    if ps.sizes.expert_dp > 1:
-        edp_mesh = DeviceMesh.from_group(ps.group("expert_dp"), device_type)
-    elif cpu_offload != "none":  # experts whole on each EP rank: a one-rank mesh, for offload
-        edp_mesh = DeviceMesh.from_group(ps.group("self"), device_type)
+    if shard:
+        dp_mesh = DeviceMesh.from_group(ps.group("dp"), device_type)
+        if ps.sizes.expert_dp > 1:
+            edp_mesh = DeviceMesh.from_group(ps.group("expert_dp"), device_type)
+        elif cpu_offload != "none" or bf16:  # experts whole on each EP rank: a one-rank mesh
+            edp_mesh = _self_mesh(ps, device_type)
+        else:
+            edp_mesh = None
     else:
-        edp_mesh = None
+        dp_mesh = edp_mesh = _self_mesh(ps, device_type)
+        gather_once = True
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     experts = {p for _, _, p, spec in iter_params([chunk]) if spec.replicated_over == "expert_dp"}
     ignored = experts if edp_mesh is None else None
-    for unit, over in chunk.fsdp_units():
-        if over == "expert_dp":
-            if edp_mesh is not None:
-                fully_shard(unit, mesh=edp_mesh, offload_policy=_policy(cpu_offload != "none"),
-                            reshard_after_forward=not gather_once)
-        else:
-            fully_shard(unit, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"),
-                        ignored_params=ignored, reshard_after_forward=not gather_once)
-    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), ignored_params=ignored,
-                reshard_after_forward=not gather_once)
+    for unit in chunk.fsdp_units():
+        if unit.fp32 and not bf16:
+            continue  # its own unit only to keep its precision
+        expert = unit.replicated_over == "expert_dp"
+        if expert and edp_mesh is None:
+            continue
+        offload = cpu_offload != "none" if expert else cpu_offload == "all"
+        fully_shard(unit.module, mesh=edp_mesh if expert else dp_mesh, offload_policy=_policy(offload),
+                    mp_policy=full if unit.fp32 else mixed, ignored_params=None if expert else ignored,
+                    reshard_after_forward=not gather_once)
+    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), mp_policy=mixed,
+                ignored_params=ignored, reshard_after_forward=not gather_once)
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -70,7 +96,8 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
 
 
 def reshard(chunks) -> None:
-    """Free gathered parameters (after the optimizer step, which updated the shards)."""
+    """Free gathered parameters (after the optimizer step, which updated the shards); a no-op
+    for units that are not gathered."""
     for chunk in chunks:
         for m in chunk.modules():
             if isinstance(m, FSDPModule):

@@ -21,6 +21,12 @@ from torch.distributed.tensor import DTensor
 from core.parallel_state import ParallelState
 
 
+def sharded(t: torch.Tensor) -> bool:
+    """An FSDP shard whose replicas FSDP reduces; a DTensor on a one-rank mesh (mixed
+    precision without sharding) is whole on this rank and summed here like a plain tensor."""
+    return isinstance(t, DTensor) and t.device_mesh.size() > 1
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly FSDP-sharded) tensor, as a plain tensor view."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -43,8 +49,8 @@ def sync_gradients(specs: list, pstate: ParallelState) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     for kind in ("dp", "expert_dp"):
-        _all_reduce_flat([p.grad for p, spec in specs if spec.replicated_over == kind
-                          and not isinstance(p, DTensor)], pstate.group(kind))
+        _all_reduce_flat([local(p.grad) for p, spec in specs if spec.replicated_over == kind
+                          and not sharded(p)], pstate.group(kind))
     if len(pstate.ranks("embedding")) > 1:
         _all_reduce_flat([local(p.grad) for p, spec in specs if spec.tied], pstate.group("embedding"))
 
@@ -56,7 +62,7 @@ def grad_norm(specs: list, pstate: ParallelState) -> torch.Tensor:
         device = device or p.device
         if spec.tied and not pstate.is_first_stage:
             continue  # the copy that is not on the first stage
-        if isinstance(p, DTensor):
+        if sharded(p):
             owner = True  # a shard: every rank holds a different part
         else:
             owner = pstate.dp_rank == 0 if spec.replicated_over == "dp" else pstate.expert_dp_rank == 0

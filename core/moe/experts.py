@@ -11,16 +11,12 @@ from torch import nn
 from core.transformer.mlp import clamped_swiglu
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (grouped_mm needs it)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
+def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
+    """Make the gradient arriving at ``y`` contiguous (grouped_mm's backward needs it). A hook,
+    not an identity autograd Function: that would return a view, which FSDP warns about."""
+    if y.requires_grad:
+        y.register_hook(lambda g: g.contiguous())
+    return y
 
 
 def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
@@ -38,7 +34,7 @@ def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tenso
     w_EOI = w_EOI.to(x_NI.device)
     if use_grouped:
         offs = torch.cumsum(counts_E, 0).to(torch.int32)
-        return _ContiguousGrad.apply(F.grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offs))
+        return _contiguous_grad(F.grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offs))
     chunks = torch.split(x_NI, counts_E.tolist())
     return torch.cat([c @ w_EOI[e].T for e, c in enumerate(chunks)], dim=0) if chunks else \
         x_NI.new_zeros(0, w_EOI.shape[1])

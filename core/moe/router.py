@@ -11,8 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.precision import KeepFP32Buffers
 
-class SigmoidRouter(nn.Module):
+
+class SigmoidRouter(KeepFP32Buffers):
+    fp32_buffers = ("e_score_correction_bias",)  # a balancing state: bf16 would round its steps away
+
     def __init__(self, hidden: int, num_experts: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
@@ -22,6 +26,7 @@ class SigmoidRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None):
         """Returns ``(weights_TK fp32, experts_TK int64, stats)``; ``stats`` holds per-expert
         token counts and the switch-style aux loss over valid tokens (both tensors, no sync)."""
+        # fp32 logits from fp32 weights (under --bf16 the router is its own fp32 FSDP unit)
         logits = F.linear(x_TH.to(self.weight.dtype), self.weight).float()
         scores = torch.sigmoid(logits)
         _, experts = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from core.distributed.grads import sharded
 from core.model_api import ParamSpec, iter_params
 from core.optim.dion import Dion
 from core.optim.muon import Muon
@@ -78,7 +79,7 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
                                 ns_dtype=torch.float32 if getattr(cfg, "muon_ns_dtype", "bf16") == "fp32"
                                 else torch.bfloat16)
         else:
-            if any(type(p).__name__ == "DTensor" for p in buckets["matrix"]):
+            if any(sharded(p) for p in buckets["matrix"]):
                 raise ValueError("--optimizer dion with --data-parallel-sharding fsdp is not supported "
                                  "yet: use muon or adamw")
             opts["dion"] = Dion(matrices, lr=cfg.lr, momentum=cfg.dion_momentum,

@@ -22,6 +22,8 @@ import math
 import torch
 from torch.optim import Optimizer
 
+from core.distributed.grads import local
+
 
 class Dion(Optimizer):
     def __init__(self, params, lr: float = 0.01, momentum: float = 0.95, rank_fraction: float = 1.0,
@@ -49,9 +51,14 @@ class Dion(Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
+                # a DTensor on a one-rank mesh (bf16 without sharding) is whole here: work on
+                # plain tensors, also for state a checkpoint load allocated like the parameter
+                p, grad = local(p), local(p.grad)
                 if not state:
                     state.update(self._init_state(p, group))
-                b = state["momentum"].add_(p.grad)
+                for key, value in state.items():
+                    state[key] = local(value)
+                b = state["momentum"].add_(grad)
                 P, _ = torch.linalg.qr(b @ state["Q"])
                 R = b.mT @ P
                 b.sub_((1 - group["momentum"]) * (P @ R.mT))

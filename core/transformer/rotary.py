@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+
+from core.precision import KeepFP32Buffers
 
 
 def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
@@ -32,8 +33,11 @@ def _llama3_scale(inv: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin ``[T, rot_dim]`` for one layer type (computed in fp32, cast to the input dtype)."""
+class RotaryEmbedding(KeepFP32Buffers):
+    """cos/sin ``[T, rot_dim]`` for one layer type (computed in fp32, cast to the input dtype);
+    the frequencies stay fp32 through any ``.to(dtype)``."""
+
+    fp32_buffers = ("inv_freq",)
 
     def __init__(self, head_dim: int, params: dict):
         super().__init__()

@@ -24,7 +24,7 @@ _IGNORED_KEYS = {
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
     "attention_dropout", "hidden_act", "output_router_logits", "attention_bias", "mlp_bias",
     "max_seq_len", "use_moe", "moe_every_n_layer", "moe_layer_offset", "moe_dynamic_exp_p",
-    "norm_expert_weight", "need_fp32_gate", "att_impl_type", "use_rope_layers", "yarn_only_types",
+    "norm_expert_weight", "att_impl_type", "use_rope_layers", "yarn_only_types",
     "mtp_layer_types", "mtp_mlp_layer_types", "per_layer_config", "mtp_per_layer_config",
     "image_token_id", "vision_config", "projector_bias", "text_config", "tokenizer_class",
     "use_bidirectional_attention", "gating", "sliding_window_pattern", "_name_or_path",
@@ -37,7 +37,7 @@ _CONSUMED_KEYS = {
     "moe_layers_enum", "num_sliding_attention_heads", "attention_other_setting", "sliding_window",
     "moe_intermediate_size", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
     "moe_top_k", "share_expert_dim", "share_expert_dims", "moe_router_scaling_factor",
-    "swiglu_limits", "swiglu_limits_shared", "rope_theta", "partial_rotary_factors",
+    "swiglu_limits", "swiglu_limits_shared", "rope_theta", "partial_rotary_factors", "need_fp32_gate",
     "rope_scaling", "rope_parameters", "query_pre_attn_scalar", "rms_norm_eps",
     "max_position_embeddings", "num_nextn_predict_layers", "num_local_experts",
 }
@@ -77,6 +77,7 @@ class Step37Config:
     mtp_swiglu_limits_shared: list = field(default_factory=list)
     attention_backend: str = "sdpa"
     init_std: float = 0.02
+    need_fp32_gate: bool = True             # the router computes in fp32 under --bf16
 
     def __post_init__(self):
         self.validate()
@@ -168,6 +169,7 @@ class Step37Config:
             "query_pre_attn_scalar": self.query_pre_attn_scalar, "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "num_nextn_predict_layers": D, "tie_word_embeddings": False,
+            "need_fp32_gate": self.need_fp32_gate,
             "per_layer_config": {str(i): {"num_attention_heads": self.num_sliding_attention_heads}
                                  for i, t in enumerate(self.layer_types) if t == "sliding_attention"},
         }
@@ -244,6 +246,7 @@ def _fields_from_hf(c: dict) -> dict:
         max_position_embeddings=c.get("max_position_embeddings") or c.get("max_seq_len") or 262144,
         num_mtp_layers=D, mtp_layer_types=mtp_types, mtp_mlp_layer_types=mtp_mlp,
         mtp_swiglu_limits=mtp_routed, mtp_swiglu_limits_shared=mtp_shared,
+        need_fp32_gate=bool(c.get("need_fp32_gate", True)),
     )
 
 

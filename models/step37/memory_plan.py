@@ -3,12 +3,15 @@ the meta device for the real layout (every rank simulated in this one process), 
 counted, and activations taken from ``activations.py`` times the schedule's peak in-flight
 micro-batches (from the pipeline simulator).
 
-Parameters, gradients and optimizer state follow what this code allocates: gradients and
-optimizer state in the parameter dtype (AdamW: two moments plus a 4-byte step per tensor; Muon:
-one buffer, none at momentum 0; Dion: a buffer and the n x r factor). With
-``sharding="fsdp"`` dense tensors are split over the data-parallel ranks and expert tensors over
-the expert-data-parallel ranks (dim 0, padded like FSDP2), and the largest layer is gathered
-whole while it computes (twice: one prefetched). CPU offload moves the offloaded shards, their
+Parameters, gradients and optimizer state follow what this code allocates: parameters are
+always fp32 (under ``bf16`` they are the master weights), gradients are fp32 (accumulated and
+reduced so under ``bf16`` too), optimizer state in the parameter dtype (AdamW: two moments plus a
+4-byte step per tensor; Muon: one buffer, none at momentum 0; Dion: a buffer and the n x r
+factor). Activations, p2p and all-to-all buffers and gathered compute copies take the compute
+dtype (2 bytes under ``bf16``). With ``sharding="fsdp"`` dense tensors are split over the
+data-parallel ranks and expert tensors over the expert-data-parallel ranks (dim 0, padded like
+FSDP2), and the largest layer is gathered whole while it computes (twice: one prefetched);
+``bf16`` without sharding keeps a bf16 copy of the whole stage for the step. CPU offload moves the offloaded shards, their
 gradients and optimizer state to host memory. Activations assume a fused attention kernel
 (flash / flex / Transformer Engine: no score matrix).
 """
@@ -47,7 +50,7 @@ class PlanInputs:
     optimizer: str = "muon"         # adamw | muon | dion
     muon_momentum: float = 0.0
     dion_rank_fraction: float = 0.25
-    param_bytes: int = 2            # 2: bf16, 4: fp32
+    bf16: bool = False              # bf16 compute over fp32 master weights and gradients
     device_gb: float = 141.0
     pipeline_layout: str | None = None
 
@@ -86,9 +89,12 @@ def _shard_numel(t: torch.Tensor, world: int) -> int:
     return math.ceil(t.shape[0] / world) * (t.numel() // t.shape[0])
 
 
+MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
+
+
 def _optimizer_bytes(spec, t: torch.Tensor, numel: int, inp: PlanInputs) -> int:
     kind = classify(spec, t, inp.optimizer)
-    b = inp.param_bytes
+    b = MASTER
     if kind != "matrix":
         return 2 * numel * b + 4  # AdamW moments + fp32 step counter
     if inp.optimizer == "muon":
@@ -108,7 +114,7 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
     world = inp.pp * inp.dp
     sizes = ParallelSizes(world, pp=inp.pp, ep=inp.ep, vpp=inp.vpp)
     sizes.validate(cfg.num_layers, cfg.num_experts)
-    T, b, H = inp.seq_length * inp.micro_batch_size, inp.param_bytes, cfg.hidden_size
+    T, b, H = inp.seq_length * inp.micro_batch_size, 2 if inp.bf16 else 4, cfg.hidden_size
     fsdp = inp.sharding == "fsdp" and inp.dp > 1  # like apply_fsdp: nothing to shard at DP 1
     sim = simulate(build_schedule(inp.pp, inp.vpp, inp.num_microbatches))
     out = []
@@ -129,18 +135,22 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
                     r.parameters += numel
                     offloaded = inp.cpu_offload == "all" or (inp.cpu_offload == "experts" and expert)
                     where = host if offloaded else dev
-                    where["parameters"] += numel * b
-                    where["gradients"] += numel * b
+                    where["parameters"] += numel * MASTER
+                    where["gradients"] += numel * MASTER
                     where["optimizer"] += _optimizer_bytes(specs[name], t, numel, inp)
                 if fsdp:
                     for layer in chunk.layers.values():
                         size = sum(p.numel() for p in layer.parameters()) * b
                         largest_layer, all_layers = max(largest_layer, size), all_layers + size
+                elif inp.bf16:  # one-rank meshes: the stage's bf16 copy, kept for the step
+                    all_layers += sum(p.numel() for p in chunk.parameters()) * b
                 dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
             # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
             dev["activations"] = dev["activations"] * sim.peak_in_flight[pp_rank] // len(chunks)
             if fsdp:
                 dev["gathered layers"] = all_layers if inp.fsdp_gather_once else 2 * largest_layer
+            elif inp.bf16:
+                dev["gathered layers"] = all_layers
             if inp.pp > 1:
                 dev["p2p buffers"] = 2 * T * H * b  # one receive buffer per direction
             if inp.ep > 1:

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.model_api import ParamSpec, StageOutput
+from core.model_api import FSDPUnit, ParamSpec, StageOutput
 from core.moe.experts import GroupedExperts
 from core.moe.layer import MoELayer
+from core.moe.router import SigmoidRouter
 from core.packed_seq import PackedSeqParams
 from core.transformer.attention import GatedAttention
 from core.transformer.attention_backends import DocLayout
@@ -166,13 +167,18 @@ class Step37Model(nn.Module):
     def _blocks(self) -> list[nn.Module]:
         return list(self.layers.values()) + (list(self.mtp.values()) if self.mtp is not None else [])
 
-    def fsdp_units(self) -> list[tuple[nn.Module, str]]:
+    def fsdp_units(self) -> list[FSDPUnit]:
         """Each decoder layer and MTP depth is a unit over DP, its routed experts an inner unit
-        over expert-DP; embedding, final norm and head fall to the root (the chunk itself)."""
+        over expert-DP and its router an inner unit that computes in fp32 (the published
+        ``need_fp32_gate``); embedding, final norm and head fall to the root (the chunk)."""
         units = []
         for block in self._blocks():
-            units += [(m, "expert_dp") for m in block.modules() if isinstance(m, GroupedExperts)]
-            units.append((block, "dp"))
+            for m in block.modules():
+                if isinstance(m, GroupedExperts):
+                    units.append(FSDPUnit(m, "expert_dp"))
+                elif isinstance(m, SigmoidRouter) and self.config.need_fp32_gate:
+                    units.append(FSDPUnit(m, "dp", fp32=True))
+            units.append(FSDPUnit(block, "dp"))
         return units
 
     def moe_layers(self) -> list[MoELayer]:

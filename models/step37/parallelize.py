@@ -10,10 +10,13 @@ it, in this order (each step needs the one before it):
    the same weights), then ``--load-hf`` overwrites what the checkpoint has. This runs before
    placement and sharding because the chunks are still whole host tensors here; building on the
    meta device and materialising each rank's shard is the full-size path's job;
-4. dtype and device placement: after loading, so a checkpoint is read at full precision;
+4. device placement, in fp32: the parameters are the master weights (a checkpoint is read and
+   written at full precision);
 5. activation recompute (``apply_recompute``): a flag on the layers, read by their forward;
-6. FSDP (``core.distributed.fsdp.apply_fsdp``): last, because it replaces each unit's
-   parameters with DTensor shards of the placed, initialised ones.
+6. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``): last, because it replaces
+   each unit's parameters with DTensor shards of the placed, initialised ones. ``--bf16``
+   without sharding still goes through FSDP2, on one-rank meshes, for its mixed precision:
+   bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers.
 
 ``--load`` of a training checkpoint happens after this, in the trainer (it fills the shards).
 """
@@ -36,16 +39,16 @@ def parallelize(config: Step37Config, ps: ParallelState, args) -> list[Step37Mod
     m, mem = args.model, args.memory
     chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seq_length=args.data.seq_length,
                           seed=args.schedule.seed)
-    device, dtype = local_device(), torch.bfloat16 if mem.params_dtype == "bf16" else torch.float32
+    device = local_device()
     for chunk in chunks:
         if ps.sizes.ep > 1:
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         if m.load_hf:
             chunk.load_hf(m.load_hf)
-        chunk.to(device, dtype)
+        chunk.to(device)  # fp32: under --bf16 these are the master weights, FSDP casts copies
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
-        if mem.data_parallel_sharding == "fsdp":
-            apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once)
+        apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
+                   shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16)
     return chunks
 
 

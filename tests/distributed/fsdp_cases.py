@@ -62,7 +62,7 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
              recompute] + (["--fsdp-gather-once"] if gather_once else [])
     chunks = parallelize(cfg, ps, run_args(pp, 1, ep, *flags))
     opt, _ = build_optimizer(chunks, _optim_cfg(optimizer))
-    s = settings(cfg, clip_grad=1.0, reshard_after_step=gather_once)
+    s = settings(cfg, clip_grad=1.0)
     for step, batches in enumerate(steps):
         m = train_step(chunks, ps, opt, batches[ps.dp_rank], s)
         # fp32, the same terms summed in another order: 1e-5 relative leaves ~100x margin

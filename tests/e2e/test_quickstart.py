@@ -89,7 +89,7 @@ def test_dry_run_and_plan_memory_for_the_full_model():
                           "--expert-model-parallel-size", "2", "--data-path", "unused",
                           "--seq-length", "8192", "--global-batch-size", "64", "--optimizer", "muon",
                           "--muon-momentum", "0", "--recompute-granularity", "full",
-                          "--params-dtype", "bf16", "--pipeline-layout", "11,12,11,11"],
+                          "--bf16", "--pipeline-layout", "11,12,11,11"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "32 micro-batches per pipeline; nothing allocated" in out.stdout
@@ -97,7 +97,7 @@ def test_dry_run_and_plan_memory_for_the_full_model():
     js = subprocess.run([sys.executable, "tools/plan_memory.py", "--world-size", "8", "--model-preset",
                          "step37-flash", "--pipeline-model-parallel-size", "4",
                          "--expert-model-parallel-size", "2", "--seq-length", "8192", "--global-batch-size",
-                         "64", "--optimizer", "muon", "--muon-momentum", "0", "--params-dtype", "bf16",
+                         "64", "--optimizer", "muon", "--muon-momentum", "0", "--bf16",
                          "--recompute-granularity", "full", "--data-parallel-sharding", "fsdp",
                          "--cpu-offload", "all", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert js.returncode == 0, js.stderr

@@ -118,3 +118,67 @@ def test_values_out_of_range_are_refused(tmp_path):
     with IndexedDatasetWriter(tmp_path / "r", np.uint16) as w:
         with pytest.raises(ValueError, match="outside uint16's range"):
             w.add(np.array([70000]))
+
+
+# Whole-index validation at open. Layout of the 5-sequence uint16 fixture below:
+# sizes [3, 1, 4, 1, 5] at offset 34, byte offsets [0, 6, 8, 16, 18] at 34 + 4*5 = 54,
+# document indices [0, 1, 2, 3, 4, 5] at 54 + 8*5 = 94.
+SIZES = [3, 1, 4, 1, 5]
+
+
+def _fixture(tmp_path):
+    prefix = tmp_path / "v"
+    _write(prefix, [np.arange(n) for n in SIZES], np.uint16)
+    return prefix
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    # a middle pointer off by one element: the old first/last check passed this
+    (lambda p: _patch(f"{p}.idx", 54 + 8 * 2, struct.pack("<q", 10)),
+     "sequence 2 starts at byte 10, but the sizes before it add up to 8 bytes"),
+    # sizes permuted (same total, so the .bin size still matches): offsets no longer agree
+    (lambda p: _patch(f"{p}.idx", 34, struct.pack("<5i", 4, 1, 3, 1, 5)),
+     "sequence 1 starts at byte 6, but the sizes before it add up to 8 bytes"),
+    (lambda p: _patch(f"{p}.idx", 34 + 4 * 3, struct.pack("<i", -1)), "sequence 3 has a negative size -1"),
+    (lambda p: _patch(f"{p}.idx", 94 + 8 * 3, struct.pack("<q", 99)),
+     r"document index entry 3 is 99, outside \[0, 5\]"),
+    (lambda p: _patch(f"{p}.idx", 94 + 8 * 3, struct.pack("<q", 1)),
+     r"document index entry 3 is 1, smaller than entry 2 \(2\)"),
+    (lambda p: _patch(f"{p}.idx", 94 + 8 * 5, struct.pack("<q", 4)), "entry 5 is 4; document indices must run from 0 to 5"),
+])
+def test_corrupt_index_entries_fail_at_open_naming_file_and_entry(tmp_path, corrupt, message):
+    prefix = _fixture(tmp_path)
+    IndexedDataset(prefix)  # the fixture itself is valid
+    corrupt(prefix)
+    with pytest.raises(IndexedDatasetError, match=message) as e:
+        IndexedDataset(prefix)
+    assert f"{prefix}.idx" in str(e.value)
+
+
+def test_validation_crosses_block_boundaries(tmp_path, monkeypatch):
+    """Blocks of 2 entries: a bad pointer right after a block boundary is still found (the
+    overlap entry), and a valid index passes in any block size."""
+    import data.indexed_dataset as mod
+
+    monkeypatch.setattr(mod, "CHECK_BLOCK", 2)
+    prefix = _fixture(tmp_path)
+    assert len(IndexedDataset(prefix)) == 5
+    _patch(f"{prefix}.idx", 54 + 8 * 4, struct.pack("<q", 20))
+    with pytest.raises(IndexedDatasetError, match="sequence 4 starts at byte 20"):
+        IndexedDataset(prefix)
+
+
+def test_writer_records_statistics_in_a_sidecar(tmp_path):
+    """min / max token id and, for loss masks, the ones at a document's first token."""
+    import json
+
+    with IndexedDatasetWriter(tmp_path / "m", np.uint8) as w:
+        w.add_many(np.array([1, 1, 0, 0, 1, 1], np.uint8), np.array([2, 0, 3, 1]))
+    side = json.load(open(tmp_path / "m.meta.json"))
+    # documents [1 1] [] [0 0 1] [1]: firsts are 1, 0, 1 -> two nonzero firsts
+    assert side["stats"] == {"min": 0, "max": 1, "nonzero": 4, "nonzero_first": 2}
+    from data.dataset_stats import compute_stats, load_stats
+
+    ds = IndexedDataset(tmp_path / "m")
+    assert compute_stats(ds, progress=False) == side["stats"]
+    assert load_stats(ds) == side["stats"]

@@ -45,7 +45,7 @@ def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
     assert {(r["pp_rank"], r["ep_rank"]) for r in ranks} == {(p, e) for p in range(4) for e in range(2)}
     inp = plan["inputs"]
     assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (4, 2, 2, 32)
-    assert inp["sharding"] == "fsdp" and inp["cpu_offload"] == "all" and inp["param_bytes"] == 2
+    assert inp["sharding"] == "fsdp" and inp["cpu_offload"] == "all" and inp["bf16"] is True
     assert all(r["fits"] for r in ranks)
 
     table = run("tools/plan_memory.py", "--world-size", "8", *flags)
@@ -59,7 +59,7 @@ def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
     out = run("tools/plan_memory.py", "--world-size", "2", "--json")  # tiny model, fp32, adamw
     assert out.returncode == 0, out.stderr
     inp = json.loads(out.stdout)["inputs"]
-    assert (inp["param_bytes"], inp["optimizer"], inp["seq_length"]) == (4, "adamw", 4096)
+    assert (inp["bf16"], inp["optimizer"], inp["seq_length"]) == (False, "adamw", 4096)
     bad = run("tools/plan_memory.py", "--world-size", "3", "--pipeline-model-parallel-size", "2")
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
     gbs = run("tools/plan_memory.py", "--world-size", "4", "--global-batch-size", "6")

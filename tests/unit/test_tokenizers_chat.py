@@ -59,10 +59,10 @@ def test_loss_mask_covers_exactly_the_assistant_spans(any_tokenizer):
     for (s, e), m in zip(offsets, mask):
         if m:
             covered[s:e] = True
-    for a, b in spans:  # every assistant character is trained on
+    for a, b, _ in spans:  # every assistant character is trained on
         assert covered[a:b].all()
     outside = covered.copy()
-    for a, b in spans:
+    for a, b, _ in spans:
         outside[a:b] = False
     if not tok.chat_template:  # built-in: the span includes <|im_end|>; nothing else is masked
         assert not any(outside[s:e].all() for (s, e), m in zip(offsets, mask) if m and e > s)

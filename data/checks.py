@@ -1,0 +1,74 @@
+"""The data checked against the model before training starts (no process group exists yet).
+
+``train_args._check_files`` calls :func:`check_training_data` for every ``--data-path`` prefix:
+
+* the index is validated in full (``IndexedDataset`` at open);
+* every token id lies in ``[0, vocab_size)``: an id at or above the model's vocabulary is an
+  ``IndexError`` in the embedding on CPU and a device-side assert on GPU, many minutes into a
+  run. The ids come from the data (its statistics sidecar, ``data/dataset_stats.py``), not from
+  ``--tokenizer-type``, which may not be what the data was made with;
+* the data has training targets: a label is the next token of the same document, so a corpus of
+  one-token documents, or a chat loss mask that marks nothing after a document's first token,
+  trains on nothing (the loss reads 0.0000). No targets at all is refused; fewer than
+  ``MIN_TARGET_FRACTION`` of the tokens is warned about, with the numbers.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from data.dataset_stats import load_stats, read_sidecar
+from data.indexed_dataset import IndexedDataset
+from data.loader import loss_mask_prefix
+
+MIN_TARGET_FRACTION = 0.01
+
+
+def trainable_targets(text: IndexedDataset, mask_stats: dict | None) -> int:
+    """Tokens that are some token's label: each document's tokens but its first (text), or the
+    loss-mask ones that are not a document's first token (chat)."""
+    if mask_stats is not None:
+        return mask_stats["nonzero"] - mask_stats["nonzero_first"]
+    return text.num_tokens - int(np.count_nonzero(text.lengths))
+
+
+def check_training_data(prefix: str, vocab_size: int, cache_path: str | None = None) -> dict:
+    """Raise ``ValueError`` naming ``--data-path PREFIX`` if the dataset cannot train a model
+    with ``vocab_size`` embeddings; warn if it has almost no targets. Returns the numbers."""
+    text = IndexedDataset(prefix)
+    stats = load_stats(text, cache_path)
+    lo, hi = stats["min"], stats["max"]
+    if hi is not None and (hi >= vocab_size or lo < 0):
+        bad = hi if hi >= vocab_size else lo
+        raise ValueError(
+            f"--data-path {prefix}: token id {bad} is outside the model's vocabulary of "
+            f"{vocab_size} (ids 0..{vocab_size - 1}){_made_with(prefix, cache_path)}. Tokenise the "
+            "data with the model's tokenizer, or use a model whose vocab_size covers every id.")
+    mask_prefix = loss_mask_prefix(prefix)
+    mask_stats = load_stats(IndexedDataset(mask_prefix), cache_path) if mask_prefix else None
+    tokens = text.num_tokens
+    targets = trainable_targets(text, mask_stats)
+    if targets <= 0:
+        why = ("its loss mask marks no token after a document's first" if mask_stats is not None
+               else "every document is at most one token long, and a document's last token has "
+                    "no label")
+        raise ValueError(f"--data-path {prefix}: no training targets in {tokens:,} tokens and "
+                         f"{len(text):,} documents: {why}. Training on it would report a loss of "
+                         "0 and learn nothing.")
+    if targets < MIN_TARGET_FRACTION * tokens:
+        warnings.warn(f"--data-path {prefix}: only {targets:,} of {tokens:,} tokens "
+                      f"({targets / tokens:.3%}) are training targets (fewer than "
+                      f"{MIN_TARGET_FRACTION:.0%}); check the documents' lengths"
+                      f"{' and the loss mask' if mask_stats is not None else ''}", stacklevel=2)
+    return {"tokens": tokens, "targets": targets, "max_token_id": hi}
+
+
+def _made_with(prefix: str, cache_path: str | None) -> str:
+    """'; the data was made with --tokenizer-type T (vocabulary V)' when the sidecar says so."""
+    tok = (read_sidecar(prefix, cache_path) or {}).get("tokenizer")
+    if not tok:
+        return ""
+    model = f" --tokenizer-model {tok['model']}" if tok.get("model") else ""
+    return (f"; the data was made with --tokenizer-type {tok['type']}{model} (vocabulary "
+            f"{tok['vocab_size']:,})")

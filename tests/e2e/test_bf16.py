@@ -1,0 +1,86 @@
+"""--bf16: bf16 compute over fp32 master weights, fp32 gradient accumulation and reduction.
+Updates too small for bf16 still move the weights, checkpoints hold fp32, losses track fp32
+without being equal to them, layouts match one --bf16 process, and resume is exact."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.e2e.test_training import dataset, train  # noqa: F401  (the fixture)
+
+ADAMW = ["--optimizer", "adamw", "--lr", "5e-3"]
+
+
+def _losses(rows):
+    return [r["loss"] for r in rows]
+
+
+def test_small_updates_move_fp32_masters_and_checkpoints_hold_them(dataset, tmp_path):  # noqa: F811
+    """AdamW at lr 1e-5 with weight decay 0.1: each step moves a weight by ~1e-5, below bf16's
+    resolution at the init scale (0.02 x 2^-8 = 8e-5), so a bf16 weight would not move at all."""
+    from core.checkpointing import load_checkpoint
+    from models.step37 import Step37Config, Step37Model
+
+    train(["--data-path", dataset, "--bf16", "--optimizer", "adamw", "--lr", "1e-5", "--weight-decay", "0.1",
+           "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--train-iters", "3",
+           "--save", str(tmp_path / "ck")], tmp_path / "tb")
+    path = tmp_path / "ck" / "iter_0000003"
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    weights = {k: m for k, m in saved.items() if k.startswith("model/")}
+    assert weights and all(m.properties.dtype == torch.float32 for m in weights.values())
+    before = Step37Model(Step37Config.preset("tiny"), seed=7)  # the run's --seed
+    after = Step37Model(Step37Config.preset("tiny"), seed=99)
+    load_checkpoint(str(path), [after])
+    start = dict(before.named_parameters())
+    checked = 0
+    for name, p in after.named_parameters():
+        if p.dim() >= 2 and "embed" not in name:  # projections, experts, heads (the embedding
+            moved = (p != start[name]).float().mean().item()  # only moves the rows it saw)
+            assert moved > 0.95, f"{name}: only {100 * moved:.1f}% of the entries moved"
+            checked += 1
+    assert checked > 20
+
+
+def test_bf16_tracks_fp32_but_is_not_fp32(dataset, tmp_path):  # noqa: F811
+    args = ["--data-path", dataset, *ADAMW, "--train-iters", "20"]
+    fp32 = _losses(train(args, tmp_path / "fp32"))
+    bf16 = _losses(train(args + ["--bf16"], tmp_path / "bf16"))
+    assert len(fp32) == len(bf16) == 20
+    assert fp32 != bf16  # something ran in bf16
+    worst = max(abs(a - b) / a for a, b in zip(fp32, bf16))
+    assert worst <= 0.03, f"bf16 loss differs from fp32 by {100 * worst:.2f}%"
+
+
+def test_bf16_layouts_match_one_bf16_process(dataset, tmp_path):  # noqa: F811
+    """PP2 x EP2 and PP2 x FSDP DP2 under --bf16 against one --bf16 process. Tolerance 2e-3
+    relative per logged loss: each layout computes the same bf16 products but sums some of
+    them in another order (expert outputs combined by index_add, gradients reduced across
+    ranks in fp32), a rounding of bf16's 2^-8 = 3.9e-3 at worst on single values that averages
+    down over a step's thousands of tokens; measured at most 6e-4 over 6 steps, so 2e-3 leaves
+    3x margin and still fails when a layout drops or doubles a micro-batch (>= 5% here)."""
+    args = ["--data-path", dataset, *ADAMW, "--train-iters", "6", "--bf16"]
+    one = _losses(train(args, tmp_path / "one"))
+    layouts = {"pp2_ep2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+               "pp2_fsdp_dp2": ["--pipeline-model-parallel-size", "2", "--data-parallel-sharding", "fsdp"]}
+    for name, flags in layouts.items():
+        got = _losses(train(args + flags, tmp_path / name, world=4))
+        worst = max(abs(a - b) / a for a, b in zip(one, got))
+        assert len(got) == 6 and worst <= 2e-3, f"{name}: {worst:.2e} relative ({one} vs {got})"
+
+
+def test_bf16_resume_is_bitwise_and_checkpoints_cross_precisions(dataset, tmp_path):  # noqa: F811
+    args = ["--data-path", dataset, *ADAMW, "--train-iters", "4", "--bf16"]
+    full = train(args + ["--save", str(tmp_path / "ck"), "--save-interval", "2"], tmp_path / "a")
+    start = str(tmp_path / "ck" / "iter_0000002")
+    resumed = train(args + ["--load", start], tmp_path / "b")
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert _losses(resumed) == _losses(full[2:])  # exactly
+    fp32 = train(["--data-path", dataset, *ADAMW, "--train-iters", "4", "--load", start], tmp_path / "c")
+    assert [r["iteration"] for r in fp32] == [3, 4]
+    assert all(abs(a - b) <= 0.03 * a for a, b in zip(_losses(full[2:]), _losses(fp32)))
+    # and an fp32 checkpoint resumes under --bf16
+    train(["--data-path", dataset, *ADAMW, "--train-iters", "2", "--save", str(tmp_path / "ck32")], tmp_path / "d")
+    back = train(args + ["--load", str(tmp_path / "ck32")], tmp_path / "e")
+    assert [r["iteration"] for r in back] == [3, 4] and os.path.exists(tmp_path / "e" / "metrics.jsonl")
