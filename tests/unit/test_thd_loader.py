@@ -157,6 +157,9 @@ def test_parse_data_path():
         parse_data_path(["0.7", "A", "B"])
     with pytest.raises(ValueError, match="'x' is not a weight"):
         parse_data_path(["x", "A"])
+    for bad in ("nan", "inf", "-inf", "0", "-0.5"):  # nan used to pass: it fails every comparison
+        with pytest.raises(ValueError, match=f"weight '{bad}' for A must be a finite number > 0"):
+            parse_data_path([bad, "A", "1", "B"])
 
 
 def test_bad_documents_are_skipped_counted_and_reported(tmp_path):
