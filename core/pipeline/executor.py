@@ -5,10 +5,13 @@ gradients.
 Every stage builds micro-batch ``m`` itself (``get_batch(m)``: tokens, position ids, packed
 sequence metadata, labels), so only hidden states cross stages, and they always have the
 same shape: no shape exchange, no metadata on the wire. The transfers follow the plan of
-``core/pipeline/p2p.py``: batches of ``batch_isend_irecv``, each waited on before the next
-action, deadlock-free under NCCL's in-order matching (proven by ``nccl_replay``; the executor
-records what it issues in ``trace`` so tests replay the real thing). A sent activation's buffer
-and values are released as soon as its batch completes.
+``core/pipeline/p2p.py``: batches of ``batch_isend_irecv``, issued in the plan's order,
+deadlock-free under NCCL's in-order matching (proven by ``nccl_replay``; the executor records
+what it issues in ``trace`` so tests replay the real thing). A batch is not waited on when it is
+issued: the executor computes on, and waits (in issue order, as NCCL completes them) only when
+an action needs a tensor it receives, so a rank never idles for a neighbour's message it does
+not need yet. A sent activation's buffer and values are released as soon as its batch is seen
+complete (polled before every action, at the latest at the next wait).
 
 The objective is ``(sum of main + MTP token losses) / num_tokens`` with ``num_tokens`` the
 step's global target count (all micro-batches, all data-parallel ranks), plus ``aux_coeff``
@@ -64,11 +67,11 @@ class PipelineExecutor:
         self._saved: dict = {}   # (micro-batch, chunk) -> (input, output, aux) until its backward
         self._inbox: dict = {}   # message label -> received tensor, until its action consumes it
         self._outbox: dict = {}  # message label -> (tensor to send, (micro-batch, chunk) or None)
+        self._inflight: list = []  # issued batches not yet seen complete: (works, batch), oldest first
 
     # ------------------------------------------------------------------ p2p
     def _exchange(self, batch: list[P2POp]) -> None:
-        """One planned batch as one ``batch_isend_irecv``, in the plan's order, waited on whole;
-        then the sent tensors (and a sent stage output's values) are released."""
+        """Issue one planned batch as one ``batch_isend_irecv``, in the plan's order."""
         ops, issued = [], []
         for op in batch:
             if op.op == "send":
@@ -80,13 +83,25 @@ class PipelineExecutor:
                 ops.append(dist.P2POp(dist.irecv, t, op.peer))
             issued.append(P2POp(op.op, op.peer, op.label, tuple(t.shape), str(t.dtype)))
         self.trace.append(issued)
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        for op in batch:
-            if op.op == "send":
-                _, owner = self._outbox.pop(op.label)
-                if owner is not None:  # a stage output: backward needs its node, not its values
-                    _free_values(self._saved[owner][1])
+        self._inflight.append((dist.batch_isend_irecv(ops), batch))
+
+    def _settle(self, need=None) -> None:
+        """Retire issued batches in issue order: those already complete; with ``need`` (a message
+        label), also wait until the batch that receives it is (``None``: wait for all)."""
+        while self._inflight:
+            works, batch = self._inflight[0]
+            must = need is None or any(op.op == "recv" and op.label == need for _, b in self._inflight
+                                       for op in b)
+            if not must and not all(w.is_completed() for w in works):
+                return
+            for w in works:
+                w.wait()  # on GPU: the compute stream waits for NCCL's, the host does not
+            self._inflight.pop(0)
+            for op in batch:
+                if op.op == "send":
+                    _, owner = self._outbox.pop(op.label)
+                    if owner is not None:  # a stage output: backward needs its node, not its values
+                        _free_values(self._saved[owner][1])
 
     def held_bytes(self) -> int:
         """Bytes of the distinct tensors the executor references (saved stage inputs and
@@ -118,6 +133,8 @@ class PipelineExecutor:
                 self._exchange(item)
                 continue
             a, stage = item, item.chunk * self.pp + self.ps.pp_rank
+            need = ("F", a.microbatch, stage) if a.kind == "F" else ("B", a.microbatch, stage)
+            self._settle(need if need in self._inbox else "")  # "": only what is already done
             if a.kind == "F":
                 self._saved[(a.microbatch, a.chunk)] = self._forward(
                     a, stage, get_batch(a.microbatch), num_tokens, num_microbatches_global, stats)
@@ -126,6 +143,7 @@ class PipelineExecutor:
                 self._backward(a, stage, self._saved.pop((a.microbatch, a.chunk)))
             i += 1
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
+        self._settle(None)
         assert not (self._saved or self._inbox or self._outbox), "pipeline step ended with tensors in flight"
         return stats
 
@@ -158,7 +176,7 @@ class PipelineExecutor:
             torch.autograd.Variable._execution_engine.run_backward(
                 tuple(tensors), tuple(grads), False, False, (), True, True)
         if inp is not None:
-            self._outbox[("B", a.microbatch, stage - 1)] = (inp.grad, None)
+            self._outbox[("B", a.microbatch, stage - 1)] = (inp.grad.contiguous(), None)
 
 
 def _free_values(out: torch.Tensor) -> None:

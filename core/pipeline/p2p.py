@@ -102,33 +102,37 @@ def batches_of(program: list) -> list[list[P2POp]]:
     return [item for item in program if isinstance(item, list)]
 
 
-def max_live_buffers(program: list, pp_rank: int, pp: int, num_stages: int) -> int:
-    """Most ``[T, hidden]`` tensors a rank must hold right after an action when each is
-    released as early as the plan allows: stage inputs until their backward, outputs and input
-    gradients until their send completes, received messages until their action consumes them.
-    The executor's measured ``peak_held_bytes`` stays within this many buffers."""
+def max_live_buffers(program: list, pp_rank: int, pp: int, num_stages: int, inputs: bool = True) -> int:
+    """Most ``[T, hidden]`` tensors a rank holds right after an action when each is released as
+    the executor does at the latest: stage inputs until their backward, received messages until
+    their action consumes them, outputs and input gradients until their batch is retired (at the
+    latest when an action waits for a message of that batch or a later one). The executor's
+    measured ``peak_held_bytes`` stays within this many buffers (it also retires batches it
+    finds complete earlier). ``inputs=False``: only the p2p buffers (received, unsent)."""
     live: set = set()
+    inflight: list = []  # issued batches not yet retired
     peak = 0
     for item in program:
         if isinstance(item, list):
-            for op in item:
-                if op.op == "send":
-                    live.discard(("out", op.label))
-                else:
-                    live.add(("in", op.label))
+            inflight.append(item)
+            live.update(("in", op.label) for op in item if op.op == "recv")
             continue
         s = item.chunk * pp + pp_rank
         m = item.microbatch
+        need = ("F", m, s) if item.kind == "F" else ("B", m, s)
+        waits = [i for i, b in enumerate(inflight) if any(op.op == "recv" and op.label == need for op in b)]
+        for b in inflight[:waits[0] + 1] if waits else []:
+            live.difference_update(("out", op.label) for op in b if op.op == "send")
+        inflight = inflight[waits[0] + 1:] if waits else inflight
+        live.discard(("in", need))
         if item.kind == "F":
             if s > 0:  # the received activation becomes the stage input, kept for backward
-                live.discard(("in", ("F", m, s)))
                 live.add(("input", m, s))
             if s < num_stages - 1:
                 live.add(("out", ("F", m, s + 1)))
         else:
-            live.discard(("in", ("B", m, s)))
+            live.discard(("input", m, s))
             if s > 0:
-                live.discard(("input", m, s))
                 live.add(("out", ("B", m, s - 1)))
-        peak = max(peak, len(live))
+        peak = max(peak, len(live) if inputs else sum(1 for x in live if x[0] != "input"))
     return peak

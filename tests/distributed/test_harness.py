@@ -38,6 +38,7 @@ def blocked_in_recv_from_peer(rank, world, outdir):
 
 def rank0_raises(rank, world, outdir):
     _write_pid(outdir, rank)
+    dist.barrier()  # both pids written before anything fails (spawning can be slow under load)
     if rank == 0:
         raise ValueError("boom")
     dist.barrier()  # rank 1 would wait here for rank 0 forever
@@ -45,6 +46,7 @@ def rank0_raises(rank, world, outdir):
 
 def rank1_segfaults(rank, world, outdir):
     _write_pid(outdir, rank)
+    dist.barrier()  # both pids written before the crash
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSEGV)
     time.sleep(600)  # rank 0 is not in a collective: only the harness can stop it

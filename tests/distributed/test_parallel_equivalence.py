@@ -31,10 +31,11 @@ def test_layout_matches_one_process(tmp_path, name):
 
 
 def test_executor_releases_sent_activations(tmp_path):
-    """PP2 with 8 micro-batches (4x the stages): rank 0 sends 8 activations; each is released
-    when its send completes, so the executor never holds more than the in-flight bound (which
-    keeping them until the end of the step would exceed), and nothing at the end."""
-    run_ranks(2, check_layout, 2, 1, 1, "alltoall", 0.0, None, 0.0, 8, tmpdir=str(tmp_path))
+    """PP4 with 8 micro-batches: every stage but the last sends 8 activations; each is released
+    once its batch is retired, so the executor never holds more than the plan's live buffers
+    (keeping a sent output's values until its backward, as the first wave did, exceeds them on
+    the middle stages), and nothing at the end."""
+    run_ranks(4, check_layout, 4, 1, 1, "alltoall", 0.0, None, 0.0, 8, tmpdir=str(tmp_path))
 
 
 def test_router_bias_update_uses_the_whole_step_load(tmp_path):
