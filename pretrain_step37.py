@@ -34,8 +34,9 @@ def init_distributed() -> tuple[int, int]:
         kwargs = {}
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            # eager NCCL init bound to this GPU: batched p2p then runs on the main communicator
-            # instead of lazily creating one per pair (which is itself a collective)
+            # eager NCCL init bound to this GPU: the world communicator exists before the first
+            # batch_isend_irecv, which involves only some ranks (a lazily created communicator
+            # would need every rank of the group in that first call)
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         if world == 1 and "MASTER_ADDR" not in os.environ:  # plain `python`: no rendezvous, no port
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from core.distributed.fsdp import reshard
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_metrics, sync_gradients
 from core.model_api import specs_of
-from core.parallel_state import ParallelState
+from core.parallel_state import ParallelState, local_device
 from core.pipeline.executor import PipelineExecutor
 from core.pipeline.schedules import build_schedule
 
@@ -25,7 +25,7 @@ class StepSettings:
     """What a step needs besides the model chunks, the optimizer and the micro-batches."""
 
     hidden_size: int                    # width of the pipeline's [T, hidden] transfers
-    device: torch.device | str = "cpu"
+    device: torch.device | str | None = None  # default: this process's GPU, else the CPU
     dtype: torch.dtype = torch.float32  # activation dtype on the pipeline wire
     mtp_depths: int = 0                 # multi-token-prediction depths of the model (every rank)
     mtp_loss_scale: float = 0.0         # weight of the MTP token losses in the objective
@@ -56,9 +56,10 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     optimizer.zero_grad(set_to_none=True)
     params = specs_of(chunks)  # before the forward: FSDP's shards, not gathered copies
     targets, tokens = _global_counts(batches, ps)
-    on_device = [b.to(s.device) for b in batches]
+    device = s.device or local_device()
+    on_device = [b.to(device) for b in batches]
     executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
-                                hidden_size=s.hidden_size, dtype=s.dtype, device=s.device,
+                                hidden_size=s.hidden_size, dtype=s.dtype, device=device,
                                 mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff)
     schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))
     stats = executor.run(schedule, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
@@ -66,11 +67,12 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     sync_gradients(params, ps)
     norm = grad_norm(params, ps)
     loads = _reduce_expert_load(stats.expert_load, ps)  # one flat all-reduce over DP
-    mtp = stats.mtp_loss_sums or [torch.zeros(())] * s.mtp_depths
+    zero = stats.loss_sum.new_zeros(())  # on the device: no host-to-device copy before the reduce
+    mtp = stats.mtp_loss_sums or [zero] * s.mtp_depths
     if len(mtp) != s.mtp_depths:
         raise ValueError(f"the model returned {len(mtp)} MTP losses, StepSettings.mtp_depths is {s.mtp_depths}")
     loss_sum, n, imbalance_sum, moe_layers, *mtp_sums = reduce_step_metrics(
-        [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads), *mtp])
+        [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads, zero), *mtp])
     n = max(n, 1.0)
     metrics = StepMetrics(loss_sum / n, [x / n for x in mtp_sums], float(norm), targets, tokens,
                           imbalance_sum / moe_layers if moe_layers else None, p2p_bytes=executor.p2p_bytes,
@@ -82,7 +84,9 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
             clip_gradients([p for p, _ in params], s.clip_grad, norm)
         optimizer.step()
         for c, load in loads.items() if s.router_bias_rate else ():
-            for layer, layer_load in zip(chunks[c].moe_layers(), load):
+            layers = chunks[c].moe_layers()
+            assert len(layers) == load.shape[0], "moe_layers() and StageOutput.expert_load disagree"
+            for layer, layer_load in zip(layers, load):
                 layer.router.update_bias(layer_load, s.router_bias_rate)
     reshard(chunks)  # FSDP units gathered for the whole step (gather-once, bf16 copies): now stale
     return metrics
@@ -111,12 +115,11 @@ def _reduce_expert_load(load: dict, ps: ParallelState) -> dict:
     return {k: part.view_as(load[k]) for k, part in zip(keys, parts)}
 
 
-def _imbalance_terms(loads: dict) -> list[torch.Tensor]:
+def _imbalance_terms(loads: dict, zero: torch.Tensor) -> list[torch.Tensor]:
     """(sum over this rank's MoE layers of max/mean load, number of layers). Summed over the
     world, every DP replica adds the same layers, so the ratio is the mean over all layers."""
-    rows = [l for l in loads.values()]
-    if not rows:
-        return [torch.zeros(()), torch.zeros(())]
-    load = torch.cat(rows)
+    if not loads:
+        return [zero, zero]
+    load = torch.cat(list(loads.values()))
     ratio = load.max(-1).values / load.mean(-1).clamp(min=1e-9)
-    return [ratio.sum(), torch.tensor(float(load.shape[0]))]
+    return [ratio.sum(), zero + load.shape[0]]

@@ -18,7 +18,7 @@ from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from data.loader import THDLoader, open_source, parse_data_path
 from data.tokenizers import build_tokenizer
-from models.step37.parallelize import parallelize
+from models.step37.parallelize import parallelize, stage_layers
 from train_args import RunLayout
 
 
@@ -56,7 +56,10 @@ class Trainer:
         extra = {"loader": self.loader.state_dict(), "rng": torch.get_rng_state(),
                  "skipped": self.skipped}
         meta = {"model": self.cfg.to_dict(), "layout": vars(self.args.parallel),
-                "optimizer": self.args.optim.optimizer}
+                "optimizer": self.args.optim.optimizer,
+                "stage_layers": [len(r) for r in stage_layers(self.cfg, self.ps.sizes.pp * self.ps.sizes.vpp,
+                                                              self.args.parallel.pipeline_layout,
+                                                              self.args.data.seq_length)]}
         path = save_checkpoint(ck.save, self.iteration, self.chunks, self.optimizer, extra, meta,
                                ck.keep_last)
         self.log.info(f"saved checkpoint {path}")

@@ -1,10 +1,13 @@
 """Replay recorded point-to-point operations under NCCL's rules, to prove on CPU what gloo
 cannot show (gloo buffers sends and honours tags; NCCL does neither).
 
-The rules: each rank runs its batches in order and waits for a batch to complete before the
-next; an operation completes once its partner is posted; a batch (one ``batch_isend_irecv``)
-completes when all its operations have; every operation may block until matched (a large send
-does). The k-th send from rank a to rank b matches the k-th receive on b from a, whatever the
+The rules: each rank's batches run in order (NCCL runs a communicator's groups in issue
+order on its stream, whether or not the host waits on them); every operation may block until
+matched (a large send does). The strict rule (default) assumes nothing about progress inside a
+group (one ``batch_isend_irecv``): batches linked by their messages, directly or through other
+batches, complete together, and only while all of them are posted at once. ``strict=False``
+lets each operation complete as soon as its partner is posted (NCCL progresses a group's
+operations to different peers independently in practice, but does not promise it). The k-th send from rank a to rank b matches the k-th receive on b from a, whatever the
 tags. Matched pairs must agree in shape and dtype (NCCL would not notice otherwise) and carry the
 same message (else a rank would silently compute on another micro-batch's tensor).
 
@@ -69,10 +72,13 @@ def _op(traces, where):
     return traces[r][b][i]
 
 
-def replay(traces: dict) -> ReplayResult:
+def replay(traces: dict, strict: bool = True) -> ReplayResult:
     """``traces``: rank -> list of batches, each a list of ``P2POp`` (``core/pipeline/p2p.py``)
     in issue order. Ranks absent from ``traces`` take part in no point-to-point operation."""
     partner = _match(traces)
+    linked: dict = {}  # batch -> the batches its operations pair with
+    for (r, b, _), (pr, pb, _) in partner.items():
+        linked.setdefault((r, b), set()).add((pr, pb))
     pos = {r: 0 for r in traces}
     matched: set = set()
     done_batches = done_ops = 0
@@ -81,6 +87,8 @@ def replay(traces: dict) -> ReplayResult:
         if not current:
             return ReplayResult(done_batches, done_ops)
         for r, b in current.items():  # an operation matches once both sides are posted
+            if strict and not all(pos.get(q) == c for q, c in _component((r, b), linked)):
+                continue
             for i in range(len(traces[r][b])):
                 pr, pb, _ = partner[(r, b, i)]
                 if pos.get(pr) == pb:
@@ -93,6 +101,17 @@ def replay(traces: dict) -> ReplayResult:
             done_ops += len(traces[r][pos[r]])
             done_batches += 1
             pos[r] += 1
+
+
+def _component(start, linked: dict) -> set:
+    """Every batch reachable from ``start`` through paired messages."""
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in linked.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
 
 
 def _describe(traces, current, partner, matched, done_ops) -> str:

@@ -24,6 +24,7 @@ import torch
 
 from core.optim.build import classify
 from core.parallel_state import ParallelSizes, ParallelState
+from core.pipeline.p2p import max_live_buffers, plan_all
 from core.pipeline.schedules import build_schedule
 from core.pipeline.simulate import simulate
 from models.step37.activations import head_bytes, layer_bytes
@@ -116,7 +117,9 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
     sizes.validate(cfg.num_layers, cfg.num_experts)
     T, b, H = inp.seq_length * inp.micro_batch_size, 2 if inp.bf16 else 4, cfg.hidden_size
     fsdp = inp.sharding == "fsdp" and inp.dp > 1  # like apply_fsdp: nothing to shard at DP 1
-    sim = simulate(build_schedule(inp.pp, inp.vpp, inp.num_microbatches))
+    schedule = build_schedule(inp.pp, inp.vpp, inp.num_microbatches)
+    sim = simulate(schedule)
+    programs = plan_all(schedule) if inp.pp > 1 else {}
     out = []
     for pp_rank in range(inp.pp):
         for ep_rank in range(inp.ep):
@@ -151,8 +154,9 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
                 dev["gathered layers"] = all_layers if inp.fsdp_gather_once else 2 * largest_layer
             elif inp.bf16:
                 dev["gathered layers"] = all_layers
-            if inp.pp > 1:
-                dev["p2p buffers"] = 2 * T * H * b  # one receive buffer per direction
+            if inp.pp > 1:  # messages received ahead of use and sent ones not yet retired
+                S = inp.pp * inp.vpp
+                dev["p2p buffers"] = max_live_buffers(programs[pp_rank], pp_rank, inp.pp, S, inputs=False) * T * H * b
             if inp.ep > 1:
                 dev["all-to-all buffers"] = 4 * T * cfg.num_experts_per_tok * H * b
             r.device, r.host = dev, host

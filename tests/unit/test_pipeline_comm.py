@@ -88,3 +88,16 @@ def test_replay_rules():
         replay({0: [[_op("send", 1, a)]], 1: [[_op("recv", 0, a, (4, 9))]]})
     with pytest.raises(P2PMismatch, match="rank 0's send #1 to rank 1 .* has no receive on rank 1"):
         replay({0: [[_op("send", 1, a)]], 1: []})
+
+
+def test_strict_replay_assumes_no_progress_inside_a_group():
+    """Rank 0 sends to 1 and 2 in one group; rank 2 first waits for rank 1, which first waits
+    for rank 0. If NCCL progresses the group's two sends independently this completes, but it
+    does not promise that: the strict replay calls it a deadlock, the lenient one does not."""
+    m = [("F", i, 1) for i in range(3)]
+    chain = {0: [[_op("send", 1, m[0]), _op("send", 2, m[1])]],
+             1: [[_op("recv", 0, m[0])], [_op("send", 2, m[2])]],
+             2: [[_op("recv", 1, m[2])], [_op("recv", 0, m[1])]]}
+    assert replay(chain, strict=False).operations == 6
+    with pytest.raises(NCCLDeadlock):
+        replay(chain)
