@@ -114,3 +114,66 @@ def render_text(result: SimResult, width: int = 100) -> str:
                     line[x] = c
         rows.append(f"rank {r:>2} |{''.join(line)}|")
     return "\n".join(rows)
+
+
+def plan_makespan(programs: dict, pp: int, fwd_cost=1.0, bwd_cost=2.0) -> float:
+    """Makespan of the executor's programs (``core/pipeline/p2p.plan_all``) under the cost model
+    and NCCL's ordering, with transfers themselves free: a rank issues each batch without
+    waiting; a batch completes once every batch linked to it by messages is issued and each
+    one's predecessor on its rank has completed (NCCL runs a rank's groups in order); an action
+    that consumes a message starts after the batch that receives it completes. The gap to
+    ``simulate`` (communication free and unordered) is what the plan's ordering costs."""
+    from core.pipeline.nccl_replay import _component, _match
+    from core.pipeline.p2p import batches_of
+
+    ranks = sorted(programs)
+    traces = {r: batches_of(programs[r]) for r in ranks}
+    linked: dict = {}
+    for (r, b, _), (pr, pb, _) in _match(traces).items():
+        linked.setdefault((r, b), set()).add((pr, pb))
+    received = {(r, op.label): b for r in ranks for b, batch in enumerate(traces[r]) for op in batch
+                if op.op == "recv"}
+    issued, done = {}, {}
+
+    def complete(key):  # completion time, or None while something it needs is not issued yet
+        if key in done:
+            return done[key]
+        group = _component(key, linked) | {key}
+        if not all(k in issued for k in group):
+            return None
+        t = max(issued[k] for k in group)
+        for q, b in group:
+            prev = complete((q, b - 1)) if b else 0.0
+            if prev is None:
+                return None
+            t = max(t, prev)
+        done.update(dict.fromkeys(group, t))
+        return t
+
+    def cost(c, kind, stage):
+        return c[stage] if isinstance(c, (list, tuple)) else c
+
+    clock, pos, nbatch = dict.fromkeys(ranks, 0.0), dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
+    moved = True
+    while moved:
+        moved = False
+        for i, r in enumerate(ranks):
+            while pos[r] < len(programs[r]):
+                item = programs[r][pos[r]]
+                if isinstance(item, list):
+                    issued[(r, nbatch[r])] = clock[r]
+                    nbatch[r] += 1
+                else:
+                    s = item.chunk * pp + i
+                    b = received.get((r, (item.kind, item.microbatch, s)))
+                    if b is not None:
+                        t = complete((r, b))
+                        if t is None:
+                            break
+                        clock[r] = max(clock[r], t)
+                    clock[r] += cost(fwd_cost if item.kind == "F" else bwd_cost, item.kind, s)
+                pos[r] += 1
+                moved = True
+    if any(pos[r] < len(programs[r]) for r in ranks):
+        raise Deadlock("the communication plan cannot complete (see nccl_replay for details)")
+    return max(clock.values())

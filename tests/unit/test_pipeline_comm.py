@@ -11,7 +11,7 @@ import pytest
 from core.pipeline.nccl_replay import NCCLDeadlock, P2PMismatch, replay
 from core.pipeline.p2p import P2POp, batches_of, max_live_buffers, plan_all
 from core.pipeline.schedules import Action, build_schedule
-from core.pipeline.simulate import simulate
+from core.pipeline.simulate import plan_makespan, simulate
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -46,6 +46,17 @@ def test_plan_holds_no_more_than_the_schedule_needs():
         peaks = simulate(schedule).peak_in_flight
         for r, program in plan_all(schedule).items():
             assert max_live_buffers(program, r, pp, pp) <= peaks[r] + 2, (pp, m, r)
+
+
+def test_plan_order_costs_little_time():
+    """The executor issues batches without waiting and waits only for what an action needs:
+    1F1B loses nothing to the plan's ordering; interleaved schedules at most 7% (unit costs,
+    backward = 2 x forward; waiting on every batch, as a blocking executor would, costs ~20%)."""
+    for pp, vpp, m in ((2, 1, 8), (4, 1, 16), (8, 1, 32), (2, 2, 8), (4, 2, 16), (8, 2, 16), (8, 3, 32)):
+        schedule = build_schedule(pp, vpp, m)
+        free = simulate(schedule).makespan
+        timed = plan_makespan(plan_all(schedule), pp)
+        assert free <= timed <= (1.0 if vpp == 1 else 1.07) * free, (pp, vpp, m, free, timed)
 
 
 def _load_trace(name):
