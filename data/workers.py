@@ -99,9 +99,8 @@ class OrderedPool:
         sent = returned = 0
         exhausted = False
         while True:
-            while returned in done:
-                yield done.pop(returned)
-                returned += 1
+            # feed idle workers before handing results to the caller, so that no worker waits
+            # while the caller writes
             while idle and not exhausted and sent - returned < window:
                 try:
                     task = next(it)
@@ -115,6 +114,10 @@ class OrderedPool:
                     self._died(w, None)
                 held[w] = (sent, task)
                 sent += 1
+            if returned in done:
+                yield done.pop(returned)
+                returned += 1
+                continue  # feed again before the next result: the window may have opened
             if exhausted and returned == sent:
                 return
             self._wait(held, done, idle)
