@@ -1,10 +1,10 @@
 """JSONL text or chat rows -> tokenized indexed datasets, with every rejected row accounted for.
 
-Work is split into chunks of whole lines. For a plain file a chunk is a byte range that the
-worker reads itself, so the parent never touches the text: it only writes the token arrays that
-come back, in input order. A ``.gz`` file cannot be seeked, so the parent decompresses and
-ships the chunk's bytes. Rows are split on ``\\n`` only: a row whose strings hold U+2028,
-U+2029 or a bare ``\\r`` is one row (``str.splitlines`` would cut it, silently losing data).
+Work is split into chunks of whole lines (``data/input_chunks.py``): byte ranges that workers
+read themselves, so the parent never touches the text and only writes the token arrays that
+come back, in input order (decompressed bytes for ``.gz`` files). Rows are split on ``\\n``
+only: a row whose strings hold U+2028, U+2029 or a bare ``\\r`` is one row
+(``str.splitlines`` would cut it, silently losing data).
 
 Failures are sorted by what they spoil. Anything wrong with one row (bad JSON or UTF-8, a lone
 surrogate escape, nesting deeper than the JSON parser's recursion limit, an exception from the
@@ -15,17 +15,14 @@ rows read from it. A worker that dies stops the run naming the input range it he
 """
 from __future__ import annotations
 
-import glob
-import gzip
 import itertools
 import json
 import os
 import signal
 import threading
 import time
-import zlib
-from contextlib import contextmanager
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +30,7 @@ import numpy as np
 
 from data.chat import SURROGATE, RowError, encode_chat
 from data.indexed_dataset import IndexedDatasetWriter, token_dtype
+from data.input_chunks import describe_task, expand_inputs, iter_chunks
 from data.tokenizers import build_tokenizer
 from data.workers import OrderedPool
 
@@ -61,16 +59,6 @@ class PreprocessStats:
         return (f"rows read {self.rows_read:,}, accepted {self.accepted:,}, rejected "
                 f"{self.num_rejected:,} ({by_reason}), documents {self.documents:,}, tokens "
                 f"{self.tokens:,}, {self.seconds:.1f} s ({rate:,.0f} tokens/s)")
-
-
-def expand_inputs(patterns: list[str]) -> list[str]:
-    files: list[str] = []
-    for pat in patterns:
-        hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else ([pat] if os.path.isfile(pat) else [])
-        if not hits:
-            raise FileNotFoundError(f"--input {pat!r}: no such file")
-        files.extend(hits)
-    return files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,65 +211,6 @@ def _read_range(path: str, start: int, end: int) -> bytes:
 # ---------------------------------------------------------------------------------------------
 # Parent: chunking, ordered writing, accounting
 # ---------------------------------------------------------------------------------------------
-
-def iter_chunks(path: str, chunk_bytes: int):
-    """Chunks of whole lines: byte ranges for plain files, bytes for .gz files. A file that
-    cannot be read (a truncated or invalid gzip stream, an I/O error) ends with a
-    ``{"file_error": ...}`` task, which stops the run once the rows before it are counted."""
-    try:
-        if path.endswith(".gz"):
-            yield from _gzip_chunks(path, chunk_bytes)
-            return
-        size = os.path.getsize(path)
-        start = 0
-        with open(path, "rb") as f:
-            while start < size:
-                end = min(start + chunk_bytes, size)
-                if end < size:
-                    f.seek(end)
-                    tail = f.readline()  # extend to the end of the line we landed in
-                    end += len(tail)
-                yield {"path": path, "start": start, "end": end}
-                start = end
-    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        what = "truncated or corrupt gzip stream" if path.endswith(".gz") else "read error"
-        yield {"path": path, "file_error": f"{what} ({type(e).__name__}: {e})"}
-
-
-def _gzip_chunks(path: str, chunk_bytes: int):
-    """Whole lines of a gzip file. On a damaged stream the whole rows decompressed so far are
-    handed over first (``read1`` returns what it has), then the error propagates."""
-    with gzip.open(path, "rb") as f:
-        rest, pos, eof = b"", 0, False  # pos: decompressed offset of rest
-        while not eof:
-            parts, n, err = [rest], len(rest), None
-            try:
-                while n < chunk_bytes:
-                    piece = f.read1(chunk_bytes - n)
-                    if not piece:
-                        eof = True
-                        break
-                    parts.append(piece)
-                    n += len(piece)
-            except (OSError, EOFError, zlib.error) as e:
-                err = e
-            block = b"".join(parts)
-            cut = len(block) if eof else block.rfind(b"\n") + 1  # a damaged last row is dropped
-            if cut:
-                yield {"data": block[:cut], "path": path, "start": pos, "end": pos + cut}
-                pos += cut
-            rest = block[cut:]
-            if err is not None:
-                raise err
-
-
-def describe_task(task: dict) -> str:
-    """The input range of a task, for error messages."""
-    if "start" not in task:
-        return task.get("path", "?")
-    unit = "decompressed bytes" if "data" in task else "bytes"
-    return f"{task['path']} {unit} {task['start']:,}-{task['end']:,}"
-
 
 class PreprocessError(RuntimeError):
     """The run's result must not be published (too many rejects, a damaged input file)."""

@@ -13,7 +13,6 @@ import threading
 import time
 import zlib
 
-import numpy as np
 import pytest
 
 from data import preprocess
@@ -35,11 +34,6 @@ def _cfg(tmp_path, inputs, **kw):
 
 def _rejects(tmp_path):
     return [json.loads(l) for l in open(tmp_path / "out_rejects.jsonl", encoding="utf-8")]
-
-
-def _only_outputs(tmp_path, *inputs):
-    """No temporary file anywhere in the directory."""
-    return not [f for f in os.listdir(tmp_path) if ".tmp-" in f and f not in inputs]
 
 
 @pytest.mark.parametrize("kind", ["byte", "huggingface"])
