@@ -4,7 +4,8 @@
     python tools/inspect_packs.py --data-path out/corpus_text_document --seq-length 8192 \\
         [--long-docs split] [--seed 0] [--plot packs.png]
 
-The plan is the same one training uses (and is cached beside the dataset the same way).
+The plan is the same one training uses, cached the same way: beside the dataset, in
+--data-cache-path when given, or in the user cache when the dataset's directory is read-only.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="documents longer than S: split into chunks, truncate, or drop (default: split)")
     ap.add_argument("--seed", type=int, default=0, help="pack shuffle seed (default: 0)")
     ap.add_argument("--plot", metavar="PNG", help="also draw the length and fill histograms (matplotlib)")
+    ap.add_argument("--data-cache-path", help="directory for the cached plan (as in training)")
     args = ap.parse_args(argv)
     try:
         ds = IndexedDataset(args.data_path)
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inspect_packs: error: {e}", file=sys.stderr)
         return 1
     lengths = ds.lengths.astype(np.int64)
-    plan = cached_plan(lengths, args.seq_length, args.data_path, long_docs=args.long_docs, seed=args.seed)
+    plan = cached_plan(lengths, args.seq_length, args.data_path, long_docs=args.long_docs, seed=args.seed,
+                       cache_path=args.data_cache_path)
     per_pack = np.diff(plan.pack_offsets)
     fills = plan.pack_tokens() / args.seq_length
     bound = -(-plan.num_tokens // args.seq_length)
