@@ -28,7 +28,8 @@ class Trainer:
         d, s, a = args.data, args.schedule, args
         torch.manual_seed(s.seed)
         tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
-        sources = [(w, open_source(prefix, d.seq_length, d.long_docs, s.seed, train_fraction=d.train_fraction))
+        sources = [(w, open_source(prefix, d.seq_length, d.long_docs, s.seed, train_fraction=d.train_fraction,
+                                   cache_dir=d.data_cache_path))
                    for w, prefix in parse_data_path(d.data_path)]
         self.fill = sum(src.plan.fill for _, src in sources) / len(sources)
         self.loader = THDLoader(sources, seq_length=d.seq_length, micro_batch_size=d.micro_batch_size,

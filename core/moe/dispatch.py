@@ -18,10 +18,12 @@ class PermuteState:
 
 
 def permute(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int):
-    """Copies of each token, one per chosen expert, sorted by expert (stable)."""
+    """Copies of each token, one per chosen expert, sorted by expert (stable). Counts by a
+    fixed-size scatter (``bincount`` would read the largest id back to size its output)."""
     flat = experts_TK.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     x_NH = x_TH.index_select(0, order // experts_TK.shape[1])
     return x_NH, counts, PermuteState(order, x_TH.shape[0])
 
@@ -43,18 +45,19 @@ class LocalDispatcher:
         return unpermute(experts_module(x_NH, counts), weights_TK, state)
 
 
-def sort_by_local_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows arrive grouped by source rank, then local expert (``recv_counts[src, e]`` rows).
-    Returns the row order that groups them by local expert, then source, and the per-expert
-    row counts. Pure: e.g. counts [[1, 2], [3, 0]] -> order [0, 3, 4, 5, 1, 2], counts [4, 2]."""
+def sort_by_local_expert(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows arrive grouped by source rank, then local expert (``recv_counts[src, e]`` rows,
+    ``total`` of them: a host int the all-to-all already needed). Returns the row order that
+    groups them by local expert, then source, and the per-expert row counts, with no device read.
+    Pure: e.g. counts [[1, 2], [3, 0]] -> order [0, 3, 4, 5, 1, 2], counts [4, 2]."""
     ep, E = recv_counts.shape
     flat = recv_counts.flatten()
     starts = torch.cumsum(flat, 0) - flat
     blocks = torch.arange(ep * E, device=flat.device).view(ep, E).T.flatten()  # (expert, source)
     sizes = flat[blocks]
-    within = torch.arange(int(sizes.sum()), device=flat.device) - \
-        torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-    return torch.repeat_interleave(starts[blocks], sizes) + within, recv_counts.sum(0)
+    within = torch.arange(total, device=flat.device) - \
+        torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes, output_size=total)
+    return torch.repeat_interleave(starts[blocks], sizes, output_size=total) + within, recv_counts.sum(0)
 
 
 class AllToAllDispatcher:
@@ -75,12 +78,13 @@ class AllToAllDispatcher:
         send_counts = counts.view(self.ep, -1)                     # [dest rank, local expert]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        # the one host read of an MoE layer: the split sizes the all-to-all needs
+        send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         x_recv = all_to_all(x_NH, send_splits, recv_splits, self.group)
         me = dist.get_rank(self.group)  # rows kept on this rank cross no wire
         row = x_NH.shape[1] * x_NH.element_size()
         self.sent_bytes += row * (sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me])
-        order, local_counts = sort_by_local_expert(recv_counts)
+        order, local_counts = sort_by_local_expert(recv_counts, sum(recv_splits))
         y = experts_module(x_recv.index_select(0, order), local_counts)
         y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
         y_NH = all_to_all(y_back, recv_splits, send_splits, self.group)

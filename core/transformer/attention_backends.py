@@ -27,31 +27,37 @@ from core.packed_seq import PackedSeqParams
 
 @dataclass
 class DocLayout:
-    """Host-side view of a THD micro-batch, computed once per forward (one device sync)."""
+    """A THD micro-batch's documents, built once per chunk forward and shared by its layers:
+    host integers from the loader (no device read) and device tensors derived on the device."""
 
     params: PackedSeqParams
-    starts: list      # buffer offset of each document (cu_seqlens_padded[:-1])
-    lengths: list     # real tokens of each document
+    starts: list      # buffer offset of each document (cu_seqlens_padded[:-1]), host ints
+    lengths: list     # real tokens of each document, host ints
     total: int        # T
+    cache: dict       # per-micro-batch objects built once and shared (flex BlockMasks, ...)
 
     @classmethod
     def from_params(cls, params: PackedSeqParams) -> "DocLayout":
-        padded = params.cu_seqlens_padded.tolist()
-        cu = params.cu_seqlens.tolist()
-        return cls(params, padded[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])], padded[-1])
-
-    def valid_mask(self, device) -> torch.Tensor:
-        """True on real tokens, False on padding (``[T]`` bool)."""
-        mask = torch.zeros(self.total, dtype=torch.bool)
-        for s, n in zip(self.starts, self.lengths):
-            mask[s:s + n] = True
-        return mask.to(device)
+        cu, padded = params.host_boundaries()
+        return cls(params, list(padded[:-1]), [b - a for a, b in zip(cu[:-1], cu[1:])], padded[-1], {})
 
     def doc_ids(self, device) -> torch.Tensor:
-        """Document index of every position (padding gets its segment's index)."""
+        """Document index of every position (padding gets its segment's index), on ``device``."""
         bounds = self.params.cu_seqlens_padded.to(device)
         pos = torch.arange(self.total, device=device, dtype=torch.int32)
         return torch.searchsorted(bounds, pos, right=True) - 1
+
+    def real_end(self, device) -> torch.Tensor:
+        """For every position, one past the last real token of its document (``[T]`` int64),
+        computed on ``device`` without reading it back."""
+        doc = self.doc_ids(device).long()
+        starts = self.params.cu_seqlens_padded.to(device).long()[doc]
+        cu = self.params.cu_seqlens.to(device).long()
+        return starts + (cu[1:] - cu[:-1])[doc]
+
+    def valid_mask(self, device) -> torch.Tensor:
+        """True on real tokens, False on padding (``[T]`` bool), vectorised on ``device``."""
+        return torch.arange(self.total, device=device) < self.real_end(device)
 
 
 def _band_mask(q_start: int, nq: int, k_start: int, nk: int, window: int, device) -> torch.Tensor:
