@@ -26,7 +26,8 @@ class ModelArgs:
     model_preset: str = option("tiny", "model shape", choices=sorted(PRESETS))
     hf_config: str = option(None, "Hugging Face config.json or directory (overrides --model-preset)")
     load_hf: str = option(None, "initialise from this Hugging Face checkpoint directory")
-    attention_backend: str = option("sdpa", "attention kernel", choices=ATTENTION_BACKENDS)
+    attention_backend: str = option("auto", "attention kernel: auto is varlen (flash over cu_seqlens) on "
+                                            "CUDA, sdpa (per document) on CPU", choices=ATTENTION_BACKENDS)
     mtp_loss_scale: float = option(0.3, "weight of the MTP depths' token losses")
     moe_aux_loss_coeff: float = option(0.0, "router auxiliary (load-balancing) loss weight")
     moe_bias_update_rate: float = option(0.0, "aux-loss-free balancing: bias step per iteration "
@@ -175,6 +176,8 @@ class LoggingArgs:
     log_dir: str = option(None, "TensorBoard events and metrics.jsonl go here")
     log_interval: int = option(10, "log every N iterations")
     tensorboard: bool = option(True, "write TensorBoard events to --log-dir")
+    peak_tflops: float = option(None, "the device's dense bf16 peak in TFLOP/s, for the logged MFU "
+                                      "(default: known for H100 / H200 / A100; none on CPU)")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ class StepSettings:
     aux_loss_coeff: float = 0.0         # weight of the MoE router auxiliary loss
     clip_grad: float = 0.0              # clip the global grad norm to this (0: off)
     router_bias_rate: float = 0.0       # aux-loss-free balancing: bias step per iteration (0: off)
+    flops_of: Callable | None = None    # model FLOPs of a training micro-batch (host batch -> float)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class StepMetrics:
     grad_norm: float = 0.0              # before clipping
     num_targets: int = 0                # main-head target tokens of the step (global)
     num_tokens: int = 0                 # real (non-padding) tokens of the step (global)
+    flops: float = 0.0                  # model FLOPs of the step, all ranks (with StepSettings.flops_of)
     moe_imbalance: float | None = None  # mean over MoE layers of max/mean tokens per expert
     skipped: bool = False               # non-finite loss or grad norm: no update
     p2p_bytes: int = 0                  # pipeline bytes this rank sent
@@ -55,7 +58,7 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     router-bias update; nothing is updated when the loss or the norm is not finite."""
     optimizer.zero_grad(set_to_none=True)
     params = specs_of(chunks)  # before the forward: FSDP's shards, not gathered copies
-    targets, tokens = _global_counts(batches, ps)
+    targets, tokens, flops = _global_counts(batches, ps, s.flops_of)
     device = s.device or local_device()
     on_device = [b.to(device) for b in batches]
     executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
@@ -74,10 +77,11 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     loss_sum, n, imbalance_sum, moe_layers, *mtp_sums = reduce_step_metrics(
         [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads, zero), *mtp])
     n = max(n, 1.0)
-    metrics = StepMetrics(loss_sum / n, [x / n for x in mtp_sums], float(norm), targets, tokens,
-                          imbalance_sum / moe_layers if moe_layers else None, p2p_bytes=executor.p2p_bytes,
-                          p2p_trace=executor.trace, peak_held_bytes=executor.peak_held_bytes,
-                          held_bytes_after=executor.held_bytes())
+    metrics = StepMetrics(loss=loss_sum / n, mtp_losses=[x / n for x in mtp_sums], grad_norm=float(norm),
+                          num_targets=targets, num_tokens=tokens, flops=flops,
+                          moe_imbalance=imbalance_sum / moe_layers if moe_layers else None,
+                          p2p_bytes=executor.p2p_bytes, p2p_trace=executor.trace,
+                          peak_held_bytes=executor.peak_held_bytes, held_bytes_after=executor.held_bytes())
     metrics.skipped = not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
     if not metrics.skipped:
         if s.clip_grad > 0:
@@ -92,13 +96,15 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     return metrics
 
 
-def _global_counts(batches: list, ps: ParallelState) -> tuple[int, int]:
-    """Target and real-token counts of the step over all DP ranks, from host-side batches."""
+def _global_counts(batches: list, ps: ParallelState, flops_of) -> tuple[int, int, float]:
+    """Target and real-token counts and model FLOPs of the step over all DP ranks, from the
+    host-side batches (one all-reduce of host values)."""
     counts = torch.tensor([sum(int(b.num_target_tokens) for b in batches),
-                           sum(int(b.packed_seq_params.cu_seqlens[-1]) for b in batches)])
+                           sum(int(b.packed_seq_params.cu_seqlens[-1]) for b in batches),
+                           sum(flops_of(b) for b in batches) if flops_of else 0.0], dtype=torch.float64)
     if ps.sizes.dp > 1:
         dist.all_reduce(counts, group=ps.group("dp"))
-    return int(counts[0]), int(counts[1])
+    return int(counts[0]), int(counts[1]), float(counts[2])
 
 
 def _reduce_expert_load(load: dict, ps: ParallelState) -> dict:

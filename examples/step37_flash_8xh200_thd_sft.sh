@@ -23,7 +23,7 @@ HF=${1:?usage: step37_flash_8xh200_thd_sft.sh HF_DIR DATA_PREFIX OUT_DIR}
 DATA=${2:?}
 OUT=${3:?}
 torchrun --nproc-per-node 8 pretrain_step37.py \
-    --hf-config "$HF" --load-hf "$HF" --attention-backend flex \
+    --hf-config "$HF" --load-hf "$HF" \
     --pipeline-model-parallel-size 4 --expert-model-parallel-size 2 \
     --bf16 --data-parallel-sharding fsdp --cpu-offload all --recompute-granularity full \
     --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \

@@ -18,6 +18,7 @@ from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from data.loader import THDLoader, open_source, parse_data_path
 from data.tokenizers import build_tokenizer
+from models.step37.costs import device_peak_tflops, training_flops
 from models.step37.parallelize import parallelize, stage_layers
 from train_args import RunLayout
 
@@ -41,7 +42,9 @@ class Trainer:
             dtype=torch.bfloat16 if a.memory.bf16 else torch.float32,
             mtp_depths=self.cfg.num_mtp_layers, mtp_loss_scale=a.model.mtp_loss_scale,
             aux_loss_coeff=a.model.moe_aux_loss_coeff, clip_grad=a.optim.clip_grad,
-            router_bias_rate=a.model.moe_bias_update_rate)
+            router_bias_rate=a.model.moe_bias_update_rate,
+            flops_of=lambda b: training_flops(self.cfg, _doc_lengths(b)))
+        self.peak_tflops = a.logging.peak_tflops or device_peak_tflops()
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
         self.iteration, self.skipped, self.in_a_row = 0, 0, 0
@@ -108,6 +111,8 @@ class Trainer:
         return {"loss": m.loss, "mtp_loss": sum(m.mtp_losses) / len(m.mtp_losses) if m.mtp_losses else None,
                 "lr": a.optim.lr * mult,  # the --lr group (matrices under muon/dion)
                 "grad_norm": m.grad_norm, "tokens_per_sec": m.num_tokens / dt, "step_ms": 1000 * dt,
+                "tflops_per_gpu": m.flops / self.ps.sizes.world / dt / 1e12,
+                "mfu": m.flops / self.ps.sizes.world / dt / 1e12 / self.peak_tflops if self.peak_tflops else None,
                 "skipped_steps": self.skipped, "packing_fill": self.fill,
                 "moe_imbalance": m.moe_imbalance, "peak_mem_gib": _peak_memory_gib()}
 
@@ -148,6 +153,11 @@ class Trainer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _doc_lengths(batch) -> list[int]:
+    cu, _ = batch.packed_seq_params.host_boundaries()
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
 def _peak_memory_gib() -> float:

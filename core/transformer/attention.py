@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.transformer.attention_backends import BACKENDS, DocLayout
+from core.transformer.attention_backends import BACKENDS, DocLayout, resolve_backend
 from core.transformer.norm import RMSNorm
 from core.transformer.rotary import apply_rotary
 
 
 class GatedAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 window: int | None, softmax_scale: float, eps: float, backend: str = "sdpa"):
+                 window: int | None, softmax_scale: float, eps: float, backend: str = "auto"):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window, self.scale, self.backend = window, softmax_scale, backend
@@ -32,6 +32,6 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o_THD = BACKENDS[self.backend](q, k, v, layout, self.window, self.scale)
+        o_THD = BACKENDS[resolve_backend(self.backend, q.device)](q, k, v, layout, self.window, self.scale)
         o_THD = o_THD * torch.sigmoid(self.g_proj(x_TH)).unsqueeze(-1)
         return self.o_proj(o_THD.reshape(T, self.num_heads * self.head_dim))

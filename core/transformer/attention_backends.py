@@ -6,12 +6,19 @@ number of keys a query sees, counting itself) and the softmax scale, and returns
 Attention never crosses a document; padding positions produce zeros (sdpa) or values nobody
 reads (their labels are -100 and no real token attends to them).
 
+* ``varlen``: torch's flash ``varlen_attn`` over ``cu_seqlens`` (sliding window, GQA), one
+  kernel per layer for the whole pack. CUDA only; the GPU default (``auto``).
 * ``sdpa``: exact, one ``scaled_dot_product_attention`` call per document, causal; a document
   longer than the window is done in blocks of ``window`` queries against the ``2*window - 1``
-  keys they can see (banded mask), so memory stays O(n * window). The CPU default.
-* ``flex``: ``flex_attention`` with a document + causal + window ``BlockMask`` (GPU training;
-  eager, forward-only on CPU).
+  keys they can see (banded mask), so memory stays O(n * window). The CPU default (``auto``)
+  and the reference.
+* ``flex``: ``flex_attention`` with a document + causal + window ``BlockMask``, built once per
+  micro-batch and window and shared by the chunk's layers (and recompute); compiled on GPU,
+  eager and forward-only on CPU.
 * ``transformer_engine``: TE's ``DotProductAttention`` with ``qkv_format="thd"``; import-gated.
+
+Documents are laid out by ``cu_seqlens_padded``: a document's padding comes after its real
+tokens, so causal attention over the padded segments is exact for every real token.
 """
 from __future__ import annotations
 
@@ -91,17 +98,47 @@ def sdpa_attention(q, k, v, layout: DocLayout, window: int | None, scale: float)
     return out
 
 
+def _varlen_kernel():
+    """torch's flash ``varlen_attn`` (a seam: CPU tests put a reference of its contract here)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+def varlen_attention(q, k, v, layout: DocLayout, window: int | None, scale: float) -> torch.Tensor:
+    """Flash attention over the pack's padded document boundaries: int32 ``cu_seqlens`` on the
+    tensors' device, the longest segment as a host int (no device read), ``window`` keys
+    counting the query as ``window_size=(window - 1, 0)``, GQA without expanding k and v."""
+    key = ("varlen", q.device)
+    if key not in layout.cache:
+        padded = [b - a for a, b in zip(layout.starts, layout.starts[1:] + [layout.total])]
+        layout.cache[key] = (layout.params.cu_seqlens_padded.to(q.device, torch.int32), max(padded, default=0))
+    cu, longest = layout.cache[key]
+    return _varlen_kernel()(q, k, v, cu, cu, longest, longest, scale=scale,
+                            window_size=(window - 1, 0) if window is not None else (-1, 0),
+                            enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _block_mask(layout: DocLayout, window: int | None, device):
+    """The flex ``BlockMask`` of this micro-batch and window, made once and shared by layers."""
+    key = ("flex", window, device)
+    if key not in layout.cache:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc = layout.doc_ids(device)
+
+        def mask_mod(b, h, qi, ki):
+            keep = (doc[qi] == doc[ki]) & (qi >= ki)
+            return keep & (qi - ki < window) if window is not None else keep
+
+        layout.cache[key] = create_block_mask(mask_mod, None, None, layout.total, layout.total, device=device)
+    return layout.cache[key]
+
+
 def flex_attention_thd(q, k, v, layout: DocLayout, window: int | None, scale: float) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    doc = layout.doc_ids(q.device)
-
-    def mask_mod(b, h, qi, ki):
-        keep = (doc[qi] == doc[ki]) & (qi >= ki)
-        return keep & (qi - ki < window) if window is not None else keep
-
-    T = q.shape[0]
-    block = create_block_mask(mask_mod, None, None, T, T, device=q.device)
+    block = _block_mask(layout, window, q.device)
     fn = flex_attention if q.device.type == "cpu" else _compiled_flex()
     with warnings.catch_warnings():  # eager flex on CPU warns that it is unfused
         warnings.simplefilter("ignore")
@@ -144,7 +181,15 @@ def transformer_engine_attention(q, k, v, layout: DocLayout, window: int | None,
     return o.view_as(q)
 
 
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto``: ``varlen`` on CUDA, ``sdpa`` elsewhere."""
+    if name == "auto":
+        return "varlen" if device.type == "cuda" else "sdpa"
+    return name
+
+
 BACKENDS: dict[str, Callable] = {
+    "varlen": varlen_attention,
     "sdpa": sdpa_attention,
     "flex": flex_attention_thd,
     "transformer_engine": transformer_engine_attention,

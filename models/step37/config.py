@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 MLP_TYPES = ("dense", "sparse")
-ATTENTION_BACKENDS = ("sdpa", "flex", "transformer_engine")
+ATTENTION_BACKENDS = ("auto", "varlen", "sdpa", "flex", "transformer_engine")
 
 # Keys of published / saved configs that carry no information for the text decoder's maths.
 _IGNORED_KEYS = {
@@ -75,7 +75,7 @@ class Step37Config:
     mtp_mlp_layer_types: list = field(default_factory=list)
     mtp_swiglu_limits: list = field(default_factory=list)
     mtp_swiglu_limits_shared: list = field(default_factory=list)
-    attention_backend: str = "sdpa"
+    attention_backend: str = "auto"
     init_std: float = 0.02
     need_fp32_gate: bool = True             # the router computes in fp32 under --bf16
 

@@ -1,4 +1,5 @@
-"""Forward FLOPs per token of each part of Step-3.7, for balancing pipeline stages.
+"""FLOPs of Step-3.7: per token of each part, for balancing pipeline stages, and of a training
+step on real documents, for TFLOP/s and MFU in the logs.
 
 Matmuls only (2 FLOPs per multiply-add; norms, RoPE, routing top-k and the softmax are a few
 percent). Attention reads ``avg_keys`` keys per query: a causal document of ``seq_length``
@@ -73,3 +74,54 @@ def stage_flops(cfg: Step37Config, counts: list[int], seq_length: int) -> list[f
                    + (c.last_extra if s == len(counts) - 1 else 0.0))
         start += n
     return out
+
+
+def keys_seen(n: int, window: int | None) -> int:
+    """Keys summed over the queries of one causal document of ``n`` tokens."""
+    w = min(window or n, n)
+    return w * (w + 1) // 2 + (n - w) * w
+
+
+def matmul_params_per_token(cfg: Step37Config) -> int:
+    """Weights each token multiplies through (attention projections, dense MLP or router, top-k
+    routed and shared experts; head; each MTP depth's projection, layer and head); the
+    embedding is a lookup. Training costs 6 FLOPs per such weight and token."""
+    H, D, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
+
+    def layer(layer_type: str, mlp_type: str) -> int:
+        Hq = cfg.num_heads(layer_type)
+        attn = H * (Hq * D + 2 * Hkv * D + Hq) + Hq * D * H
+        if mlp_type == "dense":
+            return attn + 3 * H * cfg.intermediate_size
+        routed = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
+        return attn + H * cfg.num_experts + routed + 3 * H * cfg.shared_expert_size
+
+    head = H * cfg.vocab_size
+    total = sum(layer(cfg.layer_types[i], cfg.mlp_layer_types[i]) for i in range(cfg.num_layers)) + head
+    for k in range(cfg.num_mtp_layers):
+        total += 2 * H * H + layer(cfg.mtp_layer_types[k], cfg.mtp_mlp_layer_types[k]) + head
+    return total
+
+
+def training_flops(cfg: Step37Config, doc_lengths: list[int]) -> float:
+    """Forward + backward FLOPs of one micro-batch of real documents (padding excluded):
+    6 x matmul weights per token, plus 12 x heads x head_dim per key each query sees (causal
+    within its document, capped by the window on sliding layers), over every layer and MTP depth."""
+    flops = 6.0 * matmul_params_per_token(cfg) * sum(doc_lengths)
+    for t in cfg.layer_types + cfg.mtp_layer_types:
+        window = cfg.sliding_window if t == "sliding_attention" else None
+        flops += 12.0 * cfg.num_heads(t) * cfg.head_dim * sum(keys_seen(n, window) for n in doc_lengths)
+    return flops
+
+
+# Dense bf16 peaks (TFLOP/s, no sparsity) by device name, for MFU when --peak-tflops is not given.
+PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}
+
+
+def device_peak_tflops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

@@ -58,7 +58,8 @@ def test_overfits_a_small_repeated_dataset(dataset, tmp_path):
     rows = train(["--data-path", dataset, "--train-iters", "80", "--optimizer", "adamw", "--lr", "5e-3"],
                  tmp_path / "tb")
     assert len(rows) == 80 and {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec",
-                                "skipped_steps"} <= set(rows[0])
+                                "skipped_steps", "tflops_per_gpu"} <= set(rows[0])
+    assert rows[0]["tflops_per_gpu"] > 0 and rows[0].get("mfu") is None  # no known peak on CPU
     assert rows[-1]["loss"] < 0.35 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
 
