@@ -37,6 +37,44 @@ def all_to_all(x: torch.Tensor, send_splits: list, recv_splits: list, group) -> 
     return _AllToAll.apply(x, send_splits, recv_splits, group)
 
 
+class _AllToAllStart(_AllToAll):
+    """The forward all-to-all issued asynchronously: the output is not ready until
+    ``all_to_all_wait`` (autograd sees start -> wait; backward is the plain transpose)."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits: list, recv_splits: list, group, pending: list):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        pending.append(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
+                                              async_op=True))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllToAll.backward(ctx, g) + (None,)
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending: list):
+        pending.pop().wait()  # on GPU: the compute stream waits for NCCL's, the host does not
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def all_to_all_overlapped(x: torch.Tensor, send_splits: list, recv_splits: list, group, work):
+    """``all_to_all`` with ``work()`` (any differentiable computation that does not need the
+    result, e.g. a shared expert) running while the rows are in flight; returns
+    ``(rows, work())``."""
+    pending: list = []
+    started = _AllToAllStart.apply(x, send_splits, recv_splits, group, pending)
+    side = work()
+    return _Wait.apply(started, pending), side
+
+
 class _AllGather(torch.autograd.Function):
     """Concatenate equal-shaped tensors from every rank along dim 0; backward reduce-scatters."""
 

@@ -28,21 +28,47 @@ def permute(x_TH: torch.Tensor, experts_TK: torch.Tensor, num_experts: int):
     return x_NH, counts, PermuteState(order, x_TH.shape[0])
 
 
+class _Combine(torch.autograd.Function):
+    """``out[t] = sum_k w[t, k] * y[slot(t, k)]`` with the weights and the sum in fp32, but no
+    fp32 ``[T*K, hidden]`` intermediate (one fp32 ``[T, hidden]`` accumulator and one
+    ``[T, hidden]`` slice at a time) and no scattered atomic adds; backward keeps only the
+    expert outputs in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, y_NH, w_TK, order):
+        T, K = w_TK.shape
+        y_TKH = torch.empty_like(y_NH).index_copy_(0, order, y_NH).view(T, K, -1)  # token order
+        f32 = torch.promote_types(y_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        acc = torch.zeros(T, y_NH.shape[1], dtype=f32, device=y_NH.device)
+        for k in range(K):
+            acc.addcmul_(y_TKH[:, k].to(f32), w_TK[:, k, None].to(f32))
+        ctx.save_for_backward(y_TKH, w_TK, order)
+        return acc.to(y_NH.dtype)
+
+    @staticmethod
+    def backward(ctx, g_TH):
+        y_TKH, w_TK, order = ctx.saved_tensors
+        f32 = torch.promote_types(y_TKH.dtype, torch.float32)
+        g = g_TH.to(f32)
+        K = w_TK.shape[1]
+        grad_w = torch.stack([(y_TKH[:, k].to(f32) * g).sum(-1) for k in range(K)], dim=1).to(w_TK.dtype)
+        grad_y = torch.stack([(w_TK[:, k, None].to(f32) * g).to(y_TKH.dtype) for k in range(K)], dim=1)
+        return grad_y.flatten(0, 1).index_select(0, order), grad_w, None
+
+
 def unpermute(y_NH: torch.Tensor, weights_TK: torch.Tensor, state: PermuteState) -> torch.Tensor:
-    """Weighted sum over each token's experts: ``sum_k w[t, k] * y[slot(t, k)]``."""
-    K = weights_TK.shape[1]
-    w = weights_TK.flatten().index_select(0, state.order)
-    out = y_NH.new_zeros(state.num_tokens, y_NH.shape[1])
-    # weight in fp32 (the router's precision), then accumulate in the activation dtype
-    return out.index_add(0, state.order // K, (y_NH * w[:, None]).to(y_NH.dtype))
+    """Weighted sum over each token's experts: ``sum_k w[t, k] * y[slot(t, k)]`` (fp32 maths,
+    output in the experts' dtype)."""
+    return _Combine.apply(y_NH, weights_TK, state.order)
 
 
 class LocalDispatcher:
-    """All experts live in this process."""
+    """All experts live in this process. ``side()`` (the shared expert) runs first."""
 
-    def __call__(self, x_TH, weights_TK, experts_TK, experts_module) -> torch.Tensor:
+    def __call__(self, x_TH, weights_TK, experts_TK, experts_module, side=lambda: None):
+        out = side()
         x_NH, counts, state = permute(x_TH, experts_TK, experts_module.num_experts)
-        return unpermute(experts_module(x_NH, counts), weights_TK, state)
+        return unpermute(experts_module(x_NH, counts), weights_TK, state), out
 
 
 def sort_by_local_expert(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +95,12 @@ class AllToAllDispatcher:
         self.group, self.ep, self.num_experts = group, ep_size, num_experts
         self.sent_bytes = 0  # bytes this rank sent to other ranks in forward; backward as many
 
-    def __call__(self, x_TH, weights_TK, experts_TK, experts_module) -> torch.Tensor:
+    def __call__(self, x_TH, weights_TK, experts_TK, experts_module, side=lambda: None):
+        """``(routed output, side())``: ``side`` (the shared expert) runs while the tokens'
+        all-to-all is in flight."""
         import torch.distributed as dist
 
-        from core.distributed.collectives import all_to_all
+        from core.distributed.collectives import all_to_all, all_to_all_overlapped
 
         x_NH, counts, state = permute(x_TH, experts_TK, self.num_experts)
         send_counts = counts.view(self.ep, -1)                     # [dest rank, local expert]
@@ -80,7 +108,7 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         # the one host read of an MoE layer: the split sizes the all-to-all needs
         send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        x_recv = all_to_all(x_NH, send_splits, recv_splits, self.group)
+        x_recv, side_out = all_to_all_overlapped(x_NH, send_splits, recv_splits, self.group, side)
         me = dist.get_rank(self.group)  # rows kept on this rank cross no wire
         row = x_NH.shape[1] * x_NH.element_size()
         self.sent_bytes += row * (sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me])
@@ -88,7 +116,7 @@ class AllToAllDispatcher:
         y = experts_module(x_recv.index_select(0, order), local_counts)
         y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
         y_NH = all_to_all(y_back, recv_splits, send_splits, self.group)
-        return unpermute(y_NH, weights_TK, state)
+        return unpermute(y_NH, weights_TK, state), side_out
 
 
 class AllGatherDispatcher:
@@ -101,7 +129,7 @@ class AllGatherDispatcher:
         self.local = num_experts // ep_size
         self.offset = ep_rank * self.local
 
-    def __call__(self, x_TH, weights_TK, experts_TK, experts_module) -> torch.Tensor:
+    def __call__(self, x_TH, weights_TK, experts_TK, experts_module, side=lambda: None):
         from core.distributed.collectives import all_gather, all_gather_into, reduce_scatter
 
         K = experts_TK.shape[1]
@@ -118,4 +146,4 @@ class AllGatherDispatcher:
                            torch.bincount(ids, minlength=self.local))
         w = w_all.flatten().index_select(0, slots)
         out = x_all.new_zeros(x_all.shape).index_add(0, slots // K, (y * w[:, None]).to(y.dtype))
-        return reduce_scatter(out, self.group)
+        return reduce_scatter(out, self.group), side()

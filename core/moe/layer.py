@@ -31,5 +31,7 @@ class MoELayer(nn.Module):
         """``(output [T, hidden], stats)``; ``stats``: ``tokens_per_expert`` [E] fp32 and
         ``aux_loss`` (see :class:`SigmoidRouter`)."""
         weights, experts, stats = self.router(x_TH, valid_T)
-        routed = self.dispatcher(x_TH, weights, experts, self.experts)
-        return routed * self.scaling + self.shared_expert(x_TH), stats
+        # the shared expert needs no routing: it runs while the dispatch all-to-all is in flight
+        routed, shared = self.dispatcher(x_TH, weights, experts, self.experts,
+                                         side=lambda: self.shared_expert(x_TH))
+        return routed * self.scaling + shared, stats

@@ -119,3 +119,18 @@ def test_moe_layer_is_scaled_routed_plus_shared():
     # fp32, grouped experts vs a per-token loop (outputs up to ~10): measured <= 3.2e-7 relative
     # over 20 seeds; 1e-5 leaves 30x margin, for BLAS kernels that block differently
     assert_close_rel(moe(x)[0], 3.0 * routed + moe.shared_expert(x), rel=1e-5)
+
+
+def test_combine_gradients_and_one_rounding_in_bf16():
+    """The combine's hand-written backward against autograd's numerical one (fp64), and in bf16
+    a single rounding of the fp32 sum: the bf16 result is exactly the fp32 result rounded."""
+    from core.moe.dispatch import _Combine
+
+    torch.manual_seed(3)
+    x, experts = torch.randn(9, 6, dtype=torch.double), torch.randint(0, 4, (9, 3))
+    _, _, state = permute(x, experts, 4)
+    y = torch.randn(27, 6, dtype=torch.double, requires_grad=True)
+    w = torch.rand(9, 3, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda y, w: _Combine.apply(y, w, state.order), (y, w))
+    y16, w32 = y.detach().bfloat16(), w.detach().float()
+    assert torch.equal(unpermute(y16, w32, state), unpermute(y16.float(), w32, state).bfloat16())
