@@ -13,25 +13,29 @@ A composer: flags (train_args.py) -> validation (no process group yet) -> proces
 """
 from __future__ import annotations
 
+import datetime
 import os
 import sys
+import time
 
-import torch
-import torch.distributed as dist
+START_TIME = time.time()  # --exit-duration-in-mins counts from here (before the imports below)
 
-from core.checkpointing import CheckpointError
-from core.parallel_state import ParallelState
-from train_args import parse, validate
-from training.plan import report
-from training.trainer import Trainer
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from core.checkpointing import CheckpointError  # noqa: E402
+from core.parallel_state import ParallelState  # noqa: E402
+from train_args import parse, validate  # noqa: E402
+from training.plan import report  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int]:
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if not dist.is_initialized():
         # with GPUs: NCCL for device tensors, gloo for the few host-side counters
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        kwargs = {}
+        kwargs = {"timeout": datetime.timedelta(minutes=timeout_minutes)}
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             # eager NCCL init bound to this GPU: the world communicator exists before the first
@@ -55,9 +59,16 @@ def main(argv=None) -> int:
         return 2
     if args.memory.dry_run:
         return report(args, layout, prog="pretrain_step37 --dry-run")
-    init_distributed()
-    ps = ParallelState.build(layout.sizes, layout.config.num_layers, layout.config.num_experts)
-    trainer = Trainer(args, layout, ps)
+    timeout = args.parallel.distributed_timeout_minutes
+    init_distributed(timeout)
+    try:
+        ps = ParallelState.build(layout.sizes, layout.config.num_layers, layout.config.num_experts,
+                                 timeout=datetime.timedelta(minutes=timeout))
+        trainer = Trainer(args, layout, ps, start_time=START_TIME)
+    except Exception as e:
+        if peer_failure(e):
+            _abort(e, timeout)
+        raise
     s = layout.sizes
     trainer.log.info(f"layout: world {world} = pp {s.pp} x dp {s.dp} (ep {s.ep}, expert-dp {s.expert_dp}), "
                      f"{s.vpp} virtual stage(s), {layout.num_microbatches} micro-batches per rank per "
@@ -68,10 +79,35 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         trainer.log.error(str(e))
         rc = 1
-    finally:
+    except Exception as e:
         trainer.log.close()
-        dist.destroy_process_group()
+        if peer_failure(e):
+            _abort(e, timeout)
+        raise
+    trainer.log.close()
+    dist.destroy_process_group()
     return rc
+
+
+def peer_failure(e: BaseException) -> bool:
+    """A collective or transfer that timed out, or whose peer went away."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("timed out", "connection closed by peer", "connection reset by peer"))
+
+
+def _abort(e: BaseException, timeout_minutes: float) -> None:
+    """End this rank at once: no destroy_process_group or finalizers, which could wait on the
+    peer that failed (torchrun then stops the others)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    first = (str(e).strip().splitlines() or [""])[0]
+    print(f"[rank {rank}] ERROR: a collective or pipeline transfer failed: another rank is frozen, "
+          f"dead, or slower than --distributed-timeout-minutes {timeout_minutes:g} "
+          f"({type(e).__name__}: {first}). Check the other ranks' logs; raise "
+          "--distributed-timeout-minutes only if a rank is legitimately that slow.",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

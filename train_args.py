@@ -5,11 +5,12 @@ group exists. ``tools/plan_memory.py`` parses the same flags."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
 
-from core.cli import add_to_parser, from_namespace, option
+from core.cli import add_to_parser, flag_name, from_namespace, option
 from core.optim.lr_schedule import DECAY_STYLES
 from core.parallel_state import ParallelSizes
 from data.loader import parse_data_path
@@ -17,6 +18,22 @@ from data.packing import LONG_DOC_POLICIES
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from models.step37.config import ATTENTION_BACKENDS, PRESETS, Step37Config
 from models.step37.parallelize import stage_layers
+
+# numeric rules for flags: (what the message says, test); None values (unset flags) pass
+POSITIVE = ("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+NON_NEGATIVE = ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
+AT_LEAST_1 = (">= 1", lambda v: v >= 1)
+AT_LEAST_0 = (">= 0", lambda v: v >= 0)
+UNIT_OPEN = ("in [0, 1)", lambda v: 0 <= v < 1)
+FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def require(section, **rules) -> None:
+    """``ValueError`` naming the first flag of ``section`` that breaks its rule."""
+    for name, (want, ok) in rules.items():
+        v = getattr(section, name)
+        if v is not None and not ok(v):
+            raise ValueError(f"{flag_name(name)} must be {want}, got {v}")
 
 
 @dataclass
@@ -34,6 +51,10 @@ class ModelArgs:
                                               "(0 in SFT)")
     moe_dispatcher: str = option("alltoall", "expert-parallel token dispatch",
                                  choices=("alltoall", "allgather"))
+
+    def __post_init__(self):
+        require(self, mtp_loss_scale=NON_NEGATIVE, moe_aux_loss_coeff=NON_NEGATIVE,
+                moe_bias_update_rate=NON_NEGATIVE)
 
 
 @dataclass
@@ -82,6 +103,12 @@ class ParallelArgs:
     pipeline_layout: str = option(None, "layers per virtual stage, e.g. 14,14,14,3 (default: the "
                                         "split that minimises the slowest stage's FLOPs, counting "
                                         "the head and MTP depths on the last stage)")
+    distributed_timeout_minutes: float = option(10.0, "a collective or pipeline transfer that waits "
+                                                      "this long for a frozen or dead rank ends the "
+                                                      "run with an error (every process group)")
+
+    def __post_init__(self):
+        require(self, distributed_timeout_minutes=POSITIVE)
 
 
 @dataclass
@@ -111,6 +138,9 @@ class MemoryArgs:
                              "plan as tools/plan_memory.py --world-size N)")
 
     def __post_init__(self):
+        require(self, recompute_num_layers=AT_LEAST_0, dry_run=AT_LEAST_0)
+        if self.recompute_num_layers and self.recompute_granularity == "none":
+            raise ValueError("--recompute-num-layers needs --recompute-granularity selective or full")
         if self.cpu_offload != "none" and self.data_parallel_sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
         if self.params_dtype is not None:
@@ -146,10 +176,12 @@ class OptimArgs:
     dion_rank_fraction: float = option(0.25, "Dion rank as a fraction of min(out, in)")
 
     def __post_init__(self):
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"--lr must be > 0 and --min-lr in [0, --lr]; got {self.lr}, {self.min_lr}")
-        if not 0 <= self.muon_momentum < 1:
-            raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
+        require(self, lr=POSITIVE, min_lr=NON_NEGATIVE, adamw_lr=POSITIVE, weight_decay=NON_NEGATIVE,
+                clip_grad=NON_NEGATIVE, adam_beta1=UNIT_OPEN, adam_beta2=UNIT_OPEN, adam_eps=POSITIVE,
+                muon_momentum=UNIT_OPEN, muon_ns_steps=AT_LEAST_1, dion_momentum=UNIT_OPEN,
+                dion_rank_fraction=FRACTION)
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr must be in [0, --lr]; got {self.min_lr} > {self.lr}")
 
 
 @dataclass
@@ -157,16 +189,43 @@ class ScheduleArgs:
     """Schedule: iterations and learning-rate shape."""
 
     train_iters: int = option(100, "iterations to train")
+    lr_decay_iters: int = option(None, "iterations the LR schedule spans; after them the LR stays at "
+                                       "its end value (default: --train-iters). Fix it to stop early, "
+                                       "resume, or extend --train-iters without changing the schedule")
     lr_warmup_iters: int = option(0, "linear warmup iterations")
+    lr_warmup_fraction: float = option(None, "linear warmup over this fraction of --lr-decay-iters "
+                                             "(instead of --lr-warmup-iters)")
     lr_decay_style: str = option("cosine", "decay after warmup", choices=DECAY_STYLES)
     lr_wsd_decay_iters: int = option(0, "wsd: length of the final linear decay")
     seed: int = option(1234, "seed for initialisation and data order")
+    exit_interval: int = option(None, "save (with --save) and exit 0 when the iteration is a multiple of N")
+    exit_duration_in_mins: float = option(None, "save (with --save) and exit 0 once the job has run "
+                                                "this many minutes (checked every iteration, all ranks "
+                                                "agree); leave time for the save before a cluster limit")
 
     def __post_init__(self):
-        if self.train_iters < 1:
-            raise ValueError("--train-iters must be >= 1")
-        if self.lr_decay_style == "wsd" and not 0 < self.lr_wsd_decay_iters <= self.train_iters:
-            raise ValueError("--lr-decay-style wsd needs 0 < --lr-wsd-decay-iters <= --train-iters")
+        require(self, train_iters=AT_LEAST_1, lr_decay_iters=AT_LEAST_1, lr_warmup_iters=AT_LEAST_0,
+                lr_warmup_fraction=("in [0, 1]", lambda v: 0 <= v <= 1), lr_wsd_decay_iters=AT_LEAST_0,
+                seed=AT_LEAST_0, exit_interval=AT_LEAST_1, exit_duration_in_mins=POSITIVE)
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ValueError("give --lr-warmup-iters or --lr-warmup-fraction, not both")
+        if self.warmup_iters > self.decay_iters:
+            raise ValueError(f"warmup ({self.warmup_iters} iterations) is longer than the schedule "
+                             f"(--lr-decay-iters {self.decay_iters})")
+        if self.lr_decay_style == "wsd" and not 0 < self.lr_wsd_decay_iters <= self.decay_iters:
+            raise ValueError("--lr-decay-style wsd needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters "
+                             f"({self.decay_iters})")
+
+    @property
+    def decay_iters(self) -> int:
+        """Iterations the LR schedule spans (``--lr-decay-iters``, default ``--train-iters``)."""
+        return self.lr_decay_iters or self.train_iters
+
+    @property
+    def warmup_iters(self) -> int:
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * self.decay_iters)
+        return self.lr_warmup_iters
 
 
 @dataclass
@@ -179,6 +238,9 @@ class LoggingArgs:
     peak_tflops: float = option(None, "the device's dense bf16 peak in TFLOP/s, for the logged MFU "
                                       "(default: known for H100 / H200 / A100; none on CPU)")
 
+    def __post_init__(self):
+        require(self, log_interval=AT_LEAST_1, peak_tflops=POSITIVE)
+
 
 @dataclass
 class CheckpointArgs:
@@ -187,15 +249,46 @@ class CheckpointArgs:
     save: str = option(None, "checkpoint directory (iter_*/ and a 'latest' pointer)")
     load: str = option(None, "resume from this directory's latest checkpoint (or an iter_* dir)")
     save_interval: int = option(0, "save every N iterations (0: only at the end and on SIGTERM)")
-    keep_last: int = option(0, "keep only the newest N checkpoints (0: all)")
+    keep_last: int = option(0, "keep only the N checkpoints with the highest iterations, never the "
+                               "one just saved nor the one 'latest' names (0: keep all)")
     max_skipped_steps: int = option(10, "stop (with a checkpoint) after this many non-finite "
                                         "steps in a row")
+    finetune: bool = option(False, "--load only the weights: start at iteration 0 with a fresh "
+                                   "optimizer, data position and RNG (a model config that differs "
+                                   "from the checkpoint's is allowed, with a warning)")
+    load_optim: bool = option(True, "with --load: restore the optimizer state (--no-load-optim: "
+                                    "a fresh optimizer, e.g. after changing --optimizer)")
+    load_rng: bool = option(True, "with --load: restore each rank's RNG state")
+    async_save: bool = option(False, "write checkpoints in the background (DCP async_save: tensors "
+                                     "staged in host memory first); published when every rank has "
+                                     "written, at the latest before the next save or the exit")
+
+    def __post_init__(self):
+        require(self, save_interval=AT_LEAST_0, keep_last=AT_LEAST_0, max_skipped_steps=AT_LEAST_0)
+
+
+@dataclass
+class EvalArgs:
+    """Evaluation: validation loss and perplexity, forward only through the pipeline."""
+
+    eval_interval: int = option(1000, "evaluate every N iterations, and once at the end of training, "
+                                      "when there is validation data (the validation part of --split, "
+                                      "or --valid-data-path)")
+    eval_iters: int = option(100, "global batches per evaluation (0: no evaluation); the same ones "
+                                  "every time, so evaluations compare")
+    valid_data_path: list = option(None, "validation dataset prefix(es), optionally weighted like "
+                                         "--data-path (default: the validation part of --split)",
+                                   nargs="+")
+
+    def __post_init__(self):
+        require(self, eval_interval=AT_LEAST_1, eval_iters=AT_LEAST_0)
 
 
 
 SECTIONS = {"model": ModelArgs, "data": DataArgs, "parallel": ParallelArgs, "memory": MemoryArgs,
             "optim": OptimArgs,
-            "schedule": ScheduleArgs, "logging": LoggingArgs, "checkpoint": CheckpointArgs}
+            "schedule": ScheduleArgs, "logging": LoggingArgs, "checkpoint": CheckpointArgs,
+            "eval": EvalArgs}
 
 
 def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
@@ -261,9 +354,56 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
+    _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
+        _check_run_files(args, cfg)
     return RunLayout(cfg, sizes, M)
+
+
+def validation_weights(args) -> list[float] | None:
+    """The --split weights when evaluation reads the validation part of the training data;
+    None with --valid-data-path."""
+    return None if args.eval.valid_data_path else [float(x) for x in args.data.split.split(",")]
+
+
+def evaluates(args) -> bool:
+    """Whether the run evaluates: --eval-iters > 0 and validation data to read."""
+    w = validation_weights(args)
+    return args.eval.eval_iters > 0 and (w is None or w[1] > 0)
+
+
+def _check_against_model(args, cfg: Step37Config) -> None:
+    d, mem, ck = args.data, args.memory, args.checkpoint
+    if d.seq_length > cfg.max_position_embeddings:
+        raise ValueError(f"--seq-length {d.seq_length} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    if mem.recompute_num_layers > cfg.num_layers:
+        raise ValueError(f"--recompute-num-layers {mem.recompute_num_layers} exceeds the model's "
+                         f"{cfg.num_layers} layers")
+    if ck.finetune and not ck.load:
+        raise ValueError("--finetune needs --load (the checkpoint to take the weights from)")
+
+
+def _check_run_files(args, cfg: Step37Config) -> None:
+    """--save writable now rather than at the first save; the validation data."""
+    from core.checkpoint_dir import check_writable
+    from data.checks import check_training_data
+    from training.eval_data import validation_ranges
+
+    if args.checkpoint.save:
+        check_writable(args.checkpoint.save)
+    if not evaluates(args):
+        return
+    e, d = args.eval, args.data
+    if e.valid_data_path:
+        for _, prefix in parse_data_path(e.valid_data_path):
+            if not os.path.exists(prefix + ".idx"):
+                raise ValueError(f"--valid-data-path {prefix}: no {prefix}.idx (write it with "
+                                 "tools/preprocess_data.py)")
+            check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
+    else:
+        validation_ranges(parse_data_path(d.data_path), d.split)  # raises when a part is empty
 
 
 def _check_files(args, cfg: Step37Config) -> None:

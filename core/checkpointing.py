@@ -11,27 +11,41 @@ optimizer state, one expert per key (``name#e17``). A run with
 another pipeline or expert-parallel layout asks for the keys it owns and gets them, so a
 checkpoint saved at PP2 x EP2 loads at PP1. Replicated tensors are written once (DCP dedups).
 
-A save goes to ``iter_N.tmp`` and is renamed when every rank has written; ``latest`` moves
-only after that. A directory without ``meta.json`` is incomplete and is refused at load; a
-good checkpoint is never overwritten in place.
+A save goes to ``iter_N.tmp``; when every rank has written its part, rank 0 writes
+``meta.json`` and publishes it (``core/checkpoint_dir.py``: renames, ``latest``, pruning, all
+ordered so a kill at any point leaves ``latest`` on a complete checkpoint). A save that fails
+on any rank (disk full, DCP error) fails on every rank with a ``CheckpointError`` and its
+``.tmp`` is removed. ``--async-save``: DCP stages the tensors in host memory and writes them in a
+background thread; the publication happens when every rank's write has finished
+(``finish_save``), at the latest before the next save or the exit.
+
+Loading reads nothing it trusts (``core/checkpoint_reader.py``): a corrupted, truncated or
+crafted file is a ``CheckpointError`` naming it, on every rank.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import shutil
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from core.checkpoint_dir import CheckpointError, discard, iter_name, prepare, publish, resolve
+from core.checkpoint_reader import SafeReader, read_extra, read_meta, reading
 from core.model_api import iter_params, persistent_tensors
 
+__all__ = ["CheckpointError", "PendingSave", "begin_save", "compare_model_config", "finish_save",
+           "load_checkpoint", "model_state", "optimizer_state", "read_meta", "resolve",
+           "save_checkpoint"]
 
-class CheckpointError(RuntimeError):
-    pass
+# model config fields that may change between a save and a resume: how to compute, not what
+RUNTIME_FIELDS = ("attention_backend", "init_std")
 
 
 def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
@@ -95,65 +109,100 @@ def _allocate(state: dict, p: torch.Tensor, prefix: str, meta: dict, expert: boo
             state[key] = torch.zeros(shape, dtype=m.properties.dtype, device=device)
 
 
-def save_checkpoint(save_dir: str, iteration: int, chunks, optimizer, extra: dict, meta: dict,
-                    keep_last: int = 0) -> str:
-    """Collective. ``extra``: this rank's small state (loader, RNG, ...); ``meta``: run-wide."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    final = os.path.join(save_dir, f"iter_{iteration:07d}")
-    tmp = final + ".tmp"
+@dataclass
+class PendingSave:
+    """A save whose tensors may still be being written (``--async-save``)."""
+
+    save_dir: str
+    iteration: int
+    tmp: str
+    meta: dict
+    keep_last: int
+    future: Any = None                 # DCP's future for an asynchronous write
+    error: BaseException | None = None  # this rank's failure so far
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+def begin_save(save_dir: str, iteration: int, chunks, optimizer, extra: dict, meta: dict,
+               keep_last: int = 0, async_group=None) -> PendingSave:
+    """Collective. Write this rank's part into ``iter_N.tmp``: synchronously, or with
+    ``async_group`` (a gloo group of every rank, used only by the background writes) in DCP's
+    background thread after staging the tensors in host memory. ``finish_save`` publishes."""
+    rank = _rank()
+    tmp = os.path.join(save_dir, iter_name(iteration) + ".tmp")
+    error = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    state = model_state(chunks)
-    if optimizer is not None:
-        state.update(optimizer_state(chunks, optimizer))
-    dcp.save(state, checkpoint_id=tmp)
-    torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
-    _barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "iteration": iteration}, f, indent=2)
-        if os.path.exists(final):  # same iteration saved again: replace only after success
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = os.path.join(save_dir, "latest")
-        with open(pointer + ".tmp", "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(pointer + ".tmp", pointer)
-        if keep_last > 0:
-            _prune(save_dir, keep_last)
-    _barrier()
+        try:
+            prepare(save_dir, iteration)
+        except Exception as e:
+            error = e
+    _agree(error, f"{tmp}: cannot create the checkpoint directory")
+    pending = PendingSave(save_dir, iteration, tmp, dict(meta), keep_last)
+    try:
+        state = model_state(chunks)
+        if optimizer is not None:
+            state.update(optimizer_state(chunks, optimizer))
+        torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
+        writer = dcp.FileSystemWriter(tmp)
+        if async_group is None:
+            dcp.save(state, storage_writer=writer)
+        else:
+            pending.future = dcp.async_save(state, storage_writer=writer, process_group=async_group)
+    except (Exception, CheckpointException) as e:
+        pending.error = e
+    return pending
+
+
+def finish_save(pending: PendingSave) -> str:
+    """Collective. Wait for this rank's writes; if every rank succeeded, rank 0 writes
+    ``meta.json`` and publishes the checkpoint (returns its path); otherwise the ``.tmp`` is
+    removed and every rank raises ``CheckpointError``."""
+    if pending.future is not None and pending.error is None:
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as e:
+            pending.error = e
+    failed = _any(pending.error is not None)
+    final = os.path.join(pending.save_dir, iter_name(pending.iteration))
+    error = None
+    if _rank() == 0:
+        try:
+            if failed:
+                discard(pending.tmp)
+            else:
+                with open(os.path.join(pending.tmp, "meta.json"), "w") as f:
+                    json.dump({**pending.meta, "iteration": pending.iteration}, f, indent=2)
+                    f.flush()
+                    os.fsync(f.fileno())
+                final = publish(pending.save_dir, pending.iteration, pending.keep_last)
+        except Exception as e:
+            error = e
+    if failed:
+        cause = f" ({_describe_save(pending.error)})" if pending.error is not None else \
+            " on another rank (see its error)"
+        raise CheckpointError(f"{pending.tmp}: saving iteration {pending.iteration} failed{cause}; "
+                              "the partial checkpoint was removed and 'latest' is unchanged")
+    _agree(error, f"{final}: the checkpoint was written but could not be published")
     return final
 
 
-def _prune(save_dir: str, keep_last: int) -> None:
-    done = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_") and not d.endswith(".tmp"))
-    for d in done[:-keep_last]:
-        shutil.rmtree(os.path.join(save_dir, d), ignore_errors=True)
-
-
-def resolve(load_dir: str) -> str:
-    """``load_dir`` itself if it is a checkpoint, else the one its ``latest`` names."""
-    if os.path.exists(os.path.join(load_dir, "meta.json")):
-        return load_dir
-    pointer = os.path.join(load_dir, "latest")
-    if not os.path.exists(pointer):
-        raise CheckpointError(f"--load {load_dir}: no 'latest' pointer and not a checkpoint directory")
-    path = os.path.join(load_dir, open(pointer).read().strip())
-    if not os.path.exists(os.path.join(path, "meta.json")):
-        raise CheckpointError(f"{path}: incomplete checkpoint (no meta.json); the save did not "
-                              "finish. Point --load at an earlier iter_* directory.")
-    return path
+def save_checkpoint(save_dir: str, iteration: int, chunks, optimizer, extra: dict, meta: dict,
+                    keep_last: int = 0) -> str:
+    """Collective, synchronous. ``extra``: this rank's small state (loader, RNG, ...); ``meta``:
+    run-wide. Returns the published checkpoint's path."""
+    return finish_save(begin_save(save_dir, iteration, chunks, optimizer, extra, meta, keep_last))
 
 
 def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
     """Fill ``chunks`` (and ``optimizer``, if given) in place; returns (meta, this rank's extra
-    or {})."""
+    or {}). Collective when a process group exists: a failure on any rank fails all of them."""
     path = resolve(load_dir)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    error, meta, extra = None, {}, {}
     try:
-        reader = dcp.FileSystemReader(path)
+        meta = read_meta(path)
+        reader = SafeReader(path)
         saved = reader.read_metadata().state_dict_metadata
         state = model_state(chunks)
         if optimizer is not None:
@@ -162,18 +211,63 @@ def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
         if missing:
             raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors this model needs, "
                                   f"e.g. {missing[:5]} (different model config or optimizer?)")
-        dcp.load(state, checkpoint_id=path)
-    except CheckpointError:
-        raise
-    except Exception as e:  # DCP raises many kinds on torn files
-        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from e
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    extra_path = os.path.join(path, f"extra_rank{rank}.pt")
-    extra = torch.load(extra_path, weights_only=True) if os.path.exists(extra_path) else {}
+        with reading(path):
+            try:
+                dcp.load(state, storage_reader=reader)
+            except (Exception, CheckpointException) as e:
+                # name the data file this rank was reading, when the failure is this rank's
+                mine = not isinstance(e, CheckpointException) or _rank() in (e.failures or {})
+                with reading(reader.last_file if mine and reader.last_file else path):
+                    raise e
+        extra = read_extra(path, _rank())
+    except CheckpointError as e:
+        error = e
+    _agree(error, f"{path}: another rank could not read its part of the checkpoint")
     return meta, extra
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def compare_model_config(saved: dict, run: dict) -> list[str]:
+    """``"field: checkpoint X, this run Y"`` for every model field that differs (fields missing
+    on one side, from older checkpoints, and ``RUNTIME_FIELDS`` are not compared)."""
+    out = []
+    for key in sorted(set(saved) & set(run)):
+        if key not in RUNTIME_FIELDS and saved[key] != run[key]:
+            out.append(f"{key}: checkpoint {_short(saved[key])}, this run {_short(run[key])}")
+    return out
+
+
+def _short(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe_save(e: BaseException) -> str:
+    if isinstance(e, CheckpointException):
+        for cause in (e.failures or {}).values():
+            inner = cause[0] if isinstance(cause, tuple) else cause
+            return f"{type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _any(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any (one all-reduce; no-op on one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _agree(error: BaseException | None, elsewhere: str) -> None:
+    """Raise on every rank if any rank has ``error``: its own message there, ``elsewhere`` on the
+    others (which would otherwise carry on into a collective the failed rank never joins)."""
+    if _any(error is not None):
+        if isinstance(error, CheckpointError):
+            raise error
+        if error is not None:
+            raise CheckpointError(f"{elsewhere}: {type(error).__name__}: {error}") from error
+        raise CheckpointError(f"{elsewhere} (see that rank's error)")

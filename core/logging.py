@@ -1,5 +1,6 @@
 """Rank-aware logging: one rank prints Megatron-style lines and writes TensorBoard scalars and
-``metrics.jsonl``; every other rank writes only warnings and errors, prefixed with its rank."""
+``metrics.jsonl`` (training rows, and validation rows whose keys start with ``valid_``); every
+other rank writes only warnings and errors, prefixed with its rank."""
 from __future__ import annotations
 
 import json
@@ -69,6 +70,28 @@ class RankLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
                     self.tb.add_scalar(f"train/{k}", v, iteration)
+            self.tb.flush()
+
+    def log_eval(self, iteration: int, metrics: dict) -> None:
+        """One validation line (Megatron's form), a ``metrics.jsonl`` record whose keys all start
+        with ``valid_`` (no ``loss`` key: training rows stay easy to select) and ``valid/*``
+        TensorBoard scalars."""
+        if not self.is_logger:
+            return
+        line = (f" validation loss at iteration {iteration} | lm loss: {metrics['valid_loss']:.6E} | "
+                f"lm loss PPL: {metrics['valid_ppl']:.6E}")
+        if metrics.get("valid_mtp_loss") is not None:
+            line += f" | mtp loss: {metrics['valid_mtp_loss']:.6E}"
+        print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), file=self.stream, flush=True)
+        record = {"iteration": iteration, "time": time.time(),
+                  **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in metrics.items()}}
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"valid/{k.removeprefix('valid_')}", v, iteration)
             self.tb.flush()
 
     def close(self) -> None:

@@ -113,8 +113,11 @@ class ParallelState:
 
     @classmethod
     def build(cls, sizes: ParallelSizes, num_layers: int | None = None,
-              num_experts: int | None = None) -> "ParallelState":
-        """Validate, then create every group (collective: all ranks must call it)."""
+              num_experts: int | None = None, timeout=None) -> "ParallelState":
+        """Validate, then create every group (collective: all ranks must call it). ``timeout``
+        (a ``timedelta``, ``--distributed-timeout-minutes``): how long a collective of these
+        groups waits for a rank; ``new_group`` would otherwise take torch's default (30 min for
+        gloo), not the world group's."""
         sizes.validate(num_layers, num_experts)
         if dist.get_world_size() != sizes.world:
             raise ValueError(f"the job has {dist.get_world_size()} processes but the layout needs {sizes.world}")
@@ -122,14 +125,14 @@ class ParallelState:
         mine = {}
         for kind, lists in sizes.group_ranks().items():
             for ranks in lists:
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     mine[kind] = (group, ranks)
         if sizes.world > 1:
             # a one-rank group per rank (created by all ranks, in order) for one-rank FSDP meshes:
             # experts that no other rank replicates (offload), mixed precision without sharding
             for r in range(sizes.world):
-                group = dist.new_group([r])
+                group = dist.new_group([r], timeout=timeout)
                 if r == rank:
                     mine["self"] = (group, [r])
         return cls(sizes, rank, mine)

@@ -1,8 +1,9 @@
 """The training loop around ``core.train_step.train_step``: data, learning-rate schedule,
-checkpoints, SIGTERM, non-finite steps and logging. The step itself lives in core."""
+evaluation, checkpoints, exits (SIGTERM, ``--exit-interval``, ``--exit-duration-in-mins``),
+non-finite steps and logging. The step itself lives in core; evaluation in
+``training/evaluate.py``; what checkpoints hold and how a run resumes in ``training/checkpoints.py``."""
 from __future__ import annotations
 
-import os
 import resource
 import signal
 import time
@@ -10,7 +11,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from core.checkpointing import CheckpointError, load_checkpoint, resolve, save_checkpoint
 from core.logging import RankLogger
 from core.optim.build import build_optimizer
 from core.optim.lr_schedule import apply_lr, lr_multiplier
@@ -20,21 +20,27 @@ from data.loader import THDLoader, open_source, parse_data_path
 from data.tokenizers import build_tokenizer
 from models.step37.costs import device_peak_tflops, training_flops
 from models.step37.parallelize import parallelize, stage_layers
-from train_args import RunLayout
+from train_args import RunLayout, evaluates
+from training.checkpoints import RunCheckpoints, schedule_record
+from training.eval_data import validation_loader
+from training.evaluate import evaluate
 
 
 class Trainer:
-    def __init__(self, args, layout: RunLayout, ps: ParallelState):
+    def __init__(self, args, layout: RunLayout, ps: ParallelState, start_time: float | None = None):
+        """``start_time``: when the job started (``time.time()``), for ``--exit-duration-in-mins``."""
         self.args, self.cfg, self.ps, self.M = args, layout.config, ps, layout.num_microbatches
         d, s, a = args.data, args.schedule, args
+        self.start_time = start_time or time.time()
         torch.manual_seed(s.seed)
-        tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
+        self.tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
         sources = [(w, open_source(prefix, d.seq_length, d.long_docs, s.seed, train_fraction=d.train_fraction,
                                    cache_dir=d.data_cache_path))
                    for w, prefix in parse_data_path(d.data_path)]
         self.fill = sum(src.plan.fill for _, src in sources) / len(sources)
         self.loader = THDLoader(sources, seq_length=d.seq_length, micro_batch_size=d.micro_batch_size,
-                                pad_id=tok.pad_id, dp_rank=ps.dp_rank, dp_size=ps.sizes.dp, seed=s.seed)
+                                pad_id=self.tok.pad_id, dp_rank=ps.dp_rank, dp_size=ps.sizes.dp, seed=s.seed)
+        self.valid = validation_loader(args, self.tok.pad_id, ps.dp_rank, ps.sizes.dp) if evaluates(args) else None
         self.chunks = parallelize(self.cfg, ps, args)
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
         self.settings = StepSettings(
@@ -47,7 +53,10 @@ class Trainer:
         self.peak_tflops = a.logging.peak_tflops or device_peak_tflops()
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
-        self.iteration, self.skipped, self.in_a_row = 0, 0, 0
+        self.ckpt = RunCheckpoints(args, self.log)
+        self.iteration = self.start_iteration = 0
+        self.skipped, self.in_a_row = 0, 0
+        self.evaluated_at = None
         self.stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -56,45 +65,44 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        ck = self.args.checkpoint
+        """Save this iteration unless this run already did (collective)."""
+        if not self.args.checkpoint.save or self.ckpt.saved_iteration == self.iteration:
+            return
         extra = {"loader": self.loader.state_dict(), "rng": torch.get_rng_state(),
                  "skipped": self.skipped}
-        meta = {"model": self.cfg.to_dict(), "layout": vars(self.args.parallel),
-                "optimizer": self.args.optim.optimizer,
-                "stage_layers": [len(r) for r in stage_layers(self.cfg, self.ps.sizes.pp * self.ps.sizes.vpp,
-                                                              self.args.parallel.pipeline_layout,
-                                                              self.args.data.seq_length)]}
-        path = save_checkpoint(ck.save, self.iteration, self.chunks, self.optimizer, extra, meta,
-                               ck.keep_last)
-        self.log.info(f"saved checkpoint {path}")
+        self.ckpt.save(self.iteration, self.chunks, self.optimizer, extra, self._meta())
+
+    def _meta(self) -> dict:
+        a, sizes = self.args, self.ps.sizes
+        layers = stage_layers(self.cfg, sizes.pp * sizes.vpp, a.parallel.pipeline_layout, a.data.seq_length)
+        return {"model": self.cfg.to_dict(), "layout": vars(a.parallel), "optimizer": a.optim.optimizer,
+                "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
+                "tokenizer": {"type": a.data.tokenizer_type, "model": a.data.tokenizer_model,
+                              "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id}}
 
     def maybe_resume(self) -> None:
-        ck = self.args.checkpoint
-        if not ck.load:
+        r = self.ckpt.resume(self.cfg, self.chunks, self.optimizer)
+        if r is None:
             return
-        try:
-            path = resolve(ck.load)
-        except CheckpointError as e:
-            if os.path.exists(os.path.join(ck.load, "latest")):
-                raise
-            self.log.info(f"no checkpoint in {ck.load} yet: starting from scratch ({e})")
-            return
-        meta, extra = load_checkpoint(path, self.chunks, self.optimizer)
-        self.iteration = meta["iteration"]
-        state = extra.get("loader") or {"global_consumed": self.iteration * self.M * self.ps.sizes.dp,
-                                        "fingerprint": self.loader.fingerprint()}
+        self.iteration = self.start_iteration = r.iteration
+        state = r.extra.get("loader") or {"global_consumed": self.iteration * self.M * self.ps.sizes.dp,
+                                          "fingerprint": self.loader.fingerprint()}
         self.loader.load_state_dict(state)
-        if "rng" in extra:
-            torch.set_rng_state(extra["rng"])
-        self.skipped = int(extra.get("skipped", 0))
-        self.log.info(f"resumed from {path} at iteration {self.iteration}")
+        if "rng" in r.extra:
+            torch.set_rng_state(r.extra["rng"])
+        self.skipped = int(r.extra.get("skipped", 0))
 
     # ------------------------------------------------------------------ one iteration
+    def lr_multiplier(self, iteration: int) -> float:
+        """The schedule is a function of the iteration and the flags alone: a run stopped and
+        resumed, or extended under a fixed --lr-decay-iters, follows the same one."""
+        s, o = self.args.schedule, self.args.optim
+        return lr_multiplier(iteration, total=s.decay_iters, warmup=s.warmup_iters, style=s.lr_decay_style,
+                             min_ratio=o.min_lr / o.lr, wsd_decay=s.lr_wsd_decay_iters)
+
     def step(self) -> dict:
-        a, s = self.args, self.args.schedule
-        mult = lr_multiplier(self.iteration, total=s.train_iters, warmup=s.lr_warmup_iters,
-                             style=s.lr_decay_style, min_ratio=a.optim.min_lr / a.optim.lr,
-                             wsd_decay=s.lr_wsd_decay_iters)
+        a = self.args
+        mult = self.lr_multiplier(self.iteration)
         apply_lr(self.optimizer, mult)
         t0 = time.perf_counter()
         batches = [next(self.loader) for _ in range(self.M)]
@@ -116,11 +124,21 @@ class Trainer:
                 "skipped_steps": self.skipped, "packing_fill": self.fill,
                 "moe_imbalance": m.moe_imbalance, "peak_mem_gib": _peak_memory_gib()}
 
+    def evaluate(self) -> dict:
+        """Validation loss over --eval-iters global batches (collective)."""
+        m = evaluate(self.chunks, self.ps, self.valid, self.M, self.args.eval.eval_iters, self.settings)
+        self.log.log_eval(self.iteration, m)
+        self.evaluated_at = self.iteration
+        return m
+
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
         a = self.args
-        s, ck, lg = a.schedule, a.checkpoint, a.logging
+        s, ck, lg, e = a.schedule, a.checkpoint, a.logging, a.eval
         last = {}
+        if self.valid is None and a.eval.eval_iters:
+            self.log.info("no validation data (--split has no validation part and no --valid-data-path): "
+                          "no evaluation")
         while self.iteration < s.train_iters:
             last = self.step()
             if self.iteration % lg.log_interval == 0 or self.iteration == s.train_iters:
@@ -128,18 +146,26 @@ class Trainer:
             if self.in_a_row > ck.max_skipped_steps:
                 self.log.error(f"{self.in_a_row} non-finite steps in a row (> --max-skipped-steps "
                                f"{ck.max_skipped_steps}): stopping; lower --lr or check the data")
-                if ck.save:
-                    self.save()
-                return 1
-            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self.save()
-            if self._stop_everywhere():
-                self.log.info(f"SIGTERM: saving at iteration {self.iteration} and exiting")
-                if ck.save:
-                    self.save()
+                self.ckpt.wait()
+                return 1
+            if self.valid is not None and self.iteration % e.eval_interval == 0:
+                self.evaluate()
+            if ck.save_interval and self.iteration % ck.save_interval == 0:
+                self.save()
+            reason = self._exit_reason()
+            if reason:
+                self.log.info(f"{reason}: {'saving and ' if ck.save else ''}exiting at iteration "
+                              f"{self.iteration}{'' if ck.save else ' (no --save: nothing saved)'}")
+                self.save()
+                self.ckpt.wait()
                 return 0
-        if ck.save and (not ck.save_interval or self.iteration % ck.save_interval):
+        ran = self.iteration > self.start_iteration
+        if ran and self.valid is not None and self.evaluated_at != self.iteration:
+            self.evaluate()
+        if ran:
             self.save()
+        self.ckpt.wait()
         n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
         self.log.info(f"optimizer state: {self.optimizer.state_bytes() / max(1, n_params):.2f} bytes "
                       f"per parameter on this rank")
@@ -148,11 +174,24 @@ class Trainer:
                       f"checkpoints in {ck.save or '-'}")
         return 0
 
-    def _stop_everywhere(self) -> bool:
-        flag = torch.tensor([int(self.stop_requested)])
+    def _exit_reason(self) -> str | None:
+        """Why every rank stops now, if they do (collective: one all-reduce per iteration, which
+        also tells whether every rank has finished writing an --async-save, then published)."""
+        s = self.args.schedule
+        minutes = (time.time() - self.start_time) / 60
+        over = s.exit_duration_in_mins is not None and minutes >= s.exit_duration_in_mins
+        flags = torch.tensor([int(self.stop_requested), int(over), int(self.ckpt.busy())])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        sigterm, over, busy = (bool(x) for x in flags.tolist())
+        self.ckpt.poll(busy)
+        if sigterm:
+            return "SIGTERM"
+        if over:
+            return f"--exit-duration-in-mins {s.exit_duration_in_mins:g} reached ({minutes:.1f} min)"
+        if s.exit_interval and self.iteration % s.exit_interval == 0:
+            return f"--exit-interval {s.exit_interval}"
+        return None
 
 
 def _doc_lengths(batch) -> list[int]:

@@ -1,0 +1,131 @@
+"""The trainer's side of checkpoints: what a save records, resuming or fine-tuning from one
+(``--load``, ``--finetune``, ``--no-load-optim``, ``--no-load-rng``), and the ``--async-save`` in
+flight. The files themselves are ``core/checkpointing.py``'s business."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from core.checkpointing import (CheckpointError, begin_save, compare_model_config, finish_save,
+                                load_checkpoint, read_meta, resolve)
+
+
+def schedule_record(args) -> dict:
+    """The learning-rate schedule as resolved for this run (stored in ``meta.json``)."""
+    s, o = args.schedule, args.optim
+    return {"lr": o.lr, "min_lr": o.min_lr, "adamw_lr": o.adamw_lr, "lr_decay_style": s.lr_decay_style,
+            "lr_decay_iters": s.decay_iters, "lr_warmup_iters": s.warmup_iters,
+            "lr_wsd_decay_iters": s.lr_wsd_decay_iters}
+
+
+@dataclass
+class Resumed:
+    path: str
+    iteration: int
+    extra: dict  # this rank's loader position, RNG, skipped steps (empty when fine-tuning)
+
+
+class RunCheckpoints:
+    """Collective methods: every rank calls them in the same order."""
+
+    def __init__(self, args, log):
+        self.args, self.log = args, log
+        self.pending = None          # an --async-save still being written
+        self.saved_iteration = None  # the last iteration saved by this run
+        self.async_group = None
+        ck = args.checkpoint
+        if ck.save and ck.async_save and dist.is_initialized():
+            # DCP's background thread runs its own collectives: a group of their own, on gloo,
+            # so they never interleave with the training's on the same communicator
+            minutes = args.parallel.distributed_timeout_minutes
+            self.async_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
+
+    # ------------------------------------------------------------------ saving
+    def save(self, iteration: int, chunks, optimizer, extra: dict, meta: dict) -> None:
+        ck = self.args.checkpoint
+        self.wait()  # one save in flight at a time
+        pending = begin_save(ck.save, iteration, chunks, optimizer, extra, meta, ck.keep_last,
+                             async_group=self.async_group)
+        self.saved_iteration = iteration
+        if self.async_group is None:
+            self._finish(pending)
+        else:
+            self.pending = pending
+            self.log.info(f"checkpoint of iteration {iteration}: writing in the background")
+
+    def busy(self) -> bool:
+        """This rank's part of the asynchronous save is still being written."""
+        return self.pending is not None and not self.pending.done()
+
+    def poll(self, any_rank_busy: bool) -> None:
+        """Publish the asynchronous save once no rank is writing (``any_rank_busy``: reduced)."""
+        if self.pending is not None and not any_rank_busy:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any, and publish it."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._finish(pending)
+
+    def _finish(self, pending) -> None:
+        self.log.info(f"saved checkpoint {finish_save(pending)}")
+
+    # ------------------------------------------------------------------ loading
+    def resume(self, cfg, chunks, optimizer) -> Resumed | None:
+        """Fill ``chunks`` (and the optimizer, unless told not to) from ``--load``; None when
+        there is nothing to load yet."""
+        ck = self.args.checkpoint
+        if not ck.load:
+            return None
+        try:
+            path = resolve(ck.load)
+        except CheckpointError as e:
+            if ck.finetune or os.path.exists(os.path.join(ck.load, "latest")):
+                raise
+            self.log.info(f"no checkpoint in {ck.load} yet: starting from scratch ({e})")
+            return None
+        meta = read_meta(path)
+        diffs = compare_model_config(meta.get("model") or {}, cfg.to_dict())
+        if diffs and not ck.finetune:
+            raise CheckpointError(
+                f"--load {path}: the checkpoint's model differs from this run's ({'; '.join(diffs)}). "
+                "Resume with the checkpoint's model flags (--model-preset / --hf-config), or start a "
+                "new run from its weights with --finetune")
+        if diffs:
+            self.log.warning(f"--finetune: the model differs from the checkpoint's: {'; '.join(diffs)}")
+        restore_optim = ck.load_optim and not ck.finetune
+        saved_opt, run_opt = meta.get("optimizer"), self.args.optim.optimizer
+        if restore_optim and saved_opt and saved_opt != run_opt:
+            raise CheckpointError(f"--load {path}: saved with --optimizer {saved_opt}, this run uses "
+                                  f"{run_opt}; pass --no-load-optim to start {run_opt} afresh")
+        _, extra = load_checkpoint(path, chunks, optimizer if restore_optim else None)
+        if ck.finetune:
+            self.log.info(f"--finetune: weights of {path} (iteration {meta['iteration']}); starting at "
+                          "iteration 0 with a fresh optimizer, data position and RNG")
+            return Resumed(path, 0, {})
+        self._check_schedule(meta.get("schedule"))
+        if not ck.load_rng:
+            extra.pop("rng", None)
+        kept = [what for what, on in (("optimizer", restore_optim), ("RNG", ck.load_rng)) if not on]
+        self.log.info(f"resumed from {path} at iteration {meta['iteration']}"
+                      + (f" (fresh {' and '.join(kept)})" if kept else ""))
+        return Resumed(path, meta["iteration"], extra)
+
+    def _check_schedule(self, saved: dict | None) -> None:
+        """Warn when the resumed run's LR schedule is not the one the checkpoint followed."""
+        if not saved:
+            return
+        now = schedule_record(self.args)
+        diffs = [f"{k} {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+        if not diffs:
+            return
+        hint = ""
+        if "lr_decay_iters" in (d.split()[0] for d in diffs) and self.args.schedule.lr_decay_iters is None:
+            hint = (f" (--lr-decay-iters defaults to --train-iters: pass --lr-decay-iters "
+                    f"{saved['lr_decay_iters']} to keep the checkpoint's schedule)")
+        self.log.warning(f"the learning-rate schedule differs from the checkpoint's: "
+                         f"{', '.join(diffs)}{hint}")

@@ -1,0 +1,72 @@
+"""Validation data: the validation part of ``--split`` (or ``--valid-data-path``) as a THD loader.
+
+``--split 98,1,1`` cuts each dataset's documents contiguously: the first 98 % train (what
+``data.loader.open_source(train_fraction=...)`` keeps, with the same boundary), the next 1 %
+validate, the rest is the test part that nothing reads. The validation part gets its own pack
+plan (cached like the training plan, under its own hash) and its own ``THDLoader``, so
+evaluating never moves the training loader. Evaluations read the validation stream from its
+start every time: the same packs, so successive validation losses compare.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from data.indexed_dataset import IndexedDataset
+from data.loader import PackedSource, THDLoader, loss_mask_prefix, open_source, parse_data_path
+from data.packing import cached_plan
+
+
+def split_bounds(num_docs: int, split: str) -> tuple[int, int]:
+    """(end of the train part, end of the validation part) in documents, for ``--split``."""
+    w = [float(x) for x in split.split(",")]
+    train_end = max(1, int(num_docs * w[0] / sum(w)))  # as open_source(train_fraction=...)
+    valid_end = num_docs if w[2] == 0 else int(num_docs * (w[0] + w[1]) / sum(w))
+    return train_end, min(num_docs, max(train_end, valid_end))
+
+
+def validation_ranges(pairs: list[tuple[float, str]], split: str) -> list[tuple[float, str, int, int]]:
+    """(weight, prefix, first doc, end doc) of each dataset's validation part; ``ValueError``
+    naming ``--split`` when a part holds no document."""
+    out = []
+    for w, prefix in pairs:
+        n = len(IndexedDataset(prefix))
+        lo, hi = split_bounds(n, split)
+        if hi <= lo:
+            raise ValueError(f"--split {split}: the validation part of {prefix} holds no document "
+                             f"(it has {n}); raise the validation weight, or give --valid-data-path")
+        out.append((w, prefix, lo, hi))
+    return out
+
+
+def _open_part(prefix: str, lo: int, hi: int, seq_length: int, long_docs: str, seed: int,
+               cache_dir: str | None) -> PackedSource:
+    """Documents ``[lo, hi)`` of ``prefix`` packed on their own (empty documents and documents
+    whose loss mask has another length are left out, as ``open_source`` does)."""
+    text = IndexedDataset(prefix)
+    mask_prefix = loss_mask_prefix(prefix)
+    mask = IndexedDataset(mask_prefix) if mask_prefix else None
+    lengths = text.lengths.astype(np.int64)
+    if mask is not None:
+        if len(mask) != len(text):
+            raise ValueError(f"{mask_prefix}: {len(mask)} documents but {prefix} has {len(text)}")
+        lengths[mask.lengths != text.lengths] = 0
+    lengths[:lo] = 0
+    lengths[hi:] = 0
+    plan = cached_plan(lengths, seq_length, prefix, long_docs=long_docs, seed=seed, cache_path=cache_dir)
+    if plan.num_packs == 0:
+        raise ValueError(f"{prefix}: the validation part (documents {lo}..{hi - 1}) has no usable "
+                         f"document with --long-docs {long_docs}")
+    return PackedSource(prefix, text, mask, plan, {})
+
+
+def validation_loader(args, pad_id: int, dp_rank: int, dp_size: int) -> THDLoader:
+    """This DP rank's validation micro-batches (same shapes as training)."""
+    d, e, seed = args.data, args.eval, args.schedule.seed
+    if e.valid_data_path:
+        sources = [(w, open_source(prefix, d.seq_length, d.long_docs, seed, cache_dir=d.data_cache_path))
+                   for w, prefix in parse_data_path(e.valid_data_path)]
+    else:
+        sources = [(w, _open_part(prefix, lo, hi, d.seq_length, d.long_docs, seed, d.data_cache_path))
+                   for w, prefix, lo, hi in validation_ranges(parse_data_path(d.data_path), d.split)]
+    return THDLoader(sources, seq_length=d.seq_length, micro_batch_size=d.micro_batch_size,
+                     pad_id=pad_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
