@@ -103,3 +103,11 @@ def test_dry_run_and_plan_memory_for_the_full_model():
     assert js.returncode == 0, js.stderr
     ranks = json.loads(js.stdout)["ranks"]
     assert len(ranks) == 8 and all(r["fits"] for r in ranks) and all(r["host_total"] > 0 for r in ranks)
+
+
+def test_gpu_check_says_it_needs_a_gpu_here():
+    out = subprocess.run(["bash", "tools/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if out.returncode != 2:  # a CUDA machine: the GPU checks ran and must pass
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return
+    assert "gpu_check: needs a CUDA GPU" in out.stderr
