@@ -11,7 +11,9 @@ Verbs:
           Training checkpoint (any layout; the 'latest' one of a --save directory, or an iter_*
           directory) -> Hugging Face safetensors. With --source (the checkpoint it was imported
           from), the published layout is written and the vision tower copied byte for byte;
-          otherwise transformers' Step3p7TextModel layout (head and MTP beside it).
+          otherwise transformers' Step3p7TextModel layout (head and MTP beside it). The
+          config gets pad_token_id from --tokenizer-type/--tokenizer-model, else from --source's
+          config, else from the tokenizer the training run recorded.
 
   import  HF_DIR OUT [--model-preset NAME | --hf-config PATH]
           Hugging Face checkpoint -> a training checkpoint at iteration 0 (weights only), for
@@ -29,6 +31,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from models.step37 import Step37Config, Step37Model, count_parameters  # noqa: E402
 from models.step37.config import PRESETS  # noqa: E402
 from models.step37.hf_weights import check_checkpoint, published_name  # noqa: E402
@@ -65,18 +68,66 @@ def cmd_check(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from core.checkpointing import load_checkpoint, resolve
+    from core.checkpointing import CheckpointError, load_checkpoint, read_meta, resolve
 
     path = resolve(args.checkpoint)
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    cfg = Step37Config(**meta["model"])
+    meta = read_meta(path)
+    try:
+        cfg = Step37Config(**meta["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable model config "
+                              f"({type(e).__name__}: {e})") from e
+    pad_id, pad_from = pad_token_id(args, meta)
     model = Step37Model(cfg)
     load_checkpoint(path, [model])
     layout = model.save_hf(args.out, source=args.source)
+    set_pad_token_id(os.path.join(args.out, "config.json"), pad_id)
     print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} "
-          f"({layout} layout, {count_parameters(model, cfg)['total']:,} parameters)")
+          f"({layout} layout, {count_parameters(model, cfg)['total']:,} parameters; pad_token_id "
+          f"{pad_id} from {pad_from})")
     return 0
+
+
+def _config_pad(config_dir: str | None) -> int | None:
+    if not config_dir or not os.path.exists(os.path.join(config_dir, "config.json")):
+        return None
+    with open(os.path.join(config_dir, "config.json"), encoding="utf-8") as f:
+        c = json.load(f)
+    for d in (c, c.get("text_config") or {}):
+        if isinstance(d.get("pad_token_id"), int):
+            return d["pad_token_id"]
+    return None
+
+
+def pad_token_id(args, meta: dict) -> tuple[int, str]:
+    """The padding id to publish (transformers assumes 1 when it is missing, which makes token 1
+    a padding row): the tokenizer given, else --source's config, else the tokenizer the run
+    trained with (recorded in meta.json), else the config of the checkpoint it was imported from."""
+    if args.tokenizer_type:
+        from data.tokenizers import build_tokenizer
+
+        return build_tokenizer(args.tokenizer_type, args.tokenizer_model).pad_id, \
+            f"--tokenizer-type {args.tokenizer_type}"
+    if (pad := _config_pad(args.source)) is not None:
+        return pad, f"{args.source}/config.json"
+    tok = meta.get("tokenizer") or {}
+    if isinstance(tok.get("pad_id"), int):
+        return tok["pad_id"], f"the training run's tokenizer ({tok.get('type')})"
+    if (pad := _config_pad(meta.get("source"))) is not None:
+        return pad, f"{meta['source']}/config.json"
+    raise ValueError("cannot tell the padding token id (the checkpoint does not record its "
+                     "tokenizer): pass --tokenizer-type and --tokenizer-model as for training")
+
+
+def set_pad_token_id(config_path: str, pad_id: int) -> None:
+    """Write ``pad_token_id`` at the top level and in ``text_config`` when there is one."""
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["pad_token_id"] = pad_id
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"]["pad_token_id"] = pad_id
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
 
 
 def cmd_import(args) -> int:
@@ -107,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", help="--save directory (uses 'latest') or an iter_* directory")
     exp.add_argument("out", help="output Hugging Face directory")
     exp.add_argument("--source", help="the HF checkpoint it came from (keeps its layout and vision tower)")
+    exp.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                     help="the tokenizer the data was made with, for pad_token_id (default: --source's "
+                          "config, else the tokenizer the training run recorded)")
+    exp.add_argument("--tokenizer-model", help="its model file or directory")
     exp.set_defaults(func=cmd_export)
     imp = sub.add_parser("import", help="Hugging Face -> training checkpoint")
     imp.add_argument("directory", help="Hugging Face checkpoint directory")

@@ -1,7 +1,12 @@
 """Learning-rate schedules: linear warmup, then cosine, linear, constant or WSD
 (warmup-stable-decay: constant, then a linear decay over the last ``--lr-wsd-decay-iters``),
 never below ``--min-lr``. Expressed as a multiplier of each group's base LR, so the Muon and
-AdamW groups follow the same shape with their own peaks."""
+AdamW groups follow the same shape with their own peaks.
+
+``total`` is the schedule's length (``--lr-decay-iters``, by default ``--train-iters``); past it
+the multiplier stays at its end value. The multiplier is a pure function of the step and the
+flags, so a run stopped and resumed, or extended under a fixed ``--lr-decay-iters``, follows the
+schedule an uninterrupted run follows."""
 from __future__ import annotations
 
 import math

@@ -1,0 +1,79 @@
+"""Every numeric flag is checked when the flags are parsed (or, for what needs the model or the
+file system, by ``validate``), before any process group exists: the error names the flag.
+Before, ``--log-interval 0`` divided by zero after step 1, ``--save-interval -1`` saved every
+step, ``--lr nan`` was accepted and an unwritable ``--save`` was found at the first save."""
+from __future__ import annotations
+
+import pytest
+
+from train_args import parse, validate
+
+BAD = [
+    (["--log-interval", "0"], "--log-interval must be >= 1"),
+    (["--save-interval", "-1"], "--save-interval must be >= 0"),
+    (["--keep-last", "-2"], "--keep-last must be >= 0"),
+    (["--max-skipped-steps", "-1"], "--max-skipped-steps must be >= 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--min-lr", "nan"], "--min-lr must be a finite number >= 0"),
+    (["--adamw-lr", "0"], "--adamw-lr must be a finite number > 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number >= 0"),
+    (["--adam-beta2", "1"], "--adam-beta2 must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
+    (["--muon-ns-steps", "0"], "--muon-ns-steps must be >= 1"),
+    (["--dion-rank-fraction", "1.5"], "--dion-rank-fraction must be in (0, 1]"),
+    (["--mtp-loss-scale", "nan"], "--mtp-loss-scale must be a finite number >= 0"),
+    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be a finite number >= 0"),
+    (["--train-iters", "0"], "--train-iters must be >= 1"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters must be >= 1"),
+    (["--lr-warmup-iters", "-1"], "--lr-warmup-iters must be >= 0"),
+    (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1]"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "not both"),
+    (["--lr-warmup-iters", "20", "--train-iters", "10"], "longer than the schedule"),
+    (["--exit-interval", "0"], "--exit-interval must be >= 1"),
+    (["--exit-duration-in-mins", "-5"], "--exit-duration-in-mins must be a finite number > 0"),
+    (["--eval-interval", "0"], "--eval-interval must be >= 1"),
+    (["--eval-iters", "-1"], "--eval-iters must be >= 0"),
+    (["--recompute-num-layers", "-1"], "--recompute-num-layers must be >= 0"),
+    (["--recompute-num-layers", "2"], "--recompute-num-layers needs --recompute-granularity"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite number > 0"),
+    (["--seq-length", "0"], "--seq-length must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_numeric_flag_is_a_usage_error_naming_it(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["--data-path", "unused", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seq-length", "8192"], "--seq-length 8192 exceeds the model's max_position_embeddings 4096"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "9"],
+     "--recompute-num-layers 9 exceeds the model's 4 layers"),
+    (["--finetune"], "--finetune needs --load"),
+])
+def test_checks_against_the_model(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validate(parse(["--data-path", "unused", *flags]), world=1, check_files=False)
+
+
+def test_unwritable_save_is_found_at_start_up(tmp_path, monkeypatch):
+    """A --save under a regular file cannot be created, whoever runs it (root included)."""
+    import train_args
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(train_args, "_check_files", lambda args, cfg: None)  # no dataset here
+    args = parse(["--data-path", "unused", "--save", str(tmp_path / "file" / "ck")])
+    with pytest.raises(ValueError, match=r"--save .*/file/ck: cannot write there"):
+        validate(args, world=1)
+
+
+def test_good_flags_pass():
+    args = parse(["--data-path", "unused", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50",
+                  "--train-iters", "80", "--exit-interval", "10", "--keep-last", "0", "--save-interval", "0"])
+    assert args.schedule.warmup_iters == 5 and args.schedule.decay_iters == 50
+    assert parse(["--data-path", "unused"]).schedule.decay_iters == 100  # --train-iters
