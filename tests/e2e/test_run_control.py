@@ -74,6 +74,21 @@ def test_exit_interval_and_a_longer_run_resume_onto_the_same_schedule(dataset, t
     assert full[-1]["lr"] < full[4]["lr"]  # the cosine decays over all 8 iterations
 
 
+def test_async_save_publishes_complete_checkpoints_that_resume(dataset, tmp_path):
+    """DP 2 with --async-save every 2 iterations: each checkpoint is written in the background and
+    published before the next save (or the exit); the one of iteration 4 resumes in one process
+    onto the same losses (1e-6 relative: DP 2 sums the gradients in another order)."""
+    args = ["--data-path", dataset, *MUON, "--train-iters", "6"]
+    full = train(args + ["--save", str(tmp_path / "ck"), "--save-interval", "2", "--async-save"],
+                 tmp_path / "full", world=2)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+    assert (tmp_path / "ck" / "latest").read_text() == "iter_0000006"
+    resumed = train(args + ["--load", str(tmp_path / "ck" / "iter_0000004")], tmp_path / "resumed")
+    assert [r["iteration"] for r in resumed] == [5, 6]
+    for a, b in zip(full[4:], resumed, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a["loss"], b["loss"])
+
+
 def test_exit_duration_saves_and_exits_0(dataset, tmp_path):
     out, rows = launch(["--data-path", dataset, *ADAMW, "--train-iters", "50", "--exit-duration-in-mins",
                         "0.0001", "--save", str(tmp_path / "ck")], tmp_path / "tb")
