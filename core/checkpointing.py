@@ -201,17 +201,17 @@ def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
     path = resolve(load_dir)
     error, meta, extra = None, {}, {}
     try:
-        meta = read_meta(path)
-        reader = SafeReader(path)
-        saved = reader.read_metadata().state_dict_metadata
-        state = model_state(chunks)
-        if optimizer is not None:
-            state.update(optimizer_state(chunks, optimizer, allocate_from=saved))
-        missing = sorted(k for k in state if k not in saved)
-        if missing:
-            raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors this model needs, "
-                                  f"e.g. {missing[:5]} (different model config or optimizer?)")
-        with reading(path):
+        with reading(path):  # anything unforeseen below still names the checkpoint
+            meta = read_meta(path)
+            reader = SafeReader(path)
+            saved = reader.read_metadata().state_dict_metadata
+            state = model_state(chunks)
+            if optimizer is not None:
+                state.update(optimizer_state(chunks, optimizer, allocate_from=saved))
+            missing = sorted(k for k in state if k not in saved)
+            if missing:
+                raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors this model "
+                                      f"needs, e.g. {missing[:5]} (different model config or optimizer?)")
             try:
                 dcp.load(state, storage_reader=reader)
             except (Exception, CheckpointException) as e:
@@ -219,7 +219,7 @@ def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
                 mine = not isinstance(e, CheckpointException) or _rank() in (e.failures or {})
                 with reading(reader.last_file if mine and reader.last_file else path):
                     raise e
-        extra = read_extra(path, _rank())
+            extra = read_extra(path, _rank())
     except CheckpointError as e:
         error = e
     _agree(error, f"{path}: another rank could not read its part of the checkpoint")

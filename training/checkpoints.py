@@ -89,7 +89,9 @@ class RunCheckpoints:
             self.log.info(f"no checkpoint in {ck.load} yet: starting from scratch ({e})")
             return None
         meta = read_meta(path)
-        diffs = compare_model_config(meta.get("model") or {}, cfg.to_dict())
+        if not isinstance(meta.get("model"), dict):
+            raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no model config (\"model\")")
+        diffs = compare_model_config(meta["model"], cfg.to_dict())
         if diffs and not ck.finetune:
             raise CheckpointError(
                 f"--load {path}: the checkpoint's model differs from this run's ({'; '.join(diffs)}). "
