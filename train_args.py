@@ -68,7 +68,8 @@ class DataArgs:
     global_batch_size: int = option(8, "packs per iteration, all data-parallel ranks together")
     long_docs: str = option("split", "documents longer than --seq-length", choices=LONG_DOC_POLICIES)
     split: str = option("100,0,0", "train,valid,test weights over each dataset's documents "
-                                   "(contiguous; only the train part is read: no evaluation yet)")
+                                   "(contiguous; the valid part is read by --eval-interval / "
+                                   "--eval-iters, the test part by nothing yet)")
     tokenizer_type: str = option("byte", "tokenizer the data was made with (for the pad id)",
                                  choices=TOKENIZER_TYPES)
     tokenizer_model: str = option(None, "its model file or directory")

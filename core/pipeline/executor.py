@@ -120,7 +120,15 @@ class PipelineExecutor:
 
         ``num_tokens``: global main-head target count of the step (all-reduced by the caller).
         ``num_microbatches_global``: micro-batches over all DP ranks (for the aux average).
+        A schedule of forwards only (evaluation) runs without autograd: nothing is kept for a
+        backward, and a sent output is dropped when its batch is retired.
         """
+        if not any(a.kind == "B" for acts in schedule for a in acts):
+            with torch.no_grad():
+                return self._run(schedule, get_batch, num_tokens, num_microbatches_global)
+        return self._run(schedule, get_batch, num_tokens, num_microbatches_global)
+
+    def _run(self, schedule, get_batch, num_tokens: int, num_microbatches_global: int) -> StepStats:
         program = plan_all(schedule, self.ps.ranks("pp"))[self.ps.rank] if self.pp > 1 else schedule[0]
         actions = [a for a in program if isinstance(a, Action)]
         # FSDP: reduce-scatter gradients only on each chunk's last backward of the step
@@ -136,8 +144,9 @@ class PipelineExecutor:
             need = ("F", a.microbatch, stage) if a.kind == "F" else ("B", a.microbatch, stage)
             self._settle(need if need in self._inbox else "")  # "": only what is already done
             if a.kind == "F":
-                self._saved[(a.microbatch, a.chunk)] = self._forward(
-                    a, stage, get_batch(a.microbatch), num_tokens, num_microbatches_global, stats)
+                saved = self._forward(a, stage, get_batch(a.microbatch), num_tokens, num_microbatches_global, stats)
+                if torch.is_grad_enabled():  # evaluation keeps nothing for a backward
+                    self._saved[(a.microbatch, a.chunk)] = saved
             else:
                 set_gradient_sync(self.chunks[a.chunk], last_backward[a.chunk] == i)
                 self._backward(a, stage, self._saved.pop((a.microbatch, a.chunk)))
@@ -150,7 +159,9 @@ class PipelineExecutor:
     def _forward(self, a: Action, stage: int, batch, num_tokens: int, n_mb: int, stats: StepStats):
         model = self.chunks[a.chunk]
         last = stage == self.num_stages - 1
-        inp = None if stage == 0 else self._inbox.pop(("F", a.microbatch, stage)).requires_grad_()
+        inp = None if stage == 0 else self._inbox.pop(("F", a.microbatch, stage))
+        if inp is not None and torch.is_grad_enabled():
+            inp.requires_grad_()
         out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
                     labels=batch.labels)
         stats.add(a.chunk, out)
@@ -159,7 +170,8 @@ class PipelineExecutor:
             loss = out.loss_sum + self.mtp_loss_scale * sum(out.mtp_loss_sums)
             return inp, loss / num_tokens + (aux if aux is not None else 0.0), None
         buf = out.hidden.detach().to(self.dtype).contiguous()
-        self._outbox[("F", a.microbatch, stage + 1)] = (buf, (a.microbatch, a.chunk))
+        owner = (a.microbatch, a.chunk) if torch.is_grad_enabled() else None
+        self._outbox[("F", a.microbatch, stage + 1)] = (buf, owner)
         return inp, out.hidden, aux
 
     def _backward(self, a: Action, stage: int, saved) -> None:
