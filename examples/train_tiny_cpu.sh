@@ -15,6 +15,6 @@ python -m torch.distributed.run --nproc-per-node 4 --master-port "${MASTER_PORT:
     --data-path "$DATA" --tokenizer-type byte \
     --seq-length 256 --micro-batch-size 1 --global-batch-size 8 \
     --optimizer muon --muon-momentum 0 --lr 0.02 --adamw-lr 0.003 \
-    --lr-warmup-iters 20 --lr-decay-style cosine --min-lr 0.002 --weight-decay 0.01 \
+    --lr-warmup-fraction 0.067 --lr-decay-style cosine --min-lr 0.002 --weight-decay 0.01 \
     --train-iters "$ITERS" --log-interval 20 \
     --log-dir "$OUT/tensorboard" --save "$OUT/checkpoints" --save-interval 100 --keep-last 2
