@@ -61,6 +61,10 @@ class RankLogger:
             if key in metrics and metrics[key] is not None:
                 parts.append(f"{label}: {_fmt(metrics[key])}")
         print(" | ".join(parts), file=self.stream, flush=True)
+        self._record(iteration, metrics, lambda k: f"train/{k}")
+
+    def _record(self, iteration: int, metrics: dict, tb_name) -> None:
+        """One ``metrics.jsonl`` line (non-finite values as null) and the TensorBoard scalars."""
         record = {"iteration": iteration, "time": time.time(),
                   **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                      for k, v in metrics.items()}}
@@ -68,8 +72,8 @@ class RankLogger:
             self.jsonl.write(json.dumps(record) + "\n")
         if self.tb:
             for k, v in metrics.items():
-                if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
-                    self.tb.add_scalar(f"train/{k}", v, iteration)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(tb_name(k), v, iteration)
             self.tb.flush()
 
     def log_eval(self, iteration: int, metrics: dict) -> None:
@@ -83,16 +87,7 @@ class RankLogger:
         if metrics.get("valid_mtp_loss") is not None:
             line += f" | mtp loss: {metrics['valid_mtp_loss']:.6E}"
         print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), file=self.stream, flush=True)
-        record = {"iteration": iteration, "time": time.time(),
-                  **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                     for k, v in metrics.items()}}
-        if self.jsonl:
-            self.jsonl.write(json.dumps(record) + "\n")
-        if self.tb:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(f"valid/{k.removeprefix('valid_')}", v, iteration)
-            self.tb.flush()
+        self._record(iteration, metrics, lambda k: f"valid/{k.removeprefix('valid_')}")
 
     def close(self) -> None:
         if self.jsonl:
