@@ -85,13 +85,13 @@ class PipelineExecutor:
         self.trace.append(issued)
         self._inflight.append((dist.batch_isend_irecv(ops), batch))
 
-    def _settle(self, need=None) -> None:
-        """Retire issued batches in issue order: those already complete; with ``need`` (a message
-        label), also wait until the batch that receives it is (``None``: wait for all)."""
+    def _retire(self, need=None, everything: bool = False) -> None:
+        """Retire issued batches in issue order: those already complete, then, if a batch still
+        in flight receives message ``need`` (or ``everything``), wait until that one is."""
         while self._inflight:
             works, batch = self._inflight[0]
-            must = need is None or any(op.op == "recv" and op.label == need for _, b in self._inflight
-                                       for op in b)
+            must = everything or any(op.op == "recv" and op.label == need for _, b in self._inflight
+                                     for op in b)
             if not must and not all(w.is_completed() for w in works):
                 return
             for w in works:
@@ -142,7 +142,7 @@ class PipelineExecutor:
                 continue
             a, stage = item, item.chunk * self.pp + self.ps.pp_rank
             need = ("F", a.microbatch, stage) if a.kind == "F" else ("B", a.microbatch, stage)
-            self._settle(need if need in self._inbox else "")  # "": only what is already done
+            self._retire(need)
             if a.kind == "F":
                 saved = self._forward(a, stage, get_batch(a.microbatch), num_tokens, num_microbatches_global, stats)
                 if torch.is_grad_enabled():  # evaluation keeps nothing for a backward
@@ -152,7 +152,7 @@ class PipelineExecutor:
                 self._backward(a, stage, self._saved.pop((a.microbatch, a.chunk)))
             i += 1
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
-        self._settle(None)
+        self._retire(everything=True)
         assert not (self._saved or self._inbox or self._outbox), "pipeline step ended with tensors in flight"
         return stats
 

@@ -75,10 +75,7 @@ def _op(traces, where):
 def replay(traces: dict, strict: bool = True) -> ReplayResult:
     """``traces``: rank -> list of batches, each a list of ``P2POp`` (``core/pipeline/p2p.py``)
     in issue order. Ranks absent from ``traces`` take part in no point-to-point operation."""
-    partner = _match(traces)
-    linked: dict = {}  # batch -> the batches its operations pair with
-    for (r, b, _), (pr, pb, _) in partner.items():
-        linked.setdefault((r, b), set()).add((pr, pb))
+    partner, linked = pair_batches(traces)
     pos = {r: 0 for r in traces}
     matched: set = set()
     done_batches = done_ops = 0
@@ -87,7 +84,7 @@ def replay(traces: dict, strict: bool = True) -> ReplayResult:
         if not current:
             return ReplayResult(done_batches, done_ops)
         for r, b in current.items():  # an operation matches once both sides are posted
-            if strict and not all(pos.get(q) == c for q, c in _component((r, b), linked)):
+            if strict and not all(pos.get(q) == c for q, c in linked_batches((r, b), linked)):
                 continue
             for i in range(len(traces[r][b])):
                 pr, pb, _ = partner[(r, b, i)]
@@ -103,7 +100,16 @@ def replay(traces: dict, strict: bool = True) -> ReplayResult:
             pos[r] += 1
 
 
-def _component(start, linked: dict) -> set:
+def pair_batches(traces: dict) -> tuple[dict, dict]:
+    """(partner of every operation, (rank, batch) -> the batches its operations pair with)."""
+    partner = _match(traces)
+    linked: dict = {}
+    for (r, b, _), (pr, pb, _) in partner.items():
+        linked.setdefault((r, b), set()).add((pr, pb))
+    return partner, linked
+
+
+def linked_batches(start, linked: dict) -> set:
     """Every batch reachable from ``start`` through paired messages."""
     seen, todo = {start}, [start]
     while todo:

@@ -123,14 +123,12 @@ def plan_makespan(programs: dict, pp: int, fwd_cost=1.0, bwd_cost=2.0) -> float:
     one's predecessor on its rank has completed (NCCL runs a rank's groups in order); an action
     that consumes a message starts after the batch that receives it completes. The gap to
     ``simulate`` (communication free and unordered) is what the plan's ordering costs."""
-    from core.pipeline.nccl_replay import _component, _match
+    from core.pipeline.nccl_replay import linked_batches, pair_batches
     from core.pipeline.p2p import batches_of
 
     ranks = sorted(programs)
     traces = {r: batches_of(programs[r]) for r in ranks}
-    linked: dict = {}
-    for (r, b, _), (pr, pb, _) in _match(traces).items():
-        linked.setdefault((r, b), set()).add((pr, pb))
+    _, linked = pair_batches(traces)
     received = {(r, op.label): b for r in ranks for b, batch in enumerate(traces[r]) for op in batch
                 if op.op == "recv"}
     issued, done = {}, {}
@@ -138,7 +136,7 @@ def plan_makespan(programs: dict, pp: int, fwd_cost=1.0, bwd_cost=2.0) -> float:
     def complete(key):  # completion time, or None while something it needs is not issued yet
         if key in done:
             return done[key]
-        group = _component(key, linked) | {key}
+        group = linked_batches(key, linked) | {key}
         if not all(k in issued for k in group):
             return None
         t = max(issued[k] for k in group)
