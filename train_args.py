@@ -17,6 +17,7 @@ from data.loader import parse_data_path
 from data.packing import LONG_DOC_POLICIES
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from models.step37.config import ATTENTION_BACKENDS, PRESETS, Step37Config
+from models.step37.compile import COMPILE_BACKENDS
 from models.step37.parallelize import stage_layers
 
 # numeric rules for flags: (what the message says, test); None values (unset flags) pass
@@ -51,6 +52,12 @@ class ModelArgs:
                                               "(0 in SFT)")
     moe_dispatcher: str = option("alltoall", "expert-parallel token dispatch",
                                  choices=("alltoall", "allgather"))
+    compile: bool = option(False, "torch.compile each decoder layer and MTP depth (fullgraph: a host "
+                                  "read inside a layer is an error); under expert parallelism the "
+                                  "all-to-all and the token permutation stay outside the graphs")
+    compile_backend: str = option("inductor", "torch.compile backend for --compile (aot_eager: trace "
+                                              "without code generation, for checks)",
+                                  choices=COMPILE_BACKENDS)
 
     def __post_init__(self):
         require(self, mtp_loss_scale=NON_NEGATIVE, moe_aux_loss_coeff=NON_NEGATIVE,

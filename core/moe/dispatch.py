@@ -65,6 +65,8 @@ def unpermute(y_NH: torch.Tensor, weights_TK: torch.Tensor, state: PermuteState)
 class LocalDispatcher:
     """All experts live in this process. ``side()`` (the shared expert) runs first."""
 
+    communicates = False  # no collective and no host read: may sit inside a compiled graph
+
     def __call__(self, x_TH, weights_TK, experts_TK, experts_module, side=lambda: None):
         out = side()
         x_NH, counts, state = permute(x_TH, experts_TK, experts_module.num_experts)
@@ -90,6 +92,8 @@ class AllToAllDispatcher:
     """Expert parallelism: each EP rank holds ``E / ep`` experts. Counts are exchanged first,
     then the token rows (uneven splits, zero allowed), then rows are regrouped by local expert;
     the way back mirrors it."""
+
+    communicates = True  # reads split sizes on the host: stays outside compiled graphs
 
     def __init__(self, group, ep_size: int, num_experts: int):
         self.group, self.ep, self.num_experts = group, ep_size, num_experts
@@ -123,6 +127,8 @@ class AllGatherDispatcher:
     """The simple alternative: every EP rank sees every token of its EP group, applies its own
     experts, and a reduce-scatter sums the contributions back to each token's rank. Needs the
     same T on every rank (THD guarantees it)."""
+
+    communicates = True
 
     def __init__(self, group, ep_size: int, ep_rank: int, num_experts: int):
         self.group, self.ep = group, ep_size

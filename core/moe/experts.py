@@ -19,6 +19,43 @@ def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@torch.library.custom_op("step37::grouped_mm_fp32", mutates_args=())
+def _grouped_mm_fp32(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm`` as an opaque op, for compiled graphs in fp32 on CPU: torch's own
+    tracing rule for grouped_mm only admits bf16, while the CPU kernel runs fp32."""
+    return F.grouped_mm(x_NI, w_EIO, offs=offs)
+
+
+@_grouped_mm_fp32.register_fake
+def _(x_NI, w_EIO, offs):
+    return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[-1])
+
+
+@torch.library.custom_op("step37::grouped_mm_fp32_backward", mutates_args=())
+def _grouped_mm_fp32_backward(g_NO: torch.Tensor, x_NI: torch.Tensor, w_EIO: torch.Tensor,
+                              offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch.func: plain autograd is switched off inside a custom op's implementation
+    _, vjp = torch.func.vjp(lambda x, w: F.grouped_mm(x, w, offs=offs), x_NI, w_EIO)
+    return vjp(g_NO.contiguous())
+
+
+@_grouped_mm_fp32_backward.register_fake
+def _(g_NO, x_NI, w_EIO, offs):
+    return torch.empty_like(x_NI), torch.empty_like(w_EIO)
+
+
+def _grouped_mm_fp32_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_fp32_grad(ctx, g_NO):
+    x, w, offs = ctx.saved_tensors
+    return (*_grouped_mm_fp32_backward(g_NO, x, w, offs), None)
+
+
+_grouped_mm_fp32.register_autograd(_grouped_mm_fp32_grad, setup_context=_grouped_mm_fp32_setup)
+
+
 def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
     if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -34,6 +71,8 @@ def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tenso
     w_EOI = w_EOI.to(x_NI.device)
     if use_grouped:
         offs = torch.cumsum(counts_E, 0).to(torch.int32)
+        if torch.compiler.is_compiling() and x_NI.dtype != torch.bfloat16:
+            return _grouped_mm_fp32(x_NI, w_EOI.transpose(-2, -1), offs)
         return _contiguous_grad(F.grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offs))
     chunks = torch.split(x_NI, counts_E.tolist())
     return torch.cat([c @ w_EOI[e].T for e, c in enumerate(chunks)], dim=0) if chunks else \

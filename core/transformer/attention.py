@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from core.transformer.attention_backends import BACKENDS, DocLayout, resolve_backend
+from core.transformer.attention_op import compiled_attention
 from core.transformer.norm import RMSNorm
 from core.transformer.rotary import apply_rotary
 
@@ -32,6 +33,10 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o_THD = BACKENDS[resolve_backend(self.backend, q.device)](q, k, v, layout, self.window, self.scale)
+        backend = resolve_backend(self.backend, q.device)
+        if torch.compiler.is_compiling():  # inside a compiled layer: boundaries as tensors
+            o_THD = compiled_attention(q, k, v, layout, self.window, self.scale, backend)
+        else:
+            o_THD = BACKENDS[backend](q, k, v, layout, self.window, self.scale)
         o_THD = o_THD * torch.sigmoid(self.g_proj(x_TH)).unsqueeze(-1)
         return self.o_proj(o_THD.reshape(T, self.num_heads * self.head_dim))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from core.packed_seq import PackedSeqParams
@@ -42,11 +43,19 @@ class DocLayout:
     lengths: list     # real tokens of each document, host ints
     total: int        # T
     cache: dict       # per-micro-batch objects built once and shared (flex BlockMasks, ...)
+    cu_host: torch.Tensor | None = None  # [2, n + 1] int64 CPU (real, padded): what a compiled
+                                         # layer reads instead of the lists (attention_op.py)
 
     @classmethod
     def from_params(cls, params: PackedSeqParams) -> "DocLayout":
         cu, padded = params.host_boundaries()
-        return cls(params, list(padded[:-1]), [b - a for a, b in zip(cu[:-1], cu[1:])], padded[-1], {})
+        cu_host = torch.tensor([cu, padded], dtype=torch.int64)
+        # the number of documents changes from pack to pack: a compiled graph must not
+        # specialise on it (marking costs nothing in eager)
+        torch._dynamo.maybe_mark_dynamic(cu_host, 1)
+        torch._dynamo.maybe_mark_dynamic(params.cu_seqlens_padded, 0)
+        return cls(params, list(padded[:-1]), [b - a for a, b in zip(cu[:-1], cu[1:])], padded[-1], {},
+                   cu_host)
 
     def doc_ids(self, device) -> torch.Tensor:
         """Document index of every position (padding gets its segment's index), on ``device``."""

@@ -69,17 +69,23 @@ class DecoderLayer(nn.Module):
         return self._forward(x_TH, ropes, layout, valid_T)
 
     def _forward(self, x_TH, ropes, layout, valid_T):
+        h, y = self.attention_block(x_TH, ropes, layout)
         selective = self.recompute == "selective" and torch.is_grad_enabled()
-        h_in = self.input_layernorm(x_TH)
-        attn = (checkpoint(self.self_attn, h_in, ropes[self.layer_type], layout, use_reentrant=False)
-                if selective else self.self_attn(h_in, ropes[self.layer_type], layout))
-        h = x_TH + attn
-        y = self.post_attention_layernorm(h)
         ffn = self.mlp if hasattr(self, "mlp") else self.moe
         args = (y,) if hasattr(self, "mlp") else (y, valid_T)
         y = checkpoint(ffn, *args, use_reentrant=False) if selective else ffn(*args)
         y, stats = y if isinstance(y, tuple) else (y, None)
         return h + y, stats
+
+    def attention_block(self, x_TH, ropes, layout):
+        """``(residual stream after attention, its post-attention norm)``: the part of the layer
+        before the FFN (a unit of its own for ``--compile`` when the FFN communicates)."""
+        selective = self.recompute == "selective" and torch.is_grad_enabled()
+        h_in = self.input_layernorm(x_TH)
+        attn = (checkpoint(self.self_attn, h_in, ropes[self.layer_type], layout, use_reentrant=False)
+                if selective else self.self_attn(h_in, ropes[self.layer_type], layout))
+        h = x_TH + attn
+        return h, self.post_attention_layernorm(h)
 
 
 class MTPDepth(nn.Module):

@@ -13,6 +13,8 @@ it, in this order (each step needs the one before it):
 4. device placement, in fp32: the parameters are the master weights (a checkpoint is read and
    written at full precision);
 5. activation recompute (``apply_recompute``): a flag on the layers, read by their forward;
+   then ``--compile`` (``models/step37/compile.py``), which traces the recompute regions and
+   must come before FSDP (its hooks run outside the compiled graphs);
 6. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``): last, because it replaces
    each unit's parameters with DTensor shards of the placed, initialised ones. ``--bf16``
    without sharding still goes through FSDP2, on one-rank meshes, for its mixed precision:
@@ -28,6 +30,7 @@ from core.distributed.fsdp import apply_fsdp
 from core.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from core.moe.layer import MoELayer
 from core.parallel_state import ParallelState, local_device
+from models.step37.compile import apply_compile
 from models.step37.config import Step37Config
 from models.step37.costs import balanced_layout
 from models.step37.model import Step37Model
@@ -47,6 +50,8 @@ def parallelize(config: Step37Config, ps: ParallelState, args) -> list[Step37Mod
             chunk.load_hf(m.load_hf)
         chunk.to(device)  # fp32: under --bf16 these are the master weights, FSDP casts copies
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
+        if m.compile:
+            apply_compile(chunk, m.compile_backend)
         apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
                    shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16)
     return chunks
