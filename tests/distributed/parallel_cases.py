@@ -126,7 +126,7 @@ def check_pipeline_comm(m, ps, M: int, cfg) -> None:
 
 
 def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0, router_bias=None,
-                 bias_rate=0.0, M=None):
+                 bias_rate=0.0, M=None, flags=()):
     """One ``train_step`` (clipped SGD with momentum) of the layout against one process: loss,
     grad norm, clipped gradients, parameters after the update, MoE load statistics. (Not AdamW:
     its first update is ~lr * sign(g), which turns 1e-7-relative noise in near-zero entries into
@@ -142,7 +142,7 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
     ref_init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
 
-    chunks = parallelize(cfg, ps, run_args(pp, vpp, ep, "--moe-dispatcher", dispatcher))
+    chunks = parallelize(cfg, ps, run_args(pp, vpp, ep, "--moe-dispatcher", dispatcher, *flags))
     for c in chunks:
         _set_bias(c, router_bias)
     for c in chunks:
@@ -175,4 +175,10 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
             for layer in c.moe_layers():
                 got = layer.router.e_score_correction_bias
                 assert torch.equal(got, want_bias[names[id(layer)]]), names[id(layer)]
+    if "--compile" in flags:  # new packs (other document boundaries) reuse the graphs
+        graphs = dict(torch._dynamo.utils.counters["stats"])
+        assert graphs.get("unique_graphs", 0) >= 2, graphs  # something was compiled
+        train_step(chunks, ps, torch.optim.SGD(params, lr=0.1), micro_batches(sizes.dp, M, cfg.vocab_size, seed=1)[ps.dp_rank],
+                   settings(cfg, aux_loss_coeff=aux_coeff))
+        assert dict(torch._dynamo.utils.counters["stats"]) == graphs, (graphs, torch._dynamo.utils.counters["stats"])
     dist.barrier()

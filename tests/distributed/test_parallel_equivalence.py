@@ -30,6 +30,17 @@ def test_layout_matches_one_process(tmp_path, name):
     run_ranks(world, check_layout, pp, vpp, ep, tmpdir=str(tmp_path))
 
 
+def test_compiled_layers_match_one_process(tmp_path):
+    """PP2 x EP2 with --compile: the dense layers and MTP depths are whole fullgraph graphs,
+    the MoE layers compiled around their all-to-all; equal to one eager process within the
+    layouts' 1e-5, and a second step on packs with other document boundaries compiles nothing
+    new. Backend aot_eager (dynamo + AOTAutograd, no code generation): it proves the tracing
+    and the graphs on four CPU ranks in seconds; inductor's code is checked at one rank in
+    tests/unit/test_compile.py."""
+    run_ranks(4, check_layout, 2, 1, 2, "alltoall", 0.0, None, 0.0, None,
+              ("--compile", "--compile-backend", "aot_eager"), tmpdir=str(tmp_path))
+
+
 def test_executor_releases_sent_activations(tmp_path):
     """PP4 with 8 micro-batches: every stage but the last sends 8 activations; each is released
     once its batch is retired, so the executor never holds more than the plan's live buffers
