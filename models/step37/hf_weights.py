@@ -16,8 +16,9 @@ prefix, as transformers writes them from memory):
 | ``mtp.k.head_norm`` / ``mtp.k.head`` | ``model.layers.{L+k}.transformer.shared_head.{norm,output}.weight`` | |
 
 plus ``model.embed_tokens``, ``model.norm``, ``lm_head``. Only tensors this model (or pipeline
-stage) owns are read; expert stacks are sliced to the experts a rank holds
-(``GroupedExperts.expert_offset``).
+stage) owns are read, and of those only the rows this process holds: expert stacks are sliced to
+the experts a rank holds (``GroupedExperts.expert_offset``), FSDP shards to their dim-0 rows. A
+load streams into the model's own storage block by block (``CheckpointIndex.read_into``).
 
 Export (``save_hf_weights``) writes the published layout when the source checkpoint had it
 (the Step-3.7 release and what ``Step3p7ForConditionalGeneration.save_pretrained`` writes; the
@@ -121,21 +122,49 @@ class CheckpointIndex:
 
     def read(self, name: str, half: str | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """A tensor, optionally rows ``[a, b)`` of dim 0 and one half of dim 1, read lazily."""
-        sl = self.handle(name).get_slice(name)
-        shape = sl.get_shape()
-        a, b = rows if rows else (0, shape[0])
-        if half is None:
-            return sl[a:b]
-        mid = shape[1] // 2
-        return sl[a:b, :mid] if half == "gate" else sl[a:b, mid:]
+        return _rows(self.handle(name).get_slice(name), half, *(rows or (0, None)))
+
+    def read_into(self, out: torch.Tensor, name: str, half: str | None = None, first_row: int = 0) -> None:
+        """Copy rows ``[first_row, first_row + len(out))`` of ``name`` (one half of dim 1 with
+        ``half``) into ``out`` (any device and dtype), ``READ_BLOCK_BYTES`` of the file at a
+        time. A handle of its own, closed at the end: safetensors maps the file, and the pages a
+        read touched count as this process's memory until the mapping goes."""
+        from safetensors import safe_open
+
+        with safe_open(self.file_of[name], "pt") as f:
+            sl = f.get_slice(name)
+            if out.dim() == 0:
+                out.copy_(f.get_tensor(name))
+                return
+            row_bytes = max(1, out[0].numel()) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+            step = max(1, READ_BLOCK_BYTES // row_bytes)
+            for i in range(0, out.shape[0], step):
+                j = min(out.shape[0], i + step)
+                out[i:j].copy_(_rows(sl, half, first_row + i, first_row + j))
+
+
+READ_BLOCK_BYTES = 64 << 20  # bytes of a checkpoint tensor read (and converted) at a time
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _rows(sl, half: str | None, a: int, b: int | None) -> torch.Tensor:
+    """Rows ``[a, b)`` of a safetensors slice, all of dim 1 or one half of it."""
+    if half is None:
+        return sl[a:b]
+    mid = sl.get_shape()[1] // 2
+    return sl[a:b, :mid] if half == "gate" else sl[a:b, mid:]
+
+
+def _expert_offset(model, name: str) -> int | None:
+    if ".moe.experts." not in name:
+        return None
+    return getattr(model.get_submodule(name.rsplit(".", 1)[0]), "expert_offset", 0)
 
 
 def _expert_rows(model, name: str, param: torch.Tensor) -> tuple[int, int] | None:
-    if ".moe.experts." not in name:
-        return None
-    module = model.get_submodule(name.rsplit(".", 1)[0])
-    offset = getattr(module, "expert_offset", 0)
-    return offset, offset + param.shape[0]
+    offset = _expert_offset(model, name)
+    return None if offset is None else (offset, offset + param.shape[0])
 
 
 def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list]:
@@ -178,11 +207,18 @@ def check_checkpoint(model, path: str) -> dict:
 
 
 @torch.no_grad()
-def load_hf_weights(model, path: str, *, strict: bool = True) -> dict:
-    """Copy the checkpoint's tensors into ``model`` (dtype converted). Returns the check report.
+def load_hf_weights(model, path: str, *, strict: bool = True, progress: bool = False) -> dict:
+    """Copy the checkpoint's tensors into ``model`` (dtype converted), tensor by tensor and only
+    the rows this process holds: its experts of a stacked expert tensor, its rows of an FSDP
+    shard (also offloaded to host memory), so no whole tensor or model passes through host
+    memory. Returns the check report plus ``filled``: the names written.
 
     With ``strict``, missing or mis-shaped tensors raise; an MTP depth without its own output
-    head takes the main ``lm_head`` (checkpoints that share it)."""
+    head takes the main ``lm_head`` (checkpoints that share it). ``progress``: a tqdm bar."""
+    from tqdm import tqdm
+
+    from models.step37.materialize import local_rows
+
     ckpt = CheckpointIndex(path)
     found, missing, misshaped = plan_load(model, ckpt)
     report = _report(ckpt, found, missing, misshaped)
@@ -194,12 +230,14 @@ def load_hf_weights(model, path: str, *, strict: bool = True) -> dict:
                          f"{' ...' if len(missing) > 10 else ''}; mis-shaped "
                          f"{[(m[0], m[2], m[3]) for m in misshaped[:10]]}")
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    for name, (cand, half) in found.items():
-        t = tensors[name]
-        t.copy_(ckpt.read(cand, half, _expert_rows(model, name, t)).to(t.dtype))
-    for name in head_fallback:
-        tensors[name].copy_(ckpt.read("lm_head.weight").to(tensors[name].dtype))
+    sources = {**found, **{name: ("lm_head.weight", None) for name in head_fallback}}
+    for name, (cand, half) in tqdm(sources.items(), desc=f"loading {os.path.basename(path)}",
+                                   unit="tensor", disable=not progress):
+        local, first = local_rows(tensors[name])
+        if local.numel():
+            ckpt.read_into(local, cand, half, first + (_expert_offset(model, name) or 0))
     report["head_fallback"] = head_fallback
+    report["filled"] = sorted(sources)
     return report
 
 

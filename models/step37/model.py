@@ -18,7 +18,6 @@ document gets padding and no target.
 """
 from __future__ import annotations
 
-import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +34,7 @@ from core.transformer.mlp import SwiGLUMLP
 from core.transformer.norm import RMSNorm
 from core.transformer.rotary import RotaryEmbedding
 from models.step37.config import Step37Config
+from models.step37.materialize import init_buffers, init_parameters, materialize
 
 IGNORE_INDEX = -100
 
@@ -119,6 +119,13 @@ class Step37Model(nn.Module):
         super().__init__()
         cfg = self.config = config
         own = list(range(cfg.num_layers) if layers is None else layers)
+        target = torch.get_default_device()  # where the tensors go: built on meta, then written once
+        with torch.device("meta"):
+            self._build(cfg, own, first, last, experts)
+        if target.type != "meta":
+            materialize(self, target, seed=seed)
+
+    def _build(self, cfg: Step37Config, own: list, first: bool, last: bool, experts: range | None) -> None:
         self.first, self.last = first, last
         has_mtp = last and cfg.num_mtp_layers > 0
         # MTP feeds shifted token embeddings, so a last stage with MTP holds the embedding too
@@ -133,26 +140,16 @@ class Step37Model(nn.Module):
         types = {cfg.layer_types[i] for i in own} | (set(cfg.mtp_layer_types) if has_mtp else set())
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg.head_dim, cfg.rope_parameters[t])
                                      for t in sorted(types)})
-        self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
-        """Normal(0, init_std) weights, zero norms. Each tensor (each expert, for stacked expert
-        weights) draws from its own generator seeded by its global name, so a model split over
-        any pipeline / expert layout starts from exactly the weights of the whole model."""
-        std = self.config.init_std
-        specs = self.param_specs()
-        for name, p in self.named_parameters():
-            if p.is_meta:
-                continue
-            offset = specs[name].expert_offset
-            if "norm" in name.split(".")[-2]:
-                p.zero_()  # RMSNorm scales by 1 + weight
-            elif offset is not None:
-                for e in range(p.shape[0]):
-                    p[e].copy_(_seeded_normal(p.shape[1:], std, seed, f"{name}#{offset + e}"))
-            else:
-                p.copy_(_seeded_normal(p.shape, std, seed, name))
+    def reset_parameters(self, seed: int = 0, *, generator_device=None) -> None:
+        """Normal(0, init_std) weights, zero norms and router biases, RoPE frequencies recomputed.
+        Each tensor is drawn in blocks (one per expert for stacked expert weights), each from its
+        own generator seeded by the tensor's global name, and a process writes only the rows it
+        holds (also of an FSDP shard), so any pipeline / expert / data-parallel layout starts from
+        exactly the weights of the whole model (``models/step37/materialize.py``)."""
+        init_buffers(self, next(iter(self.buffers()), torch.empty(0)).device)
+        init_parameters(self, seed, generator_device=generator_device)
 
     # ------------------------------------------------------------------ what core needs
     def param_specs(self) -> dict[str, ParamSpec]:
@@ -249,11 +246,6 @@ def _with_moe_stats(out: StageOutput, stats: list) -> StageOutput:
         out.aux_loss = torch.stack([s["aux_loss"] for s in stats]).sum()
         out.expert_load = torch.stack([s["tokens_per_expert"] for s in stats])
     return out
-
-
-def _seeded_normal(shape, std: float, seed: int, key: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed((zlib.crc32(key.encode()) << 20) ^ seed)
-    return torch.randn(shape, generator=g) * std
 
 
 def _token_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor):

@@ -1,26 +1,25 @@
 """Parallelism applied to Step37Model from outside: ``parallelize`` is the only place that does
 it, in this order (each step needs the one before it):
 
-1. pipeline split (``build_chunks``): this rank's ``vpp`` chunks of ``stage_layers`` (first
-   stage: embedding; last: final norm, head, MTP; layers split by cost unless
-   ``--pipeline-layout`` says otherwise), each holding only its EP rank's experts;
+1. pipeline split (``build_chunks``) on the ``meta`` device: this rank's ``vpp`` chunks of
+   ``stage_layers`` (first stage: embedding; last: final norm, head, MTP; layers split by cost
+   unless ``--pipeline-layout`` says otherwise), each holding only its EP rank's experts, with
+   shapes but no storage yet;
 2. expert parallelism (``apply_expert_parallel``): MoE layers route through the all-to-all (or
    all-gather) dispatcher over the EP group, so the experts see only their own tokens;
-3. initialisation or Hugging Face load: every tensor seeded by its global name (any layout gets
-   the same weights), then ``--load-hf`` overwrites what the checkpoint has. This runs before
-   placement and sharding because the chunks are still whole host tensors here; building on the
-   meta device and materialising each rank's shard is the full-size path's job;
-4. device placement, in fp32: the parameters are the master weights (a checkpoint is read and
-   written at full precision);
-5. activation recompute (``apply_recompute``): a flag on the layers, read by their forward;
+3. activation recompute (``apply_recompute``): a flag on the layers, read by their forward;
    then ``--compile`` (``models/step37/compile.py``), which traces the recompute regions and
    must come before FSDP (its hooks run outside the compiled graphs);
-6. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``): last, because it replaces
-   each unit's parameters with DTensor shards of the placed, initialised ones. ``--bf16``
+4. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``), still on meta: each unit's
+   parameters become DTensor shards (dense over DP, experts over expert-DP). ``--bf16``
    without sharding still goes through FSDP2, on one-rank meshes, for its mixed precision:
-   bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers.
-
-``--load`` of a training checkpoint happens after this, in the trainer (it fills the shards).
+   bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers;
+5. materialisation (``models/step37/materialize.py``): storage for this rank's shards only, on
+   its device (offloaded shards in host memory), in fp32 (the master weights); then each tensor
+   written once: ``--load-hf`` streamed into the shards row block by row block, or seeded
+   initial values that are the same in any layout. When the trainer will resume from ``--load``
+   (``from_checkpoint``) neither happens: the checkpoint fills every parameter, and the HF
+   checkpoint is never read.
 """
 from __future__ import annotations
 
@@ -33,27 +32,30 @@ from core.parallel_state import ParallelState, local_device
 from models.step37.compile import apply_compile
 from models.step37.config import Step37Config
 from models.step37.costs import balanced_layout
+from models.step37.materialize import materialize
 from models.step37.model import Step37Model
 
 
-def parallelize(config: Step37Config, ps: ParallelState, args) -> list[Step37Model]:
+def parallelize(config: Step37Config, ps: ParallelState, args, *,
+                from_checkpoint: bool = False) -> list[Step37Model]:
     """This rank's model chunks with every parallelism applied. ``args``: the parsed training
-    flags (``train_args.parse``): sections ``parallel``, ``memory``, ``model``, ``schedule``."""
+    flags (``train_args.parse``): sections ``parallel``, ``memory``, ``model``, ``schedule``.
+    ``from_checkpoint``: a ``--load`` checkpoint will fill the parameters (no initialisation,
+    no ``--load-hf`` read)."""
     m, mem = args.model, args.memory
     chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seq_length=args.data.seq_length,
-                          seed=args.schedule.seed)
+                          device="meta")
     device = local_device()
     for chunk in chunks:
         if ps.sizes.ep > 1:
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
-        if m.load_hf:
-            chunk.load_hf(m.load_hf)
-        chunk.to(device)  # fp32: under --bf16 these are the master weights, FSDP casts copies
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
         if m.compile:
             apply_compile(chunk, m.compile_backend)
         apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
                    shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16)
+        materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,
+                    hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0)
     return chunks
 
 
@@ -91,7 +93,8 @@ def stage_layers(config: Step37Config, num_stages: int, layout: str | None = Non
 def build_chunks(config: Step37Config, pstate: ParallelState, layout: str | None = None,
                  *, seq_length: int = 4096, seed: int = 0, device="cpu") -> list[Step37Model]:
     """This rank's pipeline chunks (virtual stage ``c * pp + pp_rank`` for chunk ``c``), with
-    its EP rank's share of the experts, initialised from ``seed`` (nothing on ``meta``)."""
+    its EP rank's share of the experts, initialised from ``seed`` on ``device`` (on ``meta``:
+    shapes only, for ``parallelize`` and the memory planner)."""
     pp, vpp = pstate.sizes.pp, pstate.sizes.vpp
     ranges = stage_layers(config, pp * vpp, layout, seq_length)
     chunks = []

@@ -1,0 +1,176 @@
+"""Turning a chunk built on the ``meta`` device into real tensors: only what this process holds,
+each tensor written once, from its seed or from a Hugging Face checkpoint.
+
+Initial values. A parameter is a stack along dim 0 of *blocks*, each drawn from its own generator
+seeded by the tensor's global name: one block per expert for stacked expert weights (key
+``name#<global expert>``), otherwise row blocks of at most ``INIT_BLOCK_NUMEL`` elements (key
+``name``, or ``name@<block>`` when there are several). Block shapes depend only on the global
+tensor, so a process that holds rows ``[a, b)`` (an expert-parallel slice, an FSDP dim-0 shard)
+draws only the blocks that overlap them and gets exactly the rows one process would have: every
+PP / EP / DP / FSDP layout starts from the same weights. Norm weights start at zero (RMSNorm
+scales by ``1 + weight``), router biases at zero, RoPE frequencies are recomputed in fp32.
+
+Generator. Blocks are drawn on the rank's compute device (``generator_device``): the CUDA Philox
+generator fills a rank's share of Step-3.7 (billions of values) in well under a second, where the
+CPU's Mersenne Twister draws ~250 M values/s per core, tens of seconds per rank. The price: a GPU
+run starts from other weights than a CPU run with the same seed (and GPU models with different SM
+counts differ too); layouts on the same kind of device always agree. CPU runs, and so the tests,
+use the CPU generator and are deterministic. Pass ``generator_device="cpu"`` to get the CPU's
+values on a GPU (each block is then copied over).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from core.transformer.rotary import inverse_frequencies
+
+INIT_BLOCK_NUMEL = 1 << 22  # 16 MiB of fp32: the largest temporary an initialisation needs
+
+
+def local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(the tensor this process holds, its first row in the global tensor)``: the whole tensor,
+    or an FSDP2 dim-0 shard (rows split like ``torch.chunk``: ``ceil(n / world)`` per rank, the
+    last ones shorter or empty)."""
+    if not isinstance(p, DTensor):
+        return p.detach(), 0
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise ValueError(f"only dim-0 shards on a 1-D mesh are supported, got {p.placements} "
+                         f"on a {p.device_mesh.ndim}-D mesh")
+    local = p.to_local()
+    n, world = p.shape[0], p.device_mesh.size()
+    step = -(-n // world)
+    start = min(n, p.device_mesh.get_local_rank() * step)
+    if local.shape[0] != max(0, min(step, n - start)):
+        raise ValueError(f"a shard of {local.shape[0]} rows at row {start} of {n} is not how FSDP2 "
+                         f"splits dim 0 over {world} ranks")
+    return local, start
+
+
+def seeded_normal(shape, std: float, seed: int, key: str, device=None) -> torch.Tensor:
+    """Normal(0, std) values of one block, from a generator seeded by ``key`` and ``seed``."""
+    device = torch.device(device or "cpu")
+    g = torch.Generator(device=device).manual_seed((zlib.crc32(key.encode()) << 20) ^ seed)
+    return torch.randn(shape, generator=g, device=device).mul_(std)
+
+
+def fill_seeded(out: torch.Tensor, name: str, shape, first_row: int, std: float, seed: int,
+                expert_offset: int | None = None, device=None) -> None:
+    """Write rows ``[first_row, first_row + len(out))`` of the global tensor ``name`` (``shape``)
+    into ``out``; ``expert_offset``: dim 0 stacks experts, the first being this global index."""
+    shape = tuple(shape)
+    if out.dim() == 0:
+        out.copy_(seeded_normal((), std, seed, name, device))
+        return
+    n = out.shape[0]
+    if expert_offset is not None:
+        for i in range(n):
+            out[i].copy_(seeded_normal(shape[1:], std, seed, f"{name}#{expert_offset + first_row + i}", device))
+        return
+    per_row = max(1, math.prod(shape[1:]))
+    rows = max(1, INIT_BLOCK_NUMEL // per_row)
+    several = shape[0] > rows
+    for b in range(first_row // rows, -(-(first_row + n) // rows)):
+        lo, hi = b * rows, min(shape[0], (b + 1) * rows)
+        block = seeded_normal((hi - lo, *shape[1:]), std, seed, f"{name}@{b}" if several else name, device)
+        a, z = max(lo, first_row), min(hi, first_row + n)
+        out[a - first_row:z - first_row].copy_(block[a - lo:z - lo])
+
+
+def is_norm(name: str) -> bool:
+    return "norm" in name.split(".")[-2] if "." in name else False
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, *, generator_device=None, skip=()) -> None:
+    """Seeded initial values for every parameter of ``model`` but those named in ``skip``, each
+    process writing only the rows it holds (see the module docstring)."""
+    std = model.config.init_std
+    specs = model.param_specs()
+    for name, p in model.named_parameters():
+        local, first = local_rows(p)
+        if name in skip or local.is_meta or local.numel() == 0:
+            continue
+        if is_norm(name):
+            local.zero_()
+        else:
+            fill_seeded(local, name, p.shape, first, std, seed, specs[name].expert_offset,
+                        generator_device or local.device)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module, device) -> None:
+    """RoPE inverse frequencies (fp32, recomputed: ``to_empty`` leaves them undefined) and router
+    biases (zero: a checkpoint that has them overwrites them)."""
+    cfg = model.config
+    for name, _ in list(model.named_buffers()):
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if attr == "inv_freq" and owner_name.startswith("rotary."):
+            value = inverse_frequencies(cfg.head_dim, cfg.rope_parameters[owner_name.split(".")[1]])
+        elif attr == "e_score_correction_bias":
+            value = torch.zeros(owner.num_experts)
+        else:
+            raise ValueError(f"buffer {name!r}: no initial value is known for it; add one to "
+                             "models/step37/materialize.py init_buffers")
+        setattr(owner, attr, value.to(device=device, dtype=torch.float32))
+
+
+def host_parameters(model: nn.Module) -> set[int]:
+    """Ids of the parameters FSDP keeps in host memory (CPU offload). FSDP2 records the policy
+    only on its parameter groups (no public getter), so this reads them there."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    out = set()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                if isinstance(group.offload_policy, CPUOffloadPolicy):
+                    out |= {id(fp.sharded_param) for fp in group.fsdp_params}
+    return out
+
+
+def allocate(model: nn.Module, device) -> None:
+    """Real (undefined) storage for every meta tensor of ``model``: offloaded FSDP shards in host
+    memory, everything else on ``device``. Only this process's shards are allocated."""
+    device, host = torch.device(device), host_parameters(model)
+    for prefix, m in model.named_modules():
+        own = list(m.parameters(recurse=False))
+        places = {id(p) in host for p in own}
+        if len(places) > 1:
+            raise ValueError(f"module {prefix or '<chunk>'}: some parameters offloaded, others not")
+        m.to_empty(device="cpu" if places == {True} else device, recurse=False)
+
+
+def materialize(model: nn.Module, device, *, seed: int = 0, hf_path: str | None = None,
+                init: bool = True, generator_device=None, progress: bool = False) -> dict | None:
+    """Allocate ``model`` (built on meta, possibly FSDP-wrapped) on ``device`` and write its
+    weights once: from the Hugging Face checkpoint ``hf_path`` (streamed into this process's
+    rows; tensors it lacks are seeded), else from ``seed``; ``init=False`` leaves the parameters
+    undefined (a training checkpoint fills them next). Buffers are always set. Returns the
+    checkpoint report of the load, if any; ``progress``: a bar over the checkpoint's tensors."""
+    allocate(model, device)
+    init_buffers(model, device)
+    report, filled = None, set()
+    if hf_path is not None:
+        from models.step37.hf_weights import load_hf_weights
+
+        report = load_hf_weights(model, hf_path, progress=progress)
+        filled = set(report["filled"])
+    if init:
+        init_parameters(model, seed, generator_device=generator_device or device, skip=filled)
+    return report
+
+
+def shard_bytes(chunks) -> dict:
+    """Bytes of parameters and buffers this process holds: ``{"device": ..., "host": ...}``."""
+    out = {"device": 0, "host": 0}
+    for chunk in chunks:
+        for t in list(chunk.parameters()) + list(chunk.buffers()):
+            local, _ = local_rows(t)
+            out["host" if local.device.type == "cpu" else "device"] += local.numel() * local.element_size()
+    return out
