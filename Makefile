@@ -35,6 +35,7 @@ bench: install-test
 	$(PYTHON) benchmarks/bench_attention.py
 	$(PYTHON) benchmarks/bench_parallel.py
 	$(PYTHON) benchmarks/bench_optim.py
+	$(PYTHON) benchmarks/bench_gpu.py --tiny
 
 clean:
 	rm -rf build *.egg-info data/_csrc*.so $(QUICKSTART_DIR)
