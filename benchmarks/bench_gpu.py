@@ -4,7 +4,7 @@ decoder layers, same weights, same packed tokens, forward + backward.
 
 The slice: the ``step37-flash`` preset's first sliding-attention MoE layer and first
 full-attention MoE layer (layers 3 and 4: 96 and 64 query heads, 8 KV heads, all 288 experts of
-1280, top-8, the shared expert), 2 x 4.6 B parameters in bf16. The input: one pack of
+1280, top-8, the shared expert), 9.28 B parameters in bf16 (17.3 GiB). The input: one pack of
 ``--seq-length`` tokens (8192) that our planner (``data/packing.py``) fills from documents with
 log-normal lengths (median min(300, S/8) tokens, sigma 1, clipped to S, seeded), as THD
 (``cu_seqlens``); the hidden states entering the slice are N(0, 1) and one N(0, 1) output
@@ -27,7 +27,9 @@ within CHECK_REL, or nothing is timed (exit 1). TFLOP/s counts these two layers 
 each query sees; MFU divides by ``--peak-tflops`` or the device's dense bf16 peak.
 
     python benchmarks/bench_gpu.py [--seq-length 8192] [--iters 10] [--warmup 3] [--json PATH]
-    python benchmarks/bench_gpu.py --tiny      # tiny preset on the CPU, seconds
+    python benchmarks/bench_gpu.py --tiny      # the same code, tiny preset, CPU, ~15 s
+
+docs/performance.md explains the columns; tools/gpu_check.sh runs this after the GPU tests.
 """
 from __future__ import annotations
 
