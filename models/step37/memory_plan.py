@@ -1,37 +1,42 @@
 """Memory plan per rank, without allocating anything: each rank's share of the model is built on
-the meta device for the real layout (every rank simulated in this one process), its tensors
-counted, and activations taken from ``activations.py`` times the schedule's peak in-flight
-micro-batches (from the pipeline simulator).
+the meta device for the real layout (``plan_shares.py``, cached), its tensors counted, and
+activations taken from ``activations.py`` times the schedule's peak in-flight micro-batches
+(from the pipeline simulator).
 
 Parameters, gradients and optimizer state follow what this code allocates: parameters are
 always fp32 (under ``bf16`` they are the master weights), gradients are fp32 (accumulated and
 reduced so under ``bf16`` too), optimizer state in the parameter dtype (AdamW: two moments plus a
 4-byte step per tensor; Muon: one buffer, none at momentum 0; Dion: a buffer and the n x r
 factor). Activations, p2p and all-to-all buffers and gathered compute copies take the compute
-dtype (2 bytes under ``bf16``). With ``sharding="fsdp"`` dense tensors are split over the
-data-parallel ranks and expert tensors over the expert-data-parallel ranks (dim 0, padded like
-FSDP2), and the largest layer is gathered whole while it computes (twice: one prefetched);
-``bf16`` without sharding keeps a bf16 copy of the whole stage for the step. CPU offload moves the offloaded shards, their
-gradients and optimizer state to host memory. Activations assume a fused attention kernel
-(flash / flex / Transformer Engine: no score matrix).
+dtype (2 bytes under ``bf16``). Activations assume a fused attention kernel (flash / flex /
+Transformer Engine: no score matrix).
+
+FSDP (``core/distributed/fsdp.py``, see :func:`placement`): with ``sharding="fsdp"`` dense
+tensors are split over the data-parallel ranks and expert tensors over the expert-data-parallel
+ranks (dim 0, padded like FSDP2). Units are gathered per micro-batch and pass (the largest block
+twice: one prefetched; FSDP2 keeps the root unit gathered from forward to backward), or for the
+whole step (``fsdp_gather_once``, one-rank meshes, and ``cpu_offload="optimizer"``). While
+gradient sync is off (every backward of the step but each chunk's last), every unit's gradient
+accumulates *unsharded, in fp32, on the device*, whatever the offload mode: it only reaches its
+(possibly host) shard at the synchronising backward. ``cpu_offload="optimizer"`` syncs on every
+backward instead, so only one unit's unsharded gradient is alive at a time. CPU offload keeps
+the offloaded shards, their gradients and optimizer state in host memory.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-
-import torch
+from functools import lru_cache
 
 from core.optim.build import classify
-from core.parallel_state import ParallelSizes, ParallelState
-from core.pipeline.p2p import max_live_buffers, plan_all
-from core.pipeline.schedules import build_schedule
-from core.pipeline.simulate import simulate
+from core.parallel_state import ParallelSizes
 from models.step37.activations import head_bytes, layer_bytes
 from models.step37.config import Step37Config
-from models.step37.parallelize import build_chunks
+from models.step37.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
 
 GB = 10**9
+MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
+OFFLOAD_MODES = ("none", "all", "experts", "optimizer")
 
 
 @dataclass
@@ -42,7 +47,7 @@ class PlanInputs:
     dp: int = 1
     sharding: str = "none"          # none | fsdp
     fsdp_gather_once: bool = False  # keep every layer of the stage gathered for the whole step
-    cpu_offload: str = "none"       # none | all | experts
+    cpu_offload: str = "none"       # none | all | experts | optimizer
     recompute: str = "none"         # none | selective | full
     recompute_num_layers: int = 0   # first N layers of each chunk; 0: all
     seq_length: int = 8192
@@ -50,13 +55,14 @@ class PlanInputs:
     num_microbatches: int = 8       # per pipeline per iteration
     optimizer: str = "muon"         # adamw | muon | dion
     muon_momentum: float = 0.0
+    muon_ns_steps: int = 5
     dion_rank_fraction: float = 0.25
     bf16: bool = False              # bf16 compute over fp32 master weights and gradients
     device_gb: float = 141.0
     pipeline_layout: str | None = None
 
     def __post_init__(self):
-        for name, allowed in (("sharding", ("none", "fsdp")), ("cpu_offload", ("none", "all", "experts")),
+        for name, allowed in (("sharding", ("none", "fsdp")), ("cpu_offload", OFFLOAD_MODES),
                               ("recompute", ("none", "selective", "full")),
                               ("optimizer", ("adamw", "muon", "dion"))):
             if getattr(self, name) not in allowed:
@@ -64,6 +70,53 @@ class PlanInputs:
                                  f"{', '.join(allowed)}")
         if self.cpu_offload != "none" and self.sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+
+    @property
+    def sizes(self) -> ParallelSizes:
+        return ParallelSizes(self.pp * self.dp, pp=self.pp, ep=self.ep, vpp=self.vpp)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per micro-batch (T)."""
+        return self.seq_length * self.micro_batch_size
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What ``apply_fsdp`` does with a layout, per kind of parameter (dense, expert)."""
+
+    shard_world: dict            # kind -> ranks its FSDP shards split over (1: whole)
+    managed: dict                # kind -> FSDP manages it (bf16 copies, unsharded gradients)
+    offloaded: dict              # kind -> its shards, gradients and optimizer state on the host
+    gather_per_microbatch: bool  # managed units gathered for every forward and backward pass
+    sync_every_microbatch: bool  # reduce-scatter on every backward (cpu_offload "optimizer")
+
+    def copies_weights_per_microbatch(self) -> bool:
+        """Host-to-device copies of offloaded shards on every forward and backward."""
+        return self.gather_per_microbatch and any(self.offloaded.values())
+
+
+KINDS = ("dense", "expert")
+
+
+def placement(inp: PlanInputs) -> Placement:
+    """``core/distributed/fsdp.apply_fsdp`` as data: nothing to shard at DP 1; without sharding
+    ``bf16`` still puts every unit on a one-rank mesh (gathered once per step: a cast); experts
+    whole on each EP rank (expert-DP 1) are left out of FSDP unless offloaded or under ``bf16``."""
+    s = inp.sizes
+    shard = inp.sharding == "fsdp" and s.dp > 1
+    any_fsdp = shard or inp.bf16
+    expert_managed = (s.expert_dp > 1 or inp.cpu_offload != "none" or inp.bf16) if shard else inp.bf16
+    managed = {"dense": any_fsdp, "expert": expert_managed}
+    offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": inp.cpu_offload != "none"}
+    world = {"dense": s.dp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
+    per_mb = shard and not inp.fsdp_gather_once and inp.cpu_offload != "optimizer"
+    return Placement(world, managed, {k: managed[k] and offload[k] for k in KINDS}, per_mb,
+                     inp.cpu_offload == "optimizer" and any_fsdp)
 
 
 @dataclass
@@ -74,26 +127,26 @@ class RankMemory:
     device: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
     fits: bool = True
+    overlap: int = 0                    # device bytes of two columns that are never alive together
 
     @property
     def device_total(self) -> int:
-        return sum(self.device.values())
+        """Peak device bytes: the columns' sum less ``overlap`` (sharded gradients appear as the
+        synchronising backward frees the unsharded accumulators they come from)."""
+        return sum(self.device.values()) - self.overlap
 
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
 
 
-def _shard_numel(t: torch.Tensor, world: int) -> int:
+def _shard_numel(t, world: int) -> int:
     if world <= 1 or t.dim() == 0:
         return t.numel()
     return math.ceil(t.shape[0] / world) * (t.numel() // t.shape[0])
 
 
-MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
-
-
-def _optimizer_bytes(spec, t: torch.Tensor, numel: int, inp: PlanInputs) -> int:
+def _optimizer_bytes(spec, t, numel: int, inp: PlanInputs) -> int:
     kind = classify(spec, t, inp.optimizer)
     b = MASTER
     if kind != "matrix":
@@ -106,62 +159,99 @@ def _optimizer_bytes(spec, t: torch.Tensor, numel: int, inp: PlanInputs) -> int:
     return numel * b + batch * n * r * b
 
 
-def _rank_state(cfg: Step37Config, sizes: ParallelSizes, pp_rank: int, ep_rank: int, layout, seq_length):
-    rank = sizes.rank_of(dp=ep_rank, pp=pp_rank)
-    return build_chunks(cfg, ParallelState(sizes, rank, {}), layout, seq_length=seq_length, device="meta")
+@lru_cache(maxsize=4096)
+def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str, momentum: float,
+          dion_fraction: float) -> dict:
+    """Per kind: parameters whole (``numel``; ``fp32``: those computing in fp32 under bf16) and
+    as this rank's shards (``shard``), and the optimizer state of the shards in bytes."""
+    inp = PlanInputs(optimizer=optimizer, muon_momentum=momentum, dion_rank_fraction=dion_fraction)
+    out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0} for k in KINDS}
+    for s in chunk.tensors:
+        kind = "expert" if s.expert else "dense"
+        numel = _shard_numel(s.t, expert_world if s.expert else dense_world)
+        out[kind]["numel"] += s.t.numel()
+        out[kind]["fp32"] += s.t.numel() if s.fp32 else 0
+        out[kind]["shard"] += numel
+        out[kind]["optimizer"] += _optimizer_bytes(s.spec, s.t, numel, inp)
+    return out
+
+
+def chunk_tally(chunk: ChunkShare, inp: PlanInputs, pl: Placement) -> dict:
+    return tally(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
+                 inp.muon_momentum, inp.dion_rank_fraction)
+
+
+def _managed_blocks(chunk: ChunkShare, pl: Placement) -> dict:
+    """Managed parameters per FSDP block (every block, unless experts are left out of FSDP)."""
+    if pl.managed["expert"] or not pl.managed["dense"]:
+        return block_numel(chunk) if pl.managed["dense"] else {}
+    out: dict = {}
+    for s in chunk.tensors:
+        if not s.expert:
+            out[s.block] = out.get(s.block, 0) + s.t.numel()
+    return out
+
+
+def rank_memory(cfg: Step37Config, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
+                pl: Placement | None = None) -> RankMemory:
+    """One rank's plan from its chunks' shares (``plan_shares.rank_shares``)."""
+    pl = pl or placement(inp)
+    facts = schedule_facts(inp.pp, inp.vpp, inp.num_microbatches)
+    T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
+    r = RankMemory(pp_rank, ep_rank)
+    dev = dict.fromkeys(("parameters", "gradients", "unsharded grads", "optimizer", "activations",
+                         "p2p buffers", "all-to-all buffers", "gathered layers"), 0)
+    host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
+    managed_numel, managed_fp32, managed_dev_grads, largest_block, per_step_gather = 0, 0, 0, 0, 0
+    for chunk in chunks:
+        t = chunk_tally(chunk, inp, pl)
+        for kind in KINDS:
+            where = host if pl.offloaded[kind] else dev
+            where["parameters"] += t[kind]["shard"] * MASTER
+            where["gradients"] += t[kind]["shard"] * MASTER
+            where["optimizer"] += t[kind]["optimizer"]
+            r.parameters += t[kind]["shard"]
+            if pl.managed[kind]:
+                managed_numel += t[kind]["numel"]
+                managed_fp32 += t[kind]["fp32"]
+                managed_dev_grads += 0 if pl.offloaded[kind] else t[kind]["shard"] * MASTER
+        blocks = _managed_blocks(chunk, pl)
+        largest_block = max([largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
+        per_step_gather += blocks.get(ROOT, 0)  # FSDP2 keeps the root gathered forward to backward
+        dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
+    # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
+    dev["activations"] = dev["activations"] * facts.peak_in_flight[pp_rank] // len(chunks)
+    if managed_numel:
+        if pl.gather_per_microbatch:
+            dev["gathered layers"] = (2 * largest_block + per_step_gather) * b
+        else:
+            dev["gathered layers"] = managed_numel * b + managed_fp32 * (MASTER - b)  # fp32 routers
+        if inp.num_microbatches > 1 and not pl.sync_every_microbatch:
+            dev["unsharded grads"] = managed_numel * MASTER  # fp32 accumulators, sync off
+            r.overlap = min(managed_dev_grads, dev["unsharded grads"])
+        else:  # one unit's gradient at a time: autograd's (compute dtype), FSDP's fp32 for the reduce
+            largest = max(largest_block, per_step_gather)
+            dev["unsharded grads"] = largest * (b + MASTER if b < MASTER else MASTER)
+    dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
+    if inp.ep > 1:
+        dev["all-to-all buffers"] = 4 * T * cfg.num_experts_per_tok * H * b
+    r.device, r.host = dev, host
+    r.fits = r.device_total <= inp.device_gb * GB
+    return r
 
 
 def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
-    world = inp.pp * inp.dp
-    sizes = ParallelSizes(world, pp=inp.pp, ep=inp.ep, vpp=inp.vpp)
+    """Every (pipeline rank, EP rank)'s plan; ranks that differ only in expert-DP replica plan
+    the same."""
+    sizes = inp.sizes
     sizes.validate(cfg.num_layers, cfg.num_experts)
-    T, b, H = inp.seq_length * inp.micro_batch_size, 2 if inp.bf16 else 4, cfg.hidden_size
-    fsdp = inp.sharding == "fsdp" and inp.dp > 1  # like apply_fsdp: nothing to shard at DP 1
-    schedule = build_schedule(inp.pp, inp.vpp, inp.num_microbatches)
-    sim = simulate(schedule)
-    programs = plan_all(schedule) if inp.pp > 1 else {}
+    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length)
+    pl = placement(inp)
     out = []
     for pp_rank in range(inp.pp):
-        for ep_rank in range(inp.ep):
-            chunks = _rank_state(cfg, sizes, pp_rank, ep_rank, inp.pipeline_layout, inp.seq_length)
-            r = RankMemory(pp_rank, ep_rank)
-            dev = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "p2p buffers",
-                                 "all-to-all buffers", "gathered layers"), 0)
-            host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
-            largest_layer, all_layers = 0, 0
-            for chunk in chunks:
-                specs = chunk.param_specs()
-                for name, t in chunk.named_parameters():
-                    expert = specs[name].replicated_over == "expert_dp"
-                    shard_world = (sizes.expert_dp if expert else sizes.dp) if fsdp else 1
-                    numel = _shard_numel(t, shard_world)
-                    r.parameters += numel
-                    offloaded = inp.cpu_offload == "all" or (inp.cpu_offload == "experts" and expert)
-                    where = host if offloaded else dev
-                    where["parameters"] += numel * MASTER
-                    where["gradients"] += numel * MASTER
-                    where["optimizer"] += _optimizer_bytes(specs[name], t, numel, inp)
-                if fsdp:
-                    for layer in chunk.layers.values():
-                        size = sum(p.numel() for p in layer.parameters()) * b
-                        largest_layer, all_layers = max(largest_layer, size), all_layers + size
-                elif inp.bf16:  # one-rank meshes: the stage's bf16 copy, kept for the step
-                    all_layers += sum(p.numel() for p in chunk.parameters()) * b
-                dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
-            # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
-            dev["activations"] = dev["activations"] * sim.peak_in_flight[pp_rank] // len(chunks)
-            if fsdp:
-                dev["gathered layers"] = all_layers if inp.fsdp_gather_once else 2 * largest_layer
-            elif inp.bf16:
-                dev["gathered layers"] = all_layers
-            if inp.pp > 1:  # messages received ahead of use and sent ones not yet retired
-                S = inp.pp * inp.vpp
-                dev["p2p buffers"] = max_live_buffers(programs[pp_rank], pp_rank, inp.pp, S, inputs=False) * T * H * b
-            if inp.ep > 1:
-                dev["all-to-all buffers"] = 4 * T * cfg.num_experts_per_tok * H * b
-            r.device, r.host = dev, host
-            r.fits = r.device_total <= inp.device_gb * GB
-            out.append(r)
+        first = rank_memory(cfg, shares[pp_rank], inp, pp_rank, 0, pl)
+        for ep_rank in range(inp.ep):  # EP ranks hold shares of the same shapes
+            out.append(first if ep_rank == 0 else RankMemory(**{**asdict(first), "ep_rank": ep_rank}))
     return out
 
 
@@ -174,8 +264,8 @@ def _chunk_activations(cfg: Step37Config, chunk, T: int, b: int, inp: PlanInputs
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
     if chunk.last:
         total += head_bytes(cfg, T, b)
-        for k in range(cfg.num_mtp_layers):
-            total += layer_bytes(cfg, -1 - k, T, b, inp.recompute) + head_bytes(cfg, T, b) \
+        for k in range(cfg.num_mtp_layers):  # MTP depths are not recomputed (apply_recompute)
+            total += layer_bytes(cfg, -1 - k, T, b, "none") + head_bytes(cfg, T, b) \
                 + 3 * T * cfg.hidden_size * b  # shifted embedding, eh_proj input
     return total
 
@@ -185,12 +275,13 @@ def as_dict(ranks: list[RankMemory]) -> list[dict]:
 
 
 def format_table(ranks: list[RankMemory], inp: PlanInputs) -> str:
-    cols = ["parameters", "gradients", "optimizer", "activations", "p2p buffers", "all-to-all buffers",
-            "gathered layers"]
-    short = ["params", "grads", "optim", "activ", "p2p", "a2a", "gathered"]
+    cols = ["parameters", "gradients", "unsharded grads", "optimizer", "activations", "p2p buffers",
+            "all-to-all buffers", "gathered layers"]
+    short = ["params", "grads", "unshard", "optim", "activ", "p2p", "a2a", "gathered"]
     head = f"{'rank':<10}{'params #':>14}" + "".join(f"{s:>10}" for s in short) + \
         f"{'device':>10}{'host':>10}  fits {inp.device_gb:g} GB"
-    lines = ["all sizes in GB (1e9 bytes); device columns unless noted", head]
+    lines = ["all sizes in GB (1e9 bytes); device columns unless noted; device is the peak (sharded "
+             "grads replace the unsharded ones at the synchronising backward)", head]
     for r in ranks:
         lines.append(f"pp{r.pp_rank} ep{r.ep_rank:<4}{r.parameters:>14,}" +
                      "".join(f"{r.device[c] / GB:>10.1f}" for c in cols) +

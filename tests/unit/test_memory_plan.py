@@ -11,8 +11,9 @@ from core.optim.build import build_optimizer
 from core.parallel_state import ParallelSizes, ParallelState
 from models.step37 import Step37Config
 from models.step37.activations import cpu_sdpa_extra_bytes
-from models.step37.memory_plan import PlanInputs, _chunk_activations, plan
+from models.step37.memory_plan import PlanInputs, _chunk_activations, placement, plan
 from models.step37.parallelize import build_chunks
+from models.step37.plan_shares import rank_shares
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
 
@@ -60,22 +61,36 @@ def test_activation_estimate_within_25_percent_of_measurement():
     assert 0.75 <= estimate / saved.bytes <= 1.25, (estimate, saved.bytes)
 
 
-def test_flash_fits_only_with_offload_on_8_gpus():
+def test_flash_on_8_gpus_fits_only_with_optimizer_offload():
     """PP4 x EP2 under --bf16 (fp32 master weights and gradients): without offload no split fits
-    141 GB (the even one, 11, 12, 11, 11, nor the default cost-balanced one); full offload of
-    the shards fits, with the bf16 compute copies of two layers gathered on the device."""
+    141 GB (the even one, 11, 12, 11, 11, nor the default cost-balanced one). Offloading the
+    shards (all) does not fit either: between micro-batches FSDP keeps every unit's unsharded
+    gradient in fp32 on the device (4 bytes x 33.4e9 parameters on pp1 = 133.5 GB). With
+    ``--cpu-offload optimizer`` gradients sync on every backward, so only the stage's bf16
+    compute copy (2 bytes per parameter) stays on the device and it fits."""
     cfg = Step37Config.preset("step37-flash")
     common = dict(pp=4, ep=2, dp=2, seq_length=8192, num_microbatches=32, optimizer="muon",
                   muon_momentum=0.0, recompute="full", bf16=True)
-    offload = plan(cfg, PlanInputs(**common, sharding="fsdp", cpu_offload="all"))
     plain = plan(cfg, PlanInputs(**common, pipeline_layout="11,12,11,11"))
-    assert all(r.fits for r in offload) and not all(r.fits for r in plain)
+    assert not all(r.fits for r in plain) and not all(r.fits for r in plan(cfg, PlanInputs(**common)))
     assert sum(r.parameters for r in plain if r.ep_rank == 0) + \
         sum(r.parameters for r in plain if r.ep_rank == 1) > 196e9  # experts split, dense replicated
-    assert not all(r.fits for r in plan(cfg, PlanInputs(**common)))
-    # bf16 compute copies: two gathered layers at 2 bytes per parameter, fp32 masters on the host
-    busiest = max(offload, key=lambda r: r.host_total)
-    assert busiest.host["parameters"] == busiest.host["gradients"] == 4 * busiest.parameters
+
+    offload = plan(cfg, PlanInputs(**common, sharding="fsdp", cpu_offload="all"))
+    pp1 = offload[2]
+    # expert-DP is 1, so each rank's experts are whole: shards = whole stage but dense halves
+    stage_numel = sum(t.t.numel() for c in rank_shares(cfg, 4, 1, 2, None, 8192)[1] for t in c.tensors)
+    assert pp1.device["unsharded grads"] == 4 * stage_numel and 133e9 < 4 * stage_numel < 134e9
+    assert pp1.device["parameters"] == pp1.device["gradients"] == 0 and not pp1.fits
+
+    opt = plan(cfg, PlanInputs(**common, sharding="fsdp", cpu_offload="optimizer"))
+    assert all(r.fits for r in opt)
+    for r, chunks in zip(opt[::2], rank_shares(cfg, 4, 1, 2, None, 8192)):
+        numel = sum(t.t.numel() for c in chunks for t in c.tensors)
+        routers = sum(t.t.numel() for c in chunks for t in c.tensors if t.fp32)
+        assert r.device["gathered layers"] == 2 * numel + 2 * routers  # bf16 copy, fp32 routers
+        assert r.device["parameters"] == r.device["gradients"] == r.device["optimizer"] == 0
+        assert r.host["parameters"] == r.host["gradients"] == 4 * r.parameters
 
 
 def test_inputs_are_validated():
@@ -83,3 +98,85 @@ def test_inputs_are_validated():
         PlanInputs(cpu_offload="all")
     with pytest.raises(ValueError, match="--recompute 'some'"):
         PlanInputs(recompute="some")
+
+
+# ---------------------------------------------------------------- FSDP against real allocations
+FSDP_CASES = {  # name: (sharding, cpu_offload, bf16, optimizer, muon momentum, gather once)
+    "fsdp_fp32_offload_all_adamw": ("fsdp", "all", False, "adamw", 0.0, False),
+    "fsdp_bf16_offload_experts_muon": ("fsdp", "experts", True, "muon", 0.9, False),
+    "fsdp_bf16_gather_once_muon": ("fsdp", "none", True, "muon", 0.0, True),
+    "one_rank_meshes_bf16_adamw": ("none", "none", True, "adamw", 0.0, False),
+}
+
+
+def _fsdp_params(chunk):
+    """FSDP2's per-parameter records (private API: the only place its accumulators live)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in chunk.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        out += group.fsdp_params if group is not None else []
+    return out
+
+
+def _check_fsdp_bytes(rank, world, sharding, offload, bf16, optimizer, momentum, once):
+    """Two micro-batches, gradient sync off for the first (as the executor does): after it the
+    unsharded accumulators are what the planner books as "unsharded grads"; after the second
+    (synchronising) one the shards' gradients are the "gradients"; then parameters and
+    optimizer state, split into device and host by FSDP's own offload flag."""
+    from core.distributed.fsdp import apply_fsdp, reshard, set_gradient_sync
+    from core.distributed.grads import local
+
+    cfg = Step37Config.preset("tiny")
+    sizes = ParallelSizes(world, pp=1, ep=1)
+    ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
+    inp = PlanInputs(dp=world, sharding=sharding, cpu_offload=offload, bf16=bf16, optimizer=optimizer,
+                     muon_momentum=momentum, num_microbatches=2, seq_length=64, fsdp_gather_once=once)
+    planned = plan(cfg, inp)[0]
+    chunk = build_chunks(cfg, ps, seq_length=64)[0]
+    assert apply_fsdp(chunk, ps, offload, "cpu", once, shard=sharding == "fsdp", bf16=bf16)
+    docs = [40, 24]
+    tokens, pos, psp = thd(docs, seed=rank)
+    for sync in (False, True):
+        set_gradient_sync(chunk, sync)
+        out = chunk(tokens, pos, psp, labels=labels_for(tokens, docs))
+        (out.loss_sum + sum(out.mtp_loss_sums)).backward()
+        if not sync:
+            accumulated = [f.unsharded_accumulated_grad if f.unsharded_accumulated_grad is not None
+                           else f._unsharded_param.grad for f in _fsdp_params(chunk)]
+            assert _bytes(accumulated) == planned.device["unsharded grads"], (rank, sharding, offload)
+    if planned.device["gathered layers"] and not placement(inp).gather_per_microbatch:
+        # still gathered for the step: the modules hold the compute copies (bf16, fp32 routers)
+        assert _bytes(chunk.parameters()) == planned.device["gathered layers"]
+    reshard([chunk])  # as train_step does after the optimizer step: the modules hold the shards
+    on_host = {id(f.sharded_param) for f in _fsdp_params(chunk) if f.offload_to_cpu}
+    params = list(chunk.parameters())
+    host = [local(p) for p in params if id(p) in on_host]
+    dev = [local(p) for p in params if id(p) not in on_host]
+    assert (_bytes(dev), _bytes(host)) == (planned.device["parameters"], planned.host["parameters"]), \
+        (_bytes(dev), _bytes(host), planned.device, planned.host)
+    grads = [(id(p) in on_host, local(p.grad)) for p in params]
+    assert _bytes(g for h, g in grads if not h) == planned.device["gradients"]
+    assert _bytes(g for h, g in grads if h) == planned.host["gradients"]
+    opt, _ = build_optimizer([chunk], _optim_args(optimizer, momentum))
+    opt.step()
+    # this rank's shards of the state (CompositeOptimizer.state_bytes counts DTensors whole)
+    state = [local(t) for o in opt.optimizers.values() for st in o.state.values() for t in st.values()
+             if torch.is_tensor(t)]
+    assert _bytes(state) == planned.device["optimizer"] + planned.host["optimizer"], \
+        (_bytes(state), opt.state_bytes(), planned.device["optimizer"], planned.host["optimizer"])
+
+
+def _fsdp_cases(rank, world):
+    for case in FSDP_CASES.values():
+        _check_fsdp_bytes(rank, world, *case)
+
+
+def test_fsdp_gradients_parameters_and_optimizer_bytes_are_exact(tmp_path):
+    """On 2 gloo ranks (tiny model, DP 2): the unsharded fp32 accumulators FSDP keeps while
+    sync is off (whatever the offload mode), and the sharded parameters, gradients and
+    optimizer state on device and host, byte for byte as planned."""
+    from tests.distributed.harness import run_ranks
+
+    run_ranks(2, _fsdp_cases, tmpdir=str(tmp_path), timeout=240)

@@ -1,0 +1,112 @@
+"""What each rank of a layout holds and when its pipeline runs what, for the planners: each
+pipeline rank's share of the model built on the meta device (nothing allocated) and summarised
+as tensors (shape, role, which block they belong to), and the schedule's facts (peak in-flight
+micro-batches, live p2p buffers, the executor's programs).
+
+Both are cached: a share depends only on (model, pp, vpp, ep, layout, seq_length) and the
+schedule facts only on (pp, vpp, micro-batches), so the search over memory modes, recompute
+and micro-batch sizes (``training/plan_search.py``) builds each once and derives the rest with
+arithmetic (``memory_plan.py``, ``time_plan.py``). EP ranks of one pipeline rank hold shares of
+the same shapes (the experts split evenly), so one build per pipeline rank stands for all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from core.model_api import ParamSpec
+from core.parallel_state import ParallelSizes, ParallelState
+from core.pipeline.p2p import max_live_buffers, plan_all
+from core.pipeline.schedules import build_schedule
+from core.pipeline.simulate import simulate
+from models.step37.config import Step37Config
+from models.step37.parallelize import build_chunks
+
+ROOT = None  # block of the embedding, final norm and heads (FSDP's root unit)
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity (cached tallies)
+class TensorShare:
+    """One parameter of a rank's share: ``t`` is its meta tensor (whole on this EP rank, before
+    any FSDP sharding); ``block``: its decoder layer's global index, ``-1 - k`` for MTP depth
+    ``k``, or ``ROOT``."""
+
+    t: torch.Tensor
+    spec: ParamSpec
+    block: int | None
+    fp32: bool = False  # in an FSDP unit that computes in fp32 under bf16 (a router)
+
+    @property
+    def expert(self) -> bool:
+        return self.spec.replicated_over == "expert_dp"
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkShare:
+    """One virtual stage on one rank."""
+
+    stage: int           # virtual stage index (chunk * pp + pp_rank)
+    first: bool          # holds the embedding
+    last: bool           # holds the final norm, head and MTP depths
+    layers: tuple        # global decoder-layer indices, in order
+    tensors: tuple       # TensorShare, every parameter of the chunk
+
+
+def _summarise(chunk, stage: int) -> ChunkShare:
+    block_of = {}
+    for i, layer in chunk.layers.items():
+        block_of.update({id(p): int(i) for p in layer.parameters()})
+    for k, depth in (chunk.mtp.items() if chunk.mtp is not None else ()):
+        block_of.update({id(p): -1 - int(k) for p in depth.parameters()})
+    fp32 = {id(p) for u in chunk.fsdp_units() if u.fp32 for p in u.module.parameters()}
+    specs = chunk.param_specs()
+    tensors = tuple(TensorShare(p, specs[name], block_of.get(id(p), ROOT), id(p) in fp32)
+                    for name, p in chunk.named_parameters())
+    return ChunkShare(stage, chunk.first, chunk.last, tuple(int(i) for i in chunk.layers), tensors)
+
+
+@lru_cache(maxsize=None)
+def block_numel(chunk: ChunkShare) -> dict:
+    """Parameters per FSDP block (decoder layer or MTP depth; ``ROOT`` for the rest)."""
+    out: dict = {}
+    for s in chunk.tensors:
+        out[s.block] = out.get(s.block, 0) + s.t.numel()
+    return out
+
+
+_SHARES: dict = {}
+
+
+def rank_shares(cfg: Step37Config, pp: int, vpp: int, ep: int, layout: str | None,
+                seq_length: int) -> list[list[ChunkShare]]:
+    """Per pipeline rank, its chunks' shares (EP rank 0's; every EP rank's have these shapes)."""
+    key = (repr(cfg), pp, vpp, ep, layout, seq_length)
+    if key not in _SHARES:
+        sizes = ParallelSizes(pp * ep, pp=pp, ep=ep, vpp=vpp)  # dp = ep: the share ignores expert-DP
+        out = []
+        for r in range(pp):
+            state = ParallelState(sizes, sizes.rank_of(dp=0, pp=r), {})
+            chunks = build_chunks(cfg, state, layout, seq_length=seq_length, device="meta")
+            out.append([_summarise(c, k * pp + r) for k, c in enumerate(chunks)])
+        _SHARES[key] = out
+    return _SHARES[key]
+
+
+@dataclass(frozen=True)
+class ScheduleFacts:
+    schedule: list          # action lists per pipeline rank
+    programs: dict          # the executor's programs (actions and p2p batches), pp > 1
+    peak_in_flight: list    # most micro-batches forwarded and not yet backwarded, per rank
+    p2p_buffers: list       # most [T, hidden] p2p buffers live at once, per rank
+
+
+@lru_cache(maxsize=256)
+def schedule_facts(pp: int, vpp: int, num_microbatches: int) -> ScheduleFacts:
+    schedule = build_schedule(pp, vpp, num_microbatches)
+    sim = simulate(schedule)
+    programs = plan_all(schedule) if pp > 1 else {}
+    buffers = [max_live_buffers(programs[r], r, pp, pp * vpp, inputs=False) if pp > 1 else 0
+               for r in range(pp)]
+    return ScheduleFacts(schedule, programs, sim.peak_in_flight, buffers)
