@@ -7,20 +7,22 @@ the document layout reaches the graph as tensors whose length is marked dynamic
 configuration share a graph (parameters are graph inputs); blocks that differ (dense or MoE
 FFN, sliding or full attention, a SwiGLU clamp) get one graph each.
 
-A layer whose experts live on other ranks cannot be one graph: its dispatcher reads the
-all-to-all split sizes on the host. Such a layer is compiled in the pieces around the
-dispatch: the attention block (norm, attention, residual, norm), the router, the shared
-expert and the experts (whose row count depends on routing, so that graph has a dynamic
-first dimension); permutation, all-to-all and the weighted combine run eagerly between them.
-The MTP depth's own projections then run eagerly too.
+Only ``forward`` methods are compiled, never a module's call: FSDP's hooks (gather before a
+unit's forward, reduce after its backward) stay outside the graphs, so this runs after FSDP.
 
-Applied after recompute (a checkpointed region is traced as one) and before FSDP, whose hooks
-run outside the compiled graphs.
+A layer that cannot be one graph is compiled in the pieces around what must stay eager: its
+dispatcher reads the all-to-all split sizes on the host (expert parallelism), or FSDP wraps
+units inside it (the experts over expert-DP, the fp32 router under ``--bf16``), whose hooks
+must run between pieces. The pieces are the attention block (norm, attention, residual, norm),
+the router, the shared expert and the experts (under expert parallelism their row count
+depends on routing, so that graph has a dynamic first dimension); permutation, all-to-all and
+the weighted combine run eagerly between them, and so do an MTP depth's own projections.
 """
 from __future__ import annotations
 
 import torch
 import torch._dynamo
+from torch.distributed.fsdp import FSDPModule
 
 from core.moe.layer import MoELayer
 from models.step37.model import DecoderLayer, MTPDepth, Step37Model
@@ -28,16 +30,25 @@ from models.step37.model import DecoderLayer, MTPDepth, Step37Model
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-def _communicates(block: torch.nn.Module) -> bool:
-    return any(isinstance(m, MoELayer) and m.dispatcher.communicates for m in block.modules())
+def _one_graph(block: torch.nn.Module) -> bool:
+    """No communicating dispatcher and no FSDP unit inside (the block itself may be one)."""
+    return not any((isinstance(m, MoELayer) and m.dispatcher.communicates)
+                   or (m is not block and isinstance(m, FSDPModule)) for m in block.modules())
+
+
+def _compile_forward(module: torch.nn.Module, backend: str, dynamic: bool | None = None) -> None:
+    module.forward = torch.compile(module.forward, fullgraph=True, backend=backend, dynamic=dynamic)
 
 
 def _compile_pieces(layer: DecoderLayer, backend: str) -> None:
     layer.attention_block = torch.compile(layer.attention_block, fullgraph=True, backend=backend)
-    moe = layer.moe
-    moe.router.compile(fullgraph=True, backend=backend)
-    moe.shared_expert.compile(fullgraph=True, backend=backend)
-    moe.experts.compile(fullgraph=True, backend=backend, dynamic=True)
+    ffn = getattr(layer, "mlp", None) or layer.moe
+    if isinstance(ffn, MoELayer):
+        _compile_forward(ffn.router, backend)
+        _compile_forward(ffn.shared_expert, backend)
+        _compile_forward(ffn.experts, backend, dynamic=True if ffn.dispatcher.communicates else None)
+    else:
+        _compile_forward(ffn, backend)
 
 
 def apply_compile(model: Step37Model, backend: str = "inductor") -> int:
@@ -55,8 +66,8 @@ def apply_compile(model: Step37Model, backend: str = "inductor") -> int:
         torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
     whole = 0
     for block in blocks:
-        if not _communicates(block):
-            block.compile(fullgraph=True, backend=backend)
+        if _one_graph(block):
+            _compile_forward(block, backend)
             whole += 1
         else:
             _compile_pieces(block.block if isinstance(block, MTPDepth) else block, backend)

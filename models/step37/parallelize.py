@@ -50,10 +50,10 @@ def parallelize(config: Step37Config, ps: ParallelState, args, *,
         if ps.sizes.ep > 1:
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
-        if m.compile:
-            apply_compile(chunk, m.compile_backend)
         apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
                    shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16)
+        if m.compile:
+            apply_compile(chunk, m.compile_backend)
         materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,
                     hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0)
     return chunks
