@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from core.checkpointing import CheckpointError, resolve
 from core.logging import RankLogger
 from core.optim.build import build_optimizer
 from core.optim.lr_schedule import apply_lr, lr_multiplier
@@ -19,6 +20,7 @@ from core.train_step import StepSettings, train_step
 from data.loader import THDLoader, open_source, parse_data_path
 from data.tokenizers import build_tokenizer
 from models.step37.costs import device_peak_tflops, training_flops
+from models.step37.materialize import local_rows, shard_bytes
 from models.step37.parallelize import parallelize, stage_layers
 from train_args import RunLayout, evaluates
 from training.checkpoints import RunCheckpoints, schedule_record
@@ -41,7 +43,11 @@ class Trainer:
         self.loader = THDLoader(sources, seq_length=d.seq_length, micro_batch_size=d.micro_batch_size,
                                 pad_id=self.tok.pad_id, dp_rank=ps.dp_rank, dp_size=ps.sizes.dp, seed=s.seed)
         self.valid = validation_loader(args, self.tok.pad_id, ps.dp_rank, ps.sizes.dp) if evaluates(args) else None
-        self.chunks = parallelize(self.cfg, ps, args)
+        # a checkpoint to resume fills every weight: no initialisation and no --load-hf read
+        self.from_checkpoint = will_load(args.checkpoint)
+        t0 = time.perf_counter()
+        self.chunks = parallelize(self.cfg, ps, args, from_checkpoint=self.from_checkpoint)
+        self.build_s = time.perf_counter() - t0
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
         self.settings = StepSettings(
             hidden_size=self.cfg.hidden_size, device=local_device(),
@@ -54,7 +60,9 @@ class Trainer:
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
         self.ckpt = RunCheckpoints(args, self.log)
+        self.log.info(self._startup_summary())
         self.iteration = self.start_iteration = 0
+        self.resumed = False
         self.skipped, self.in_a_row = 0, 0
         self.evaluated_at = None
         self.stop_requested = False
@@ -80,10 +88,24 @@ class Trainer:
                 "tokenizer": {"type": a.data.tokenizer_type, "model": a.data.tokenizer_model,
                               "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id}}
 
+    def _startup_summary(self) -> str:
+        a, held = self.args, shard_bytes(self.chunks)
+        n = sum(local_rows(p)[0].numel() for c in self.chunks for p in c.parameters())
+        source = (f"from --load {a.checkpoint.load} (next; --load-hf not read)" if self.from_checkpoint
+                  else f"from --load-hf {a.model.load_hf}" if a.model.load_hf
+                  else f"seeded (--seed {a.schedule.seed})")
+        return (f"model: {n:,} parameters on this rank ({held['device'] / 2**30:.2f} GiB on the device, "
+                f"{held['host'] / 2**30:.2f} GiB in host memory), built in {self.build_s:.1f} s, "
+                f"weights {source}; peak host memory so far {_peak_host_gib():.2f} GiB")
+
     def maybe_resume(self) -> None:
         r = self.ckpt.resume(self.cfg, self.chunks, self.optimizer)
         if r is None:
+            if self.from_checkpoint:  # the parameters were left for it to fill
+                raise CheckpointError(f"--load {self.args.checkpoint.load}: the checkpoint found at "
+                                      "start-up is gone; start again")
             return
+        self.resumed = True
         self.iteration = self.start_iteration = r.iteration
         state = r.extra.get("loader") or {"global_consumed": self.iteration * self.M * self.ps.sizes.dp,
                                           "fingerprint": self.loader.fingerprint()}
@@ -134,6 +156,9 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
         a = self.args
+        if self.from_checkpoint and not self.resumed:
+            raise RuntimeError("the parameters were left for --load to fill: call maybe_resume() "
+                               "before train()")
         s, ck, lg, e = a.schedule, a.checkpoint, a.logging, a.eval
         last = {}
         if self.valid is None and a.eval.eval_iters:
@@ -202,4 +227,21 @@ def _doc_lengths(batch) -> list[int]:
 def _peak_memory_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
+    return _peak_host_gib()
+
+
+def _peak_host_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def will_load(ck) -> bool:
+    """Whether ``--load`` names a complete checkpoint now, so ``maybe_resume`` will fill every
+    parameter (``RunCheckpoints.resume`` resolves it the same way; when that fails it either
+    starts from scratch, as here, or raises)."""
+    if not ck.load:
+        return False
+    try:
+        resolve(ck.load)
+    except CheckpointError:
+        return False
+    return True
