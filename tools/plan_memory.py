@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""Will this layout fit? Per-rank bytes of parameters, gradients, optimizer state, activations,
-p2p and all-to-all buffers, on device and on host, without allocating anything (each rank's share
-is built on the meta device). Takes every flag of pretrain_step37.py, so a training command can
+"""Will this layout fit, and how fast will it run? Per-rank bytes of parameters, gradients,
+optimizer state, activations, p2p and all-to-all buffers, on device and on host, and the
+predicted step time and tokens/s per GPU, without allocating anything (each rank's share is
+built on the meta device). Takes every flag of pretrain_step37.py, so a training command can
 be pasted after ``--world-size N``; --data-path and the tokenizer flags are accepted and ignored.
 
     python tools/plan_memory.py --world-size 8 --model-preset step37-flash \\
         --pipeline-model-parallel-size 4 --expert-model-parallel-size 2 --seq-length 8192 \\
-        --global-batch-size 64 --optimizer muon --muon-momentum 0 --params-dtype bf16 \\
+        --global-batch-size 64 --optimizer muon --muon-momentum 0 --bf16 \\
         --recompute-granularity full --data-parallel-sharding fsdp --cpu-offload all [--json]
+
+With ``--search`` it lists every layout of the world size (pipeline and virtual stages, EP,
+sharding, offload, gather-once, recompute, micro-batch size) that fits, fastest first; the
+model, sequence length, global batch, precision and optimizer stay as given:
+
+    python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \\
+        --seq-length 8192 --global-batch-size 64 --bf16 --optimizer muon --muon-momentum 0
 """
 from __future__ import annotations
 
@@ -17,8 +25,10 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.cli import add_to_parser, from_namespace  # noqa: E402
+from models.step37.time_plan import TimeAssumptions  # noqa: E402
 from train_args import build_parser, sections, validate  # noqa: E402
-from training.plan import report  # noqa: E402
+from training.plan import DEFAULT_DEVICE_GB, report, search_report  # noqa: E402
 
 
 def build_planner_parser():
@@ -27,8 +37,17 @@ def build_planner_parser():
     g = parser.add_argument_group("planner", "what to plan for")
     g.add_argument("--world-size", type=int, required=True,
                    help="number of ranks of the run (GPUs; torchrun's nodes x nproc-per-node)")
-    g.add_argument("--device-gb", type=float, default=141.0, help="device memory in GB (default: 141, H200)")
-    g.add_argument("--json", action="store_true", help="print JSON, one entry per rank")
+    g.add_argument("--device-gb", type=float, default=DEFAULT_DEVICE_GB,
+                   help=f"device memory in GB (default: {DEFAULT_DEVICE_GB:g}, H200)")
+    g.add_argument("--json", action="store_true", help="print JSON: one entry per rank, or with "
+                                                       "--search every layout")
+    g.add_argument("--search", action="store_true", help="rank every layout of --world-size that fits, "
+                                                         "fastest first (the layout flags given are ignored)")
+    g.add_argument("--top", type=int, default=20, help="rows of the --search table (default: 20)")
+    g.add_argument("--host-gb", type=float, default=2000.0,
+                   help="--search: host memory per node in GB that a layout may use (default: 2000, "
+                        "a DGX H200's 2 TB; 0: no limit)")
+    add_to_parser(parser, TimeAssumptions, "time model")
     return parser
 
 
@@ -37,11 +56,17 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     args = sections(ns, parser)
     try:
+        assumptions = from_namespace(TimeAssumptions, ns)
+        if ns.search:
+            if ns.top < 1:
+                raise ValueError(f"--top must be >= 1, got {ns.top}")
+            return search_report(args, ns.world_size, device_gb=ns.device_gb, host_gb=ns.host_gb,
+                                 assumptions=assumptions, top=ns.top, as_json=ns.json)
         layout = validate(args, ns.world_size, check_files=False)
     except ValueError as e:
         print(f"plan_memory.py: error: {e}", file=sys.stderr)
         return 2
-    return report(args, layout, as_json=ns.json, device_gb=ns.device_gb)
+    return report(args, layout, as_json=ns.json, device_gb=ns.device_gb, assumptions=assumptions)
 
 
 if __name__ == "__main__":

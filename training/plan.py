@@ -1,25 +1,38 @@
 """Plan a run without running it: ``pretrain_step37.py --dry-run N`` and ``tools/plan_memory.py
 --world-size N`` are this one code path, over the same parsed training flags, so a training
-command pasted into the planner plans exactly that run (defaults agree by construction)."""
+command pasted into the planner plans exactly that run (defaults agree by construction): memory
+per rank and the predicted step time. ``tools/plan_memory.py --search`` ranks every layout of
+the world size with the same two models (``training/plan_search.py``)."""
 from __future__ import annotations
 
 import json
 
 from models.step37.memory_plan import GB, PlanInputs, as_dict, format_table, plan
-from train_args import RunLayout
+from models.step37.time_plan import TimeAssumptions, format_time, peak_tflops, plan_time, summary
+from models.step37.time_plan import as_dict as time_dict
+from train_args import RunLayout, model_config
+
+DEFAULT_DEVICE_GB = 141.0  # H200
 
 
-def plan_inputs(args, layout: RunLayout, device_gb: float = 141.0) -> PlanInputs:
-    """The planner's view of the training flags."""
-    o, m, s = args.optim, args.memory, layout.sizes
-    return PlanInputs(pp=s.pp, vpp=s.vpp, ep=s.ep, dp=s.dp, sharding=m.data_parallel_sharding,
+def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAULT_DEVICE_GB) -> PlanInputs:
+    """The planner's view of the training flags (``layout``: the validated sizes; without it,
+    the flags' own pipeline and EP sizes at DP 1, for the search to replace)."""
+    o, m, p = args.optim, args.memory, args.parallel
+    if layout is not None:
+        s, M = layout.sizes, layout.num_microbatches
+        pp, vpp, ep, dp = s.pp, s.vpp, s.ep, s.dp
+    else:
+        pp, vpp, ep, dp = (p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+                           p.expert_model_parallel_size, p.expert_model_parallel_size)
+        M = 1
+    return PlanInputs(pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=m.data_parallel_sharding,
                       cpu_offload=m.cpu_offload, fsdp_gather_once=m.fsdp_gather_once,
                       recompute=m.recompute_granularity, recompute_num_layers=m.recompute_num_layers,
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
-                      num_microbatches=layout.num_microbatches, optimizer=o.optimizer,
-                      muon_momentum=o.muon_momentum, dion_rank_fraction=o.dion_rank_fraction,
-                      bf16=m.bf16, device_gb=device_gb,
-                      pipeline_layout=args.parallel.pipeline_layout)
+                      num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,
+                      muon_ns_steps=o.muon_ns_steps, dion_rank_fraction=o.dion_rank_fraction,
+                      bf16=m.bf16, device_gb=device_gb, pipeline_layout=p.pipeline_layout)
 
 
 def every_rank(ranks: list, layout: RunLayout) -> list[dict]:
@@ -33,15 +46,18 @@ def every_rank(ranks: list, layout: RunLayout) -> list[dict]:
     return out
 
 
-def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float = 141.0,
-           prog: str = "plan_memory") -> int:
-    """Print the plan of every rank (a table, or JSON with one entry per rank); returns 0."""
+def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float = DEFAULT_DEVICE_GB,
+           prog: str = "plan_memory", assumptions: TimeAssumptions | None = None) -> int:
+    """Print the plan of every rank (a table, or JSON with one entry per rank) and the predicted
+    step time; returns 0."""
     inp = plan_inputs(args, layout, device_gb)
     ranks = plan(layout.config, inp)
+    peak = peak_tflops(args.logging.peak_tflops)
+    st = plan_time(layout.config, inp, assumptions, peak, args.data.global_batch_size)
     s = layout.sizes
     if as_json:
-        print(json.dumps({"world_size": s.world, "inputs": vars(inp), "ranks": every_rank(ranks, layout)},
-                         indent=2))
+        print(json.dumps({"world_size": s.world, "inputs": vars(inp), "ranks": every_rank(ranks, layout),
+                          "time": time_dict(st)}, indent=2))
         return 0
     print(f"world {s.world} = pp {s.pp} x dp {s.dp} (ep {s.ep}, expert-dp {s.expert_dp}), "
           f"{layout.num_microbatches} micro-batches per pipeline; nothing allocated")
@@ -54,4 +70,20 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
           f"pipeline; busiest rank pp{worst.pp_rank} ep{worst.ep_rank} needs "
           f"{worst.device_total / GB:.1f} GB on device, {worst.host_total / GB:.1f} GB on host: "
           f"{'fits' if fits else 'does NOT fit'} {device_gb:g} GB")
+    print(format_time(st))
+    print(f"{prog}: {summary(st)}")
     return 0
+
+
+def search_report(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_gb: float = 0.0,
+                  assumptions: TimeAssumptions | None = None, top: int = 20, as_json: bool = False,
+                  prog: str = "plan_memory") -> int:
+    """``--search``: rank every layout of ``world`` ranks for these flags (see plan_search.py)."""
+    from training.plan_search import report as print_rows, search
+
+    cfg = model_config(args)
+    a = assumptions or TimeAssumptions()
+    peak = peak_tflops(args.logging.peak_tflops)
+    base = plan_inputs(args, device_gb=device_gb)
+    rows = search(cfg, world, base, args.data.global_batch_size, a, peak, host_gb)
+    return print_rows(rows, world, device_gb, host_gb, a, peak, top, as_json, prog)

@@ -1,0 +1,352 @@
+"""Predicted step time per rank, next to the memory plan: what each rank computes and moves in
+one step, turned into seconds by assumed efficiencies and bandwidths (``TimeAssumptions``, the
+planner's flags). These are predictions, not measurements.
+
+Per micro-batch and virtual stage (what the pipeline simulator schedules):
+
+- compute: forward FLOPs of the stage (``costs.py``: matmuls, attention over the keys a causal
+  document of ``seq_length`` sees; the last stage adds the head and the MTP depths); backward
+  is twice the forward; recompute (full or selective: both rerun every matmul of attention and
+  the FFN) adds one forward of the recomputed layers; at ``assumed_mfu`` of the peak;
+- all-to-all: each MoE layer dispatches and combines ``T x top_k x hidden`` activations, of
+  which ``(ep - 1) / ep`` leave the rank, in forward, in backward, and again when recomputed;
+- p2p: one ``[T, hidden]`` message per stage boundary each way;
+- weights gathered per pass (FSDP without gather-once): the offloaded fp32 shards host to
+  device (4 bytes per shard parameter) and the all-gather of the compute copies, for the forward
+  and again for the backward;
+- ``cpu_offload="optimizer"``: every backward reduce-scatters in fp32 and sends the fp32
+  gradient shards device to host.
+
+Once per step and rank, after the pipeline: weights gathered once (gather-once, one-rank
+meshes, ``optimizer`` offload), the gradient reduce-scatter (or all-reduce where FSDP does not
+shard) and the shards' device-to-host copy, the tied embedding's all-reduce, and the optimizer:
+AdamW at memory bandwidth (28 bytes per parameter: p, g, m, v read; p, m, v written) on the host
+for offloaded shards, Muon's Newton-Schulz on the GPU matrix by matrix (whole matrices: FSDP
+shards are all-gathered first; offloaded ones travel host to device and back), Dion's power
+iteration likewise.
+
+Nothing overlaps (conservative: FSDP prefetch, copy engines and the shared expert do overlap
+some of it on a GPU). The step is the pipeline's makespan under these per-stage costs (bubble
+and stage imbalance included, from ``core.pipeline.simulate``) plus the slowest rank's
+once-per-step work.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+from core.cli import option
+from core.optim.build import classify
+from core.pipeline.simulate import plan_makespan
+from models.step37.config import Step37Config
+from models.step37.costs import PEAK_TFLOPS, device_peak_tflops, model_costs
+from models.step37.memory_plan import KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, placement
+from models.step37.plan_shares import ChunkShare, rank_shares, schedule_facts
+
+DEFAULT_PEAK = PEAK_TFLOPS["H200"]
+ADAMW_BYTES = 28  # fp32 p, g, m, v read; p, m, v written
+MUON_BYTES = 12   # p read and written (decay, update), the update read
+
+
+@dataclass
+class TimeAssumptions:
+    """Step-time model: assumed efficiency and bandwidths (the planner's predictions)."""
+
+    assumed_mfu: float = option(0.4, "fraction of the dense bf16 peak (--peak-tflops) that every "
+                                     "matmul reaches (Newton-Schulz included)")
+    pcie_gb_s: float = option(25.0, "host-device GB/s per GPU each way (PCIe 5 x16 peaks at 64; "
+                                    "half of a measured ~50, for GPUs that share a switch)")
+    nvlink_gb_s: float = option(150.0, "GB/s per GPU for p2p, all-to-all and data-parallel "
+                                       "collectives inside a node (NVLink 4: 450 per direction)")
+    network_gb_s: float = option(50.0, "GB/s per GPU for groups that span nodes (one 400 Gb/s NIC "
+                                       "per GPU)")
+    gpus_per_node: int = option(8, "GPUs per node: which groups span nodes, host memory per node")
+    host_gb_s: float = option(20.0, "host memory bandwidth one rank's optimizer step gets on the "
+                                    "host, GB/s (a node's ~400 shared by 8 ranks, halved)")
+    hbm_gb_s: float = option(3000.0, "device memory bandwidth of elementwise optimizer updates, "
+                                     "GB/s (H200: 4,800 peak)")
+
+    def __post_init__(self):
+        for name in ("assumed_mfu", "pcie_gb_s", "nvlink_gb_s", "network_gb_s", "host_gb_s", "hbm_gb_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.assumed_mfu > 1:
+            raise ValueError(f"--assumed-mfu must be in (0, 1], got {self.assumed_mfu}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+
+
+def peak_tflops(flag: float | None) -> float:
+    """--peak-tflops, else the local GPU's known peak, else the H200's (the recipes' target)."""
+    return flag or device_peak_tflops() or DEFAULT_PEAK
+
+
+BREAKDOWN = ("compute", "all-to-all", "p2p", "host-device", "dp comm", "optimizer", "idle")
+
+
+@dataclass
+class RankTime:
+    pp_rank: int
+    seconds: dict = field(default_factory=dict)  # BREAKDOWN -> seconds of this rank's step
+    bytes: dict = field(default_factory=dict)    # host-device, nvlink/network bytes per step
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+@dataclass
+class StepTime:
+    ranks: list            # RankTime per pipeline rank (EP ranks of a stage time the same)
+    step_s: float          # the slowest rank's step
+    slowest: int           # its pipeline rank
+    makespan_s: float      # forward and backward of every micro-batch, pipeline included
+    bubble: float          # idle fraction of ranks x makespan (bubble and stage imbalance)
+    tokens_per_s_per_gpu: float
+    mfu: float             # model FLOPs (no recompute) / (step x world x peak)
+    peak_tflops: float
+    assumptions: dict
+
+
+_COSTS: dict = {}
+
+
+def _costs(cfg: Step37Config, seq_length: int):
+    key = (repr(cfg), seq_length)
+    if key not in _COSTS:
+        _COSTS[key] = model_costs(cfg, seq_length)
+    return _COSTS[key]
+
+
+def _stage_flops(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
+    """Forward FLOPs per token of the chunk, and those its recompute repeats."""
+    c = _costs(cfg, inp.seq_length)
+    fwd = sum(c.layers[i] for i in chunk.layers) + (c.last_extra if chunk.last else 0.0)
+    redo = 0.0
+    if inp.recompute != "none":
+        n = inp.recompute_num_layers or len(chunk.layers)
+        redo = sum(c.layers[i] for i in chunk.layers[:n])
+    return fwd, redo
+
+
+def _moe_layers(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
+    """MoE layers of the chunk (MTP depths included), and how many of them are recomputed."""
+    sparse = [i for i in chunk.layers if cfg.mlp_layer_types[i] != "dense"]
+    n = inp.recompute_num_layers or len(chunk.layers)
+    redo = 0 if inp.recompute == "none" else sum(1 for i in chunk.layers[:n] if cfg.mlp_layer_types[i] != "dense")
+    mtp = sum(1 for t in cfg.mtp_mlp_layer_types if t != "dense") if chunk.last else 0
+    return len(sparse) + mtp, redo
+
+
+@lru_cache(maxsize=4096)
+def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str,
+                   ns_steps: int, dion_fraction: float) -> dict:
+    """Per kind: AdamW and matrix shard parameters, FLOPs of orthogonalising the whole
+    matrices (Newton-Schulz per iteration ``4 m^2 n + 2 m^3`` for m <= n; Dion ``8 m n r``),
+    and the tied parameters' shards."""
+    out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0} for k in KINDS}
+    for s in chunk.tensors:
+        kind = "expert" if s.expert else "dense"
+        shard = _shard_numel(s.t, expert_world if s.expert else dense_world)
+        o = out[kind]
+        o["tied"] += shard if s.spec.tied else 0
+        if classify(s.spec, s.t, optimizer) != "matrix":
+            o["adamw"] += shard
+            continue
+        o["matrix"] += shard
+        m, n = sorted(s.t.shape[-2:])
+        batch = s.t.numel() // (m * n)
+        if optimizer == "muon":
+            o["flops"] += batch * ns_steps * (4.0 * m * m * n + 2.0 * m ** 3)
+        else:
+            o["flops"] += batch * 8.0 * m * n * max(1, math.ceil(dion_fraction * m))
+    return out
+
+
+@lru_cache(maxsize=64)
+def _groups(sizes) -> dict:
+    return sizes.group_ranks()
+
+
+def _crosses(sizes, rank: int, kind: str, gpus_per_node: int) -> bool:
+    """Whether this rank's ``kind`` group (or, for "pp", its pipeline ring) spans nodes."""
+    node = rank // gpus_per_node
+    groups = _groups(sizes)[kind]
+    ranks = next((g for g in groups if rank in g), [rank])  # middle stages: no embedding group
+    return any(r // gpus_per_node != node for r in ranks)
+
+
+def _bandwidths(inp: PlanInputs, a: TimeAssumptions, pp_rank: int) -> dict:
+    s = inp.sizes
+    rank = s.rank_of(dp=0, pp=pp_rank)
+    return {k: (a.network_gb_s if _crosses(s, rank, k, a.gpus_per_node) else a.nvlink_gb_s) * 1e9
+            for k in ("dp", "ep", "expert_dp", "pp", "embedding")}
+
+
+def _gather_bytes(t: dict, pl: Placement, b: int) -> tuple[int, int, dict]:
+    """One gather of the managed units: host-to-device bytes of the offloaded fp32 shards, and
+    all-gather bytes received per kind."""
+    h2d = sum(t[k]["shard"] * MASTER for k in KINDS if pl.offloaded[k])
+    ag = {k: (pl.shard_world[k] - 1) * t[k]["shard"] * b if pl.managed[k] else 0 for k in KINDS}
+    return h2d, sum(ag.values()), ag
+
+
+def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
+              peak: float, pp_rank: int) -> tuple[list, dict, dict]:
+    """Per chunk (forward seconds, backward seconds) of one micro-batch, and the rank's
+    once-per-step seconds and bytes, each split by BREAKDOWN."""
+    T, b, H, k = inp.tokens, inp.act_bytes, cfg.hidden_size, cfg.num_experts_per_tok
+    eff = a.assumed_mfu * peak * 1e12
+    bw = _bandwidths(inp, a, pp_rank)
+    pcie, S = a.pcie_gb_s * 1e9, inp.pp * inp.vpp
+    group = {"dense": "dp", "expert": "expert_dp"}
+    per_mb, step = [], dict.fromkeys(BREAKDOWN, 0.0)
+    moved = {"host-device": 0.0, "nvlink/network": 0.0}
+    M = inp.num_microbatches
+    for chunk in chunks:
+        t = chunk_tally(chunk, inp, pl)
+        fwd_f, redo_f = _stage_flops(cfg, chunk, inp)
+        n_moe, n_redo = _moe_layers(cfg, chunk, inp)
+        f = dict.fromkeys(BREAKDOWN, 0.0)
+        bk = dict.fromkeys(BREAKDOWN, 0.0)
+        f["compute"] = fwd_f * T / eff
+        bk["compute"] = (2 * fwd_f + redo_f) * T / eff
+        a2a = T * k * H * b * (inp.ep - 1) / inp.ep
+        f["all-to-all"], bk["all-to-all"] = 2 * n_moe * a2a / bw["ep"], 2 * (n_moe + n_redo) * a2a / bw["ep"]
+        msg = T * H * b
+        f["p2p"] = msg / bw["pp"] if chunk.stage < S - 1 else 0.0
+        bk["p2p"] = msg / bw["pp"] if chunk.stage > 0 else 0.0
+        moved["nvlink/network"] += M * (2 * n_moe * a2a + (2 * (n_moe + n_redo)) * a2a
+                                        + msg * ((chunk.stage < S - 1) + (chunk.stage > 0)))
+        h2d, ag_total, ag = _gather_bytes(t, pl, b)
+        ag_s = sum(ag[x] / bw[group[x]] for x in KINDS)
+        if pl.gather_per_microbatch:  # forward and backward each gather the units again
+            for d in (f, bk):
+                d["host-device"] += h2d / pcie
+                d["dp comm"] += ag_s
+            moved["host-device"] += 2 * M * h2d
+            moved["nvlink/network"] += 2 * M * ag_total
+        elif any(pl.managed.values()):
+            step["host-device"] += h2d / pcie
+            step["dp comm"] += ag_s
+            moved["host-device"] += h2d
+            moved["nvlink/network"] += ag_total
+        d2h = sum(t[x]["shard"] * MASTER for x in KINDS if pl.offloaded[x])
+        rs = {x: (pl.shard_world[x] - 1) * t[x]["shard"] * MASTER if pl.managed[x] else 0 for x in KINDS}
+        rs_s = sum(rs[x] / bw[group[x]] for x in KINDS)
+        if pl.sync_every_microbatch:
+            bk["host-device"] += d2h / pcie
+            bk["dp comm"] += rs_s
+            moved["host-device"] += M * d2h
+            moved["nvlink/network"] += M * sum(rs.values())
+        else:
+            step["host-device"] += d2h / pcie
+            step["dp comm"] += rs_s
+            moved["host-device"] += d2h
+            moved["nvlink/network"] += sum(rs.values())
+        _sync_and_optimizer(cfg, chunk, t, inp, a, pl, bw, eff, step, moved)
+        per_mb.append((f, bk))
+    return per_mb, step, moved
+
+
+def _sync_and_optimizer(cfg, chunk, t, inp, a, pl, bw, eff, step, moved) -> None:
+    """All-reduce of gradients FSDP does not shard, the tied embedding's, and the optimizer."""
+    s = inp.sizes
+    replicas = {"dense": s.dp, "expert": s.expert_dp}
+    group = {"dense": "dp", "expert": "expert_dp"}
+    work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
+                          inp.muon_ns_steps, inp.dion_rank_fraction)
+    pcie, host, hbm = a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, a.hbm_gb_s * 1e9
+    for x in KINDS:
+        g = replicas[x]
+        if pl.shard_world[x] == 1 and g > 1:  # sync_gradients sums whole fp32 gradients
+            ar = 2 * (g - 1) / g * t[x]["numel"] * MASTER
+            step["dp comm"] += ar / bw[group[x]]
+            moved["nvlink/network"] += ar
+        if inp.pp > 1 and work[x]["tied"]:  # first and last stage sum the embedding's gradient
+            step["dp comm"] += work[x]["tied"] * MASTER / bw["embedding"]
+            moved["nvlink/network"] += work[x]["tied"] * MASTER
+        w = work[x]
+        on_host = pl.offloaded[x]
+        step["optimizer"] += w["adamw"] * ADAMW_BYTES / (host if on_host else hbm)
+        if not w["matrix"]:
+            continue
+        elementwise = MUON_BYTES + (24 if inp.optimizer == "muon" and inp.muon_momentum > 0 else 0)
+        if inp.optimizer == "dion":
+            elementwise = 24  # momentum buffer read and written, error feedback
+        step["optimizer"] += w["matrix"] * elementwise / (host if on_host else hbm)
+        step["optimizer"] += w["flops"] / eff
+        gw = pl.shard_world[x]
+        if gw > 1:  # the whole matrix before orthogonalising (fp32 gradient shards)
+            gathered = (gw - 1) * w["matrix"] * MASTER
+            step["dp comm"] += gathered / bw[group[x]]
+            moved["nvlink/network"] += gathered
+        if on_host:  # gradient (or momentum) shard to the GPU, the update back
+            step["host-device"] += 2 * w["matrix"] * MASTER / pcie
+            moved["host-device"] += 2 * w["matrix"] * MASTER
+
+
+def plan_time(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions | None = None,
+              peak: float | None = None, global_batch_size: int | None = None) -> StepTime:
+    """The step-time prediction of a layout. ``global_batch_size`` in packs (default: micro-
+    batches x micro-batch size x DP)."""
+    a = a or TimeAssumptions()
+    peak = peak_tflops(peak)
+    pl = placement(inp)
+    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length)
+    S, M = inp.pp * inp.vpp, inp.num_microbatches
+    fwd, bwd = [0.0] * S, [0.0] * S
+    work = []
+    for r, chunks in enumerate(shares):
+        per_mb, step, moved = rank_work(cfg, chunks, inp, a, pl, peak, r)
+        for chunk, (f, bk) in zip(chunks, per_mb):
+            fwd[chunk.stage], bwd[chunk.stage] = sum(f.values()), sum(bk.values())
+        work.append((per_mb, step, moved))
+    facts = schedule_facts(inp.pp, inp.vpp, M)
+    if inp.pp > 1:
+        makespan = plan_makespan(facts.programs, inp.pp, fwd, bwd)
+    else:
+        makespan = M * (fwd[0] + bwd[0])
+    ranks = []
+    for r, (per_mb, step, moved) in enumerate(work):
+        sec = dict(step)
+        for f, bk in per_mb:
+            for key in BREAKDOWN:
+                sec[key] += M * (f[key] + bk[key])
+        sec["idle"] = makespan - M * sum(sum(f.values()) + sum(bk.values()) for f, bk in per_mb)
+        ranks.append(RankTime(r, sec, moved))
+    slowest = max(ranks, key=lambda x: x.total)
+    step_s = slowest.total
+    gbs = global_batch_size or M * inp.micro_batch_size * inp.dp
+    world = inp.sizes.world
+    model_flops = 3 * sum(_stage_flops(cfg, c, inp)[0] for chunks in shares for c in chunks) \
+        * inp.seq_length * gbs
+    bubble = sum(x.seconds["idle"] for x in ranks) / (inp.pp * makespan) if makespan else 0.0
+    return StepTime(ranks, step_s, slowest.pp_rank, makespan, bubble,
+                    gbs * inp.seq_length / step_s / world, model_flops / (step_s * world * peak * 1e12),
+                    peak, asdict(a))
+
+
+def as_dict(st: StepTime) -> dict:
+    d = asdict(st)
+    for r, x in zip(d["ranks"], st.ranks):
+        r["step_s"] = x.total
+    return d
+
+
+def format_time(st: StepTime) -> str:
+    a = st.assumptions
+    lines = [f"predicted step time in seconds (assumed: {a['assumed_mfu']:.0%} of {st.peak_tflops:g} "
+             f"TFLOP/s, PCIe {a['pcie_gb_s']:g} GB/s, NVLink {a['nvlink_gb_s']:g} GB/s, host "
+             f"{a['host_gb_s']:g} GB/s; transfers not overlapped)",
+             f"{'rank':<6}" + "".join(f"{k:>13}" for k in BREAKDOWN) + f"{'step':>10}{'PCIe GB':>10}"]
+    for r in st.ranks:
+        lines.append(f"pp{r.pp_rank:<4}" + "".join(f"{r.seconds[k]:>13.2f}" for k in BREAKDOWN)
+                     + f"{r.total:>10.2f}{r.bytes['host-device'] / 1e9:>10.0f}")
+    return "\n".join(lines)
+
+
+def summary(st: StepTime) -> str:
+    return (f"predicted step {st.step_s:.1f} s (slowest pp{st.slowest}; pipeline idle "
+            f"{st.bubble:.1%}), {st.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {st.mfu:.1%}")

@@ -1,0 +1,65 @@
+"""``tools/plan_memory.py --search``: every layout of a world size, those that fit ranked by
+predicted tokens/s per GPU; for the recipe's flags the top row fits an H200 without copying
+weights to the GPU per micro-batch."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from models.step37 import Step37Config
+from models.step37.memory_plan import PlanInputs
+from training.plan_search import candidates, search
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE = ["--model-preset", "step37-flash", "--seq-length", "8192", "--global-batch-size", "64",
+          "--bf16", "--optimizer", "muon", "--muon-momentum", "0"]
+
+
+def test_recipe_search_prints_a_ranked_table_whose_top_row_fits_without_per_microbatch_copies():
+    out = subprocess.run([sys.executable, "tools/plan_memory.py", "--search", "--world-size", "8", *RECIPE,
+                          "--top", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    fit, total = map(int, re.match(r"(\d+) of (\d+) layouts on 8 GPUs fit 141 GB", lines[0]).groups())
+    assert 0 < fit < total
+    head = lines[1].split()
+    assert head[:4] == ["#", "pp", "vpp", "ep"] and "tokens/s/GPU" in head and "weights/mb" in head
+    rows = [l.split() for l in lines[2:7]]
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
+    tokens = [float(r[head.index("tokens/s/GPU")].replace(",", "")) for r in rows]
+    assert tokens == sorted(tokens, reverse=True) and tokens[0] > 0
+    top = dict(zip(head, rows[0]))
+    assert float(top["GB/GPU"]) <= 141 and top["weights/mb"] == "no"
+    flags = lines[-1].split()
+    assert lines[-2].startswith("plan_memory: fastest layout: ") and "tokens/s per GPU" in lines[-2]
+    assert flags[flags.index("--micro-batch-size") + 1] == top["mbs"]
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == top["pp"]
+
+
+def test_search_covers_the_layouts_and_ranks_only_what_fits():
+    cfg = Step37Config.preset("step37-flash")
+    base = PlanInputs(seq_length=8192, optimizer="muon", muon_momentum=0.0, bf16=True)
+    todo = candidates(cfg, 8, base, 64)
+    layouts = {(c.pp, c.vpp, c.ep) for c in todo}
+    # PP divides 8; virtual stages only with a pipeline; EP divides DP (and the 288 experts)
+    assert layouts == {(1, 1, e) for e in (1, 2, 4, 8)} | {(2, v, e) for v in (1, 2) for e in (1, 2, 4)} | \
+        {(4, v, e) for v in (1, 2) for e in (1, 2)} | {(8, v, 1) for v in (1, 2)}
+    assert {c.micro_batch_size for c in todo} == {1, 2, 4, 8}
+    assert all(c.num_microbatches * c.micro_batch_size * c.dp == 64 for c in todo)
+    assert all(c.num_microbatches % c.pp == 0 for c in todo if c.vpp > 1)
+    # at DP 1 (PP8) nothing shards: no fsdp without offload, and no gather-once twins
+    assert not [c for c in todo if c.dp == 1 and c.sharding == "fsdp" and (c.cpu_offload == "none"
+                                                                          or c.fsdp_gather_once)]
+    rows = search(cfg, 8, base, 64, progress=False)
+    assert len(rows) == len(todo)
+    fitting = [r for r in rows if r.fits]
+    assert fitting == rows[:len(fitting)] and all(r.device_gb <= 141 for r in fitting)
+    assert all(r.device_gb > 141 for r in rows[len(fitting):])  # no host limit by default
+    speeds = [r.tokens_per_s_per_gpu for r in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    # per-micro-batch weight copies happen exactly where offloaded shards are gathered per pass
+    for r in rows:
+        assert r.weights_per_microbatch == (r.cpu_offload in ("all", "experts") and r.dp > 1
+                                            and not r.gather_once)

@@ -1,0 +1,96 @@
+"""The step-time model against hand counts on the tiny model, and its direction: more copies
+are slower, more bandwidth is faster."""
+from __future__ import annotations
+
+import pytest
+
+from models.step37 import Step37Config
+from models.step37.memory_plan import PlanInputs, plan
+from models.step37.time_plan import TimeAssumptions, plan_time
+
+TINY = Step37Config.preset("tiny")
+# Forward FLOPs per token of the tiny model at seq_length 64 (hidden 64, head_dim 16, 2 KV heads):
+#   attention projections (q, k, v, head gate; o) H * (Hq*D + 2*Hkv*D + Hq) + Hq*D*H:
+#     full (4 heads) 64*132 + 64*64 = 12,544; sliding (6 heads) 64*166 + 96*64 = 16,768
+#   scores and values 2*Hq*D*avg_keys: full 2*4*16*32.5 = 4,160 (causal over 64 tokens);
+#     sliding 2*6*16*7.5625 = 1,452 (window 8: (36 + 56*8) / 64 keys per query)
+#   attention 2*(proj + core): full 33,408, sliding 36,440
+#   dense FFN 2*3*64*96 = 36,864; MoE 2*(64*8 router + 2*3*64*32 top-2 + 3*64*32 shared) = 37,888
+#   layers (full+dense, sliding+MoE, sliding+MoE, full+MoE) 70,272 + 74,328 + 74,328 + 71,296
+#   head 2*64*320 = 40,960; each MTP depth 2*2*64*64 + 36,440 + 36,864 + 40,960 = 130,648
+#   total 290,224 + 40,960 + 2 * 130,648 = 592,480
+TINY_FWD_FLOPS_PER_TOKEN = 592_480
+TINY_PARAMETERS = 414_592  # every tensor of the model (the memory plan counts them)
+
+
+def _inputs(**kw) -> PlanInputs:
+    base = dict(pp=1, dp=1, seq_length=64, micro_batch_size=1, num_microbatches=2, optimizer="adamw")
+    return PlanInputs(**{**base, **kw})
+
+
+def test_one_rank_step_is_compute_plus_the_optimizer_by_hand():
+    """One rank, fp32, AdamW, 2 micro-batches of 64 tokens, at 50% of 1 TFLOP/s:
+    compute 3 (forward + backward) x 592,480 x 64 tokens x 2 / 0.5e12 = 4.5502464e-4 s;
+    AdamW on the device 28 bytes x 414,592 parameters / 1 GB/s = 0.011608576 s; nothing
+    else moves (no pipeline, EP, DP or offload)."""
+    a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
+    st = plan_time(TINY, _inputs(), a, peak=1.0)
+    assert plan(TINY, _inputs())[0].parameters == TINY_PARAMETERS
+    sec = st.ranks[0].seconds
+    compute = 3 * TINY_FWD_FLOPS_PER_TOKEN * 64 * 2 / 0.5e12
+    optimizer = 28 * TINY_PARAMETERS / 1e9
+    # sums of a few floats: equal to 1e-12 relative (rounding only)
+    assert sec["compute"] == pytest.approx(compute, rel=1e-12)
+    assert sec["optimizer"] == pytest.approx(optimizer, rel=1e-12)
+    assert {k: v for k, v in sec.items() if k not in ("compute", "optimizer")} == \
+        {"all-to-all": 0.0, "p2p": 0.0, "host-device": 0.0, "dp comm": 0.0, "idle": 0.0}
+    assert st.step_s == pytest.approx(compute + optimizer, rel=1e-12)
+    assert st.tokens_per_s_per_gpu == pytest.approx(2 * 64 / (compute + optimizer), rel=1e-12)
+    assert st.mfu == pytest.approx(compute * 0.5 / (compute + optimizer), rel=1e-12)
+
+
+def test_offloaded_shards_cross_pcie_twice_per_microbatch_by_hand():
+    """DP 2 with every shard offloaded (fp32, gathered per pass): each micro-batch copies the
+    rank's fp32 shards host to device for its forward and again for its backward, the
+    synchronising backward sends the gradient shards back once: (2 x 2 + 1) x 4 bytes x S
+    shard parameters; AdamW runs on the host over S at --host-gb-s."""
+    a = TimeAssumptions(pcie_gb_s=2.0, host_gb_s=4.0, nvlink_gb_s=1e9)
+    inp = _inputs(dp=2, sharding="fsdp", cpu_offload="all")
+    S = plan(TINY, inp)[0].parameters  # ceil(dim0 / 2) rows of every tensor
+    assert TINY_PARAMETERS / 2 <= S < TINY_PARAMETERS / 2 + 1000
+    st = plan_time(TINY, inp, a, peak=1.0)
+    r = st.ranks[0]
+    assert r.bytes["host-device"] == (2 * 2 + 1) * 4 * S
+    assert r.seconds["host-device"] == pytest.approx((2 * 2 + 1) * 4 * S / 2e9, rel=1e-12)
+    assert r.seconds["optimizer"] == pytest.approx(28 * S / 4e9, rel=1e-12)
+
+
+def _step(**kw) -> float:
+    a = TimeAssumptions(**{k: kw.pop(k) for k in list(kw) if k in ("pcie_gb_s",)})
+    return plan_time(TINY, _inputs(dp=2, sharding="fsdp", **kw), a, peak=1.0).step_s
+
+
+def test_more_offload_copies_are_slower_and_more_bandwidth_is_faster():
+    none, experts, all_ = (_step(cpu_offload=m) for m in ("none", "experts", "all"))
+    assert none < experts < all_
+    assert _step(cpu_offload="all", fsdp_gather_once=True) < all_  # one copy per step, not 2 M
+    assert _step(cpu_offload="all", num_microbatches=4) > _step(cpu_offload="all", num_microbatches=2) * 1.5
+    assert _step(cpu_offload="all", pcie_gb_s=50.0) < _step(cpu_offload="all", pcie_gb_s=25.0)
+    assert _step(cpu_offload="none", pcie_gb_s=50.0) == _step(cpu_offload="none", pcie_gb_s=25.0)
+
+
+def test_pipeline_idle_and_all_to_all_appear_with_pp_and_ep():
+    st = plan_time(TINY, _inputs(pp=2, dp=2, ep=2, num_microbatches=4), peak=1.0)
+    assert all(r.seconds["p2p"] > 0 and r.seconds["all-to-all"] > 0 for r in st.ranks)
+    assert st.bubble > 0 and st.makespan_s < st.step_s
+    # the slowest rank's step: the pipeline's makespan plus its once-per-step work
+    slow = st.ranks[st.slowest]
+    assert slow.total == pytest.approx(st.makespan_s + slow.seconds["optimizer"] + slow.seconds["dp comm"],
+                                       rel=1e-9)
+
+
+def test_assumptions_are_validated_naming_the_flag():
+    with pytest.raises(ValueError, match=r"--assumed-mfu must be in \(0, 1\], got 1.5"):
+        TimeAssumptions(assumed_mfu=1.5)
+    with pytest.raises(ValueError, match="--pcie-gb-s must be > 0, got 0"):
+        TimeAssumptions(pcie_gb_s=0)

@@ -1,0 +1,167 @@
+"""Search layouts for a world size: every pipeline size, virtual stages, EP size, memory mode
+(sharding, CPU offload, gather-once), recompute and micro-batch size, planned for memory and
+predicted step time, those that fit ranked fastest first.
+
+The model, sequence length, global batch (in packs), precision and optimizer stay as given;
+layers split by cost (the trainer's default layout). Each (pp, vpp, ep) share is built once on
+the meta device (``plan_shares.py``); the rest is arithmetic, so a search over ~1,500 layouts of
+Step-3.7-Flash takes seconds.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+from models.step37.config import Step37Config
+from models.step37.memory_plan import GB, PlanInputs, placement, plan
+from models.step37.time_plan import TimeAssumptions, peak_tflops, plan_time
+
+# (--data-parallel-sharding, --cpu-offload, --fsdp-gather-once)
+MEMORY_MODES = (("none", "none", False), ("fsdp", "none", False), ("fsdp", "none", True),
+                ("fsdp", "experts", False), ("fsdp", "experts", True), ("fsdp", "all", False),
+                ("fsdp", "all", True), ("fsdp", "optimizer", False))
+RECOMPUTE = ("none", "selective", "full")
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass
+class Row:
+    pp: int
+    vpp: int
+    ep: int
+    dp: int
+    sharding: str
+    cpu_offload: str
+    gather_once: bool
+    recompute: str
+    micro_batch_size: int
+    num_microbatches: int
+    device_gb: float        # busiest rank
+    host_gb_per_node: float  # busiest node
+    weights_per_microbatch: bool  # offloaded weights copied host-to-device every pass
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    idle: float              # pipeline bubble and imbalance
+    fits: bool
+
+    def flags(self) -> str:
+        """The training flags that select this layout."""
+        out = [f"--pipeline-model-parallel-size {self.pp}", f"--expert-model-parallel-size {self.ep}"]
+        if self.vpp > 1:
+            out.append(f"--virtual-pipeline-model-parallel-size {self.vpp}")
+        out.append(f"--data-parallel-sharding {self.sharding}")
+        if self.cpu_offload != "none":
+            out.append(f"--cpu-offload {self.cpu_offload}")
+        if self.gather_once:
+            out.append("--fsdp-gather-once")
+        out += [f"--recompute-granularity {self.recompute}", f"--micro-batch-size {self.micro_batch_size}"]
+        return " ".join(out)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
+    """Every distinct layout: modes that would run identically are listed once (at DP 1 nothing
+    shards, so fsdp without offload is plain; offload needs FSDP, which at DP 1 only ``bf16``'s
+    one-rank meshes give, always gathered once per step)."""
+    out = []
+    for pp in _divisors(world):
+        dp = world // pp
+        for vpp in ((1, 2) if pp > 1 else (1,)):
+            if cfg.num_layers < pp * vpp:
+                continue
+            for ep in (e for e in _divisors(dp) if cfg.num_experts % e == 0):
+                for mbs in MICRO_BATCH_SIZES:
+                    if global_batch_size % (mbs * dp):
+                        continue
+                    M = global_batch_size // (mbs * dp)
+                    if vpp > 1 and M % pp:
+                        continue
+                    for sharding, offload, once in MEMORY_MODES:
+                        if dp == 1 and sharding == "fsdp" and (offload == "none" or not base.bf16 or once):
+                            continue
+                        for rc in RECOMPUTE:
+                            out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=sharding,
+                                               cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
+                                               recompute_num_layers=0, micro_batch_size=mbs,
+                                               num_microbatches=M, pipeline_layout=None))
+    return out
+
+
+def evaluate(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch_size: int,
+             host_gb: float) -> Row:
+    ranks = plan(cfg, inp)
+    st = plan_time(cfg, inp, a, peak, global_batch_size)
+    host_of = {r.pp_rank: r.host_total for r in ranks}
+    nodes: dict = {}
+    for rank in range(inp.sizes.world):
+        node = rank // a.gpus_per_node
+        nodes[node] = nodes.get(node, 0) + host_of[inp.sizes.coords(rank)["pp"]]
+    device = max(r.device_total for r in ranks) / GB
+    host = max(nodes.values()) / GB
+    fits = device <= inp.device_gb and (host_gb <= 0 or host <= host_gb)
+    return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
+               inp.recompute, inp.micro_batch_size, inp.num_microbatches, device, host,
+               placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
+               st.mfu, st.bubble, fits)
+
+
+def search(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: int,
+           a: TimeAssumptions | None = None, peak: float | None = None, host_gb: float = 0.0,
+           progress: bool = True) -> list[Row]:
+    """Every candidate layout, those that fit first, fastest (tokens/s per GPU) first; among
+    equally fast ones, the one with the most device memory to spare."""
+    from tqdm import tqdm
+
+    a, peak = a or TimeAssumptions(), peak_tflops(peak)
+    todo = candidates(cfg, world, base, global_batch_size)
+    rows = [evaluate(cfg, inp, a, peak, global_batch_size, host_gb)
+            for inp in tqdm(todo, desc="planning layouts", unit="layout", disable=not progress)]
+    return sorted(rows, key=lambda r: (not r.fits, -round(r.tokens_per_s_per_gpu, 6), r.device_gb))
+
+
+HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}  {'sharding':<9}{'offload':<10}{'once':<5}"
+        f"{'recompute':<10}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
+        f"{'step_s':>8}{'tokens/s/GPU':>13}{'MFU':>7}{'idle':>7}")
+
+
+def format_rows(rows: list[Row], top: int) -> str:
+    lines = [HEAD]
+    for i, r in enumerate(rows[:top], 1):
+        lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}  {r.sharding:<9}{r.cpu_offload:<10}"
+                     f"{'yes' if r.gather_once else 'no':<5}{r.recompute:<10}{r.micro_batch_size:>4}"
+                     f"{r.num_microbatches:>4}{r.device_gb:>8.1f}{r.host_gb_per_node:>13.0f}"
+                     f"{'yes' if r.weights_per_microbatch else 'no':>11}{r.step_s:>8.1f}"
+                     f"{r.tokens_per_s_per_gpu:>13,.0f}{r.mfu:>7.1%}{r.idle:>7.1%}")
+    return "\n".join(lines)
+
+
+def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: TimeAssumptions, peak: float,
+           top: int = 20, as_json: bool = False, prog: str = "plan_memory") -> int:
+    """Print the ranked table (or every row as JSON); returns 0, or 1 when nothing fits."""
+    fitting = [r for r in rows if r.fits]
+    if as_json:
+        print(json.dumps({"world_size": world, "device_gb": device_gb, "host_gb_per_node": host_gb,
+                          "peak_tflops": peak, "assumptions": asdict(a), "layouts": len(rows),
+                          "fitting": len(fitting),
+                          "rows": [{**asdict(r), "flags": r.flags()} for r in rows]}, indent=1))
+        return 0 if fitting else 1
+    limit = f" and {host_gb:g} GB of host memory per node" if host_gb > 0 else ""
+    print(f"{len(fitting)} of {len(rows)} layouts on {world} GPUs fit {device_gb:g} GB per GPU{limit}; "
+          f"fastest first (predicted: {a.assumed_mfu:.0%} of {peak:g} TFLOP/s, PCIe {a.pcie_gb_s:g} GB/s, "
+          f"NVLink {a.nvlink_gb_s:g} GB/s, host {a.host_gb_s:g} GB/s, nothing overlapped)")
+    if not fitting:
+        print(f"{prog}: no layout fits; the closest by device memory:")
+        print(format_rows(sorted(rows, key=lambda r: r.device_gb), min(top, 5)))
+        return 1
+    print(format_rows(fitting, top))
+    print("once: --fsdp-gather-once; weights/mb: offloaded weights copied to the GPU for every "
+          "micro-batch's forward and backward; M: micro-batches per pipeline; GB/GPU: the busiest "
+          "rank; idle: pipeline bubble and stage imbalance")
+    best = fitting[0]
+    print(f"{prog}: fastest layout: {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, step "
+          f"{best.step_s:.1f} s, {best.device_gb:.1f} GB on the busiest GPU; its flags:\n  {best.flags()}")
+    return 0
