@@ -72,3 +72,5 @@ def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
     gbs = run("tools/plan_memory.py", "--world-size", "4", "--global-batch-size", "6")
     assert gbs.returncode == 2 and "--global-batch-size 6 must be a multiple" in gbs.stderr
+    mfu = run("tools/plan_memory.py", "--world-size", "2", "--assumed-mfu", "1.5")
+    assert mfu.returncode == 2 and "--assumed-mfu must be in (0, 1], got 1.5" in mfu.stderr
