@@ -46,7 +46,7 @@ from models.step37.plan_shares import ChunkShare, rank_shares, schedule_facts
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
 ADAMW_BYTES = 28  # fp32 p, g, m, v read; p, m, v written
-MUON_BYTES = 12   # p read and written (decay, update), the update read
+MUON_BYTES = 12   # p read and written (decay, update), the update read; a momentum buffer adds 12
 
 
 @dataclass
@@ -184,142 +184,139 @@ def _bandwidths(inp: PlanInputs, a: TimeAssumptions, pp_rank: int) -> dict:
             for k in ("dp", "ep", "expert_dp", "pp", "embedding")}
 
 
-def _gather_bytes(t: dict, pl: Placement, b: int) -> tuple[int, int, dict]:
-    """One gather of the managed units: host-to-device bytes of the offloaded fp32 shards, and
-    all-gather bytes received per kind."""
+HD, NV = "host-device", "nvlink/network"  # the links bytes are counted on
+
+
+@dataclass
+class _Ledger:
+    """Seconds by BREAKDOWN and bytes by link, of one pass of a micro-batch or of the step."""
+
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
+    bytes: dict = field(default_factory=lambda: {HD: 0.0, NV: 0.0})
+
+    def move(self, key: str, nbytes: float, bytes_per_s: float, link: str = NV) -> None:
+        self.seconds[key] += nbytes / bytes_per_s
+        self.bytes[link] += nbytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+GROUP = {"dense": "dp", "expert": "expert_dp"}  # where each kind's shards and replicas live
+
+
+def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pcie: float,
+                           f: _Ledger, bk: _Ledger, step: _Ledger) -> None:
+    """FSDP's traffic: offloaded fp32 shards to the GPU and the all-gather of compute copies
+    (per pass, or once per step), the fp32 reduce-scatter and the gradient shards back to the
+    host (per backward with ``optimizer`` offload, else at the synchronising one)."""
+    b = inp.act_bytes
     h2d = sum(t[k]["shard"] * MASTER for k in KINDS if pl.offloaded[k])
-    ag = {k: (pl.shard_world[k] - 1) * t[k]["shard"] * b if pl.managed[k] else 0 for k in KINDS}
-    return h2d, sum(ag.values()), ag
+    gathers = (f, bk) if pl.gather_per_microbatch else (step,) if any(pl.managed.values()) else ()
+    for ledger in gathers:
+        ledger.move("host-device", h2d, pcie, HD)
+        for k in KINDS:
+            if pl.managed[k]:
+                ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[GROUP[k]])
+    ledger = bk if pl.sync_every_microbatch else step
+    ledger.move("host-device", h2d, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
+    for k in KINDS:
+        if pl.managed[k]:
+            ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
 
 
-def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
-              peak: float, pp_rank: int) -> tuple[list, dict, dict]:
-    """Per chunk (forward seconds, backward seconds) of one micro-batch, and the rank's
-    once-per-step seconds and bytes, each split by BREAKDOWN."""
-    T, b, H, k = inp.tokens, inp.act_bytes, cfg.hidden_size, cfg.num_experts_per_tok
-    eff = a.assumed_mfu * peak * 1e12
-    bw = _bandwidths(inp, a, pp_rank)
-    pcie, S = a.pcie_gb_s * 1e9, inp.pp * inp.vpp
-    group = {"dense": "dp", "expert": "expert_dp"}
-    per_mb, step = [], dict.fromkeys(BREAKDOWN, 0.0)
-    moved = {"host-device": 0.0, "nvlink/network": 0.0}
-    M = inp.num_microbatches
-    for chunk in chunks:
-        t = chunk_tally(chunk, inp, pl)
-        fwd_f, redo_f = _stage_flops(cfg, chunk, inp)
-        n_moe, n_redo = _moe_layers(cfg, chunk, inp)
-        f = dict.fromkeys(BREAKDOWN, 0.0)
-        bk = dict.fromkeys(BREAKDOWN, 0.0)
-        f["compute"] = fwd_f * T / eff
-        bk["compute"] = (2 * fwd_f + redo_f) * T / eff
-        a2a = T * k * H * b * (inp.ep - 1) / inp.ep
-        f["all-to-all"], bk["all-to-all"] = 2 * n_moe * a2a / bw["ep"], 2 * (n_moe + n_redo) * a2a / bw["ep"]
-        msg = T * H * b
-        f["p2p"] = msg / bw["pp"] if chunk.stage < S - 1 else 0.0
-        bk["p2p"] = msg / bw["pp"] if chunk.stage > 0 else 0.0
-        moved["nvlink/network"] += M * (2 * n_moe * a2a + (2 * (n_moe + n_redo)) * a2a
-                                        + msg * ((chunk.stage < S - 1) + (chunk.stage > 0)))
-        h2d, ag_total, ag = _gather_bytes(t, pl, b)
-        ag_s = sum(ag[x] / bw[group[x]] for x in KINDS)
-        if pl.gather_per_microbatch:  # forward and backward each gather the units again
-            for d in (f, bk):
-                d["host-device"] += h2d / pcie
-                d["dp comm"] += ag_s
-            moved["host-device"] += 2 * M * h2d
-            moved["nvlink/network"] += 2 * M * ag_total
-        elif any(pl.managed.values()):
-            step["host-device"] += h2d / pcie
-            step["dp comm"] += ag_s
-            moved["host-device"] += h2d
-            moved["nvlink/network"] += ag_total
-        d2h = sum(t[x]["shard"] * MASTER for x in KINDS if pl.offloaded[x])
-        rs = {x: (pl.shard_world[x] - 1) * t[x]["shard"] * MASTER if pl.managed[x] else 0 for x in KINDS}
-        rs_s = sum(rs[x] / bw[group[x]] for x in KINDS)
-        if pl.sync_every_microbatch:
-            bk["host-device"] += d2h / pcie
-            bk["dp comm"] += rs_s
-            moved["host-device"] += M * d2h
-            moved["nvlink/network"] += M * sum(rs.values())
-        else:
-            step["host-device"] += d2h / pcie
-            step["dp comm"] += rs_s
-            moved["host-device"] += d2h
-            moved["nvlink/network"] += sum(rs.values())
-        _sync_and_optimizer(cfg, chunk, t, inp, a, pl, bw, eff, step, moved)
-        per_mb.append((f, bk))
-    return per_mb, step, moved
+def _chunk_passes(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs, eff: float,
+                  bw: dict) -> tuple[_Ledger, _Ledger]:
+    """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
+    T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
+    f, bk = _Ledger(), _Ledger()
+    fwd_f, redo_f = _stage_flops(cfg, chunk, inp)
+    f.seconds["compute"] = fwd_f * T / eff
+    bk.seconds["compute"] = (2 * fwd_f + redo_f) * T / eff
+    n_moe, n_redo = _moe_layers(cfg, chunk, inp)
+    a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep  # dispatch or combine
+    if a2a:
+        f.move("all-to-all", 2 * n_moe * a2a, bw["ep"])
+        bk.move("all-to-all", 2 * (n_moe + n_redo) * a2a, bw["ep"])
+    if chunk.stage < inp.pp * inp.vpp - 1:
+        f.move("p2p", T * H * b, bw["pp"])
+    if chunk.stage > 0:
+        bk.move("p2p", T * H * b, bw["pp"])
+    return f, bk
 
 
-def _sync_and_optimizer(cfg, chunk, t, inp, a, pl, bw, eff, step, moved) -> None:
+def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
+                        bw: dict, eff: float, step: _Ledger) -> None:
     """All-reduce of gradients FSDP does not shard, the tied embedding's, and the optimizer."""
-    s = inp.sizes
-    replicas = {"dense": s.dp, "expert": s.expert_dp}
-    group = {"dense": "dp", "expert": "expert_dp"}
+    replicas = {"dense": inp.sizes.dp, "expert": inp.sizes.expert_dp}
     work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
                           inp.muon_ns_steps, inp.dion_rank_fraction)
     pcie, host, hbm = a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, a.hbm_gb_s * 1e9
-    for x in KINDS:
-        g = replicas[x]
-        if pl.shard_world[x] == 1 and g > 1:  # sync_gradients sums whole fp32 gradients
-            ar = 2 * (g - 1) / g * t[x]["numel"] * MASTER
-            step["dp comm"] += ar / bw[group[x]]
-            moved["nvlink/network"] += ar
-        if inp.pp > 1 and work[x]["tied"]:  # first and last stage sum the embedding's gradient
-            step["dp comm"] += work[x]["tied"] * MASTER / bw["embedding"]
-            moved["nvlink/network"] += work[x]["tied"] * MASTER
-        w = work[x]
-        on_host = pl.offloaded[x]
-        step["optimizer"] += w["adamw"] * ADAMW_BYTES / (host if on_host else hbm)
+    for k in KINDS:
+        g, w = replicas[k], work[k]
+        if pl.shard_world[k] == 1 and g > 1:  # sync_gradients sums whole fp32 gradients
+            step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[GROUP[k]])
+        if inp.pp > 1 and w["tied"]:  # first and last stage sum the embedding's gradient
+            step.move("dp comm", w["tied"] * MASTER, bw["embedding"])
+        memory = host if pl.offloaded[k] else hbm
+        step.seconds["optimizer"] += w["adamw"] * ADAMW_BYTES / memory
         if not w["matrix"]:
             continue
-        elementwise = MUON_BYTES + (24 if inp.optimizer == "muon" and inp.muon_momentum > 0 else 0)
-        if inp.optimizer == "dion":
-            elementwise = 24  # momentum buffer read and written, error feedback
-        step["optimizer"] += w["matrix"] * elementwise / (host if on_host else hbm)
-        step["optimizer"] += w["flops"] / eff
-        gw = pl.shard_world[x]
-        if gw > 1:  # the whole matrix before orthogonalising (fp32 gradient shards)
-            gathered = (gw - 1) * w["matrix"] * MASTER
-            step["dp comm"] += gathered / bw[group[x]]
-            moved["nvlink/network"] += gathered
-        if on_host:  # gradient (or momentum) shard to the GPU, the update back
-            step["host-device"] += 2 * w["matrix"] * MASTER / pcie
-            moved["host-device"] += 2 * w["matrix"] * MASTER
+        momentum = inp.optimizer == "dion" or inp.muon_momentum > 0  # a buffer read and written
+        step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory + w["flops"] / eff
+        if pl.shard_world[k] > 1:  # the whole matrix before orthogonalising (fp32 gradient shards)
+            step.move("dp comm", (pl.shard_world[k] - 1) * w["matrix"] * MASTER, bw[GROUP[k]])
+        if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
+            step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
+
+
+def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
+              peak: float, pp_rank: int) -> tuple[list, _Ledger]:
+    """Per chunk the (forward, backward) ledgers of one micro-batch, and the rank's
+    once-per-step ledger."""
+    eff = a.assumed_mfu * peak * 1e12
+    bw = _bandwidths(inp, a, pp_rank)
+    passes, step = [], _Ledger()
+    for chunk in chunks:
+        t = chunk_tally(chunk, inp, pl)
+        f, bk = _chunk_passes(cfg, chunk, inp, eff, bw)
+        _weights_and_gradients(t, inp, pl, bw, a.pcie_gb_s * 1e9, f, bk, step)
+        _sync_and_optimizer(chunk, t, inp, a, pl, bw, eff, step)
+        passes.append((f, bk))
+    return passes, step
 
 
 def plan_time(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions | None = None,
               peak: float | None = None, global_batch_size: int | None = None) -> StepTime:
     """The step-time prediction of a layout. ``global_batch_size`` in packs (default: micro-
     batches x micro-batch size x DP)."""
-    a = a or TimeAssumptions()
-    peak = peak_tflops(peak)
-    pl = placement(inp)
+    a, peak, pl = a or TimeAssumptions(), peak_tflops(peak), placement(inp)
     shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length)
     S, M = inp.pp * inp.vpp, inp.num_microbatches
-    fwd, bwd = [0.0] * S, [0.0] * S
-    work = []
+    fwd, bwd, work = [0.0] * S, [0.0] * S, []
     for r, chunks in enumerate(shares):
-        per_mb, step, moved = rank_work(cfg, chunks, inp, a, pl, peak, r)
-        for chunk, (f, bk) in zip(chunks, per_mb):
-            fwd[chunk.stage], bwd[chunk.stage] = sum(f.values()), sum(bk.values())
-        work.append((per_mb, step, moved))
-    facts = schedule_facts(inp.pp, inp.vpp, M)
-    if inp.pp > 1:
-        makespan = plan_makespan(facts.programs, inp.pp, fwd, bwd)
+        passes, step = rank_work(cfg, chunks, inp, a, pl, peak, r)
+        for chunk, (f, bk) in zip(chunks, passes):
+            fwd[chunk.stage], bwd[chunk.stage] = f.total, bk.total
+        work.append((passes, step))
+    if inp.pp > 1:  # the executor's programs: bubble, stage imbalance, p2p ordering
+        makespan = plan_makespan(schedule_facts(inp.pp, inp.vpp, M).programs, inp.pp, fwd, bwd)
     else:
         makespan = M * (fwd[0] + bwd[0])
     ranks = []
-    for r, (per_mb, step, moved) in enumerate(work):
-        sec = dict(step)
-        for f, bk in per_mb:
+    for r, (passes, step) in enumerate(work):
+        sec, moved = dict(step.seconds), dict(step.bytes)
+        for ledger in (x for pair in passes for x in pair):
             for key in BREAKDOWN:
-                sec[key] += M * (f[key] + bk[key])
-        sec["idle"] = makespan - M * sum(sum(f.values()) + sum(bk.values()) for f, bk in per_mb)
+                sec[key] += M * ledger.seconds[key]
+            for link in moved:
+                moved[link] += M * ledger.bytes[link]
+        sec["idle"] = makespan - M * sum(f.total + bk.total for f, bk in passes)
         ranks.append(RankTime(r, sec, moved))
     slowest = max(ranks, key=lambda x: x.total)
-    step_s = slowest.total
+    step_s, world = slowest.total, inp.sizes.world
     gbs = global_batch_size or M * inp.micro_batch_size * inp.dp
-    world = inp.sizes.world
     model_flops = 3 * sum(_stage_flops(cfg, c, inp)[0] for chunks in shares for c in chunks) \
         * inp.seq_length * gbs
     bubble = sum(x.seconds["idle"] for x in ranks) / (inp.pp * makespan) if makespan else 0.0
