@@ -49,6 +49,14 @@ def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int]:
     return world, rank
 
 
+def host_threads(cpu_offload: str) -> int:
+    """With offload the optimizer step runs on the host: it gets this rank's share of the
+    machine's cores (torchrun otherwise sets OMP_NUM_THREADS=1, a single-threaded step)."""
+    if cpu_offload != "none":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    return torch.get_num_threads()
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     world = args.memory.dry_run or int(os.environ.get("WORLD_SIZE", 1))
@@ -61,6 +69,7 @@ def main(argv=None) -> int:
         return report(args, layout, prog="pretrain_step37 --dry-run")
     timeout = args.parallel.distributed_timeout_minutes
     init_distributed(timeout)
+    threads = host_threads(args.memory.cpu_offload)
     try:
         ps = ParallelState.build(layout.sizes, layout.config.num_layers, layout.config.num_experts,
                                  timeout=datetime.timedelta(minutes=timeout))
@@ -72,7 +81,7 @@ def main(argv=None) -> int:
     s = layout.sizes
     trainer.log.info(f"layout: world {world} = pp {s.pp} x dp {s.dp} (ep {s.ep}, expert-dp {s.expert_dp}), "
                      f"{s.vpp} virtual stage(s), {layout.num_microbatches} micro-batches per rank per "
-                     f"iteration; {trainer.groups_summary}")
+                     f"iteration; {trainer.groups_summary}; {threads} host thread(s) per rank")
     try:
         trainer.maybe_resume()
         rc = trainer.train()

@@ -135,8 +135,13 @@ class MemoryArgs:
     fsdp_gather_once: bool = option(False, "with fsdp: gather each stage's parameters once per step "
                                            "and keep them until the optimizer step (fewer all-gathers, "
                                            "the memory of an unsharded stage)")
-    cpu_offload: str = option("none", "keep FSDP shards (all, or only the experts) and their optimizer "
-                                      "state in host memory", choices=("none", "all", "experts"))
+    cpu_offload: str = option("none", "host memory for FSDP shards: all (every shard, its gradient and "
+                                      "optimizer state; copied to the device for each micro-batch's "
+                                      "forward and backward), experts (only the experts'), optimizer "
+                                      "(fp32 masters, gradients and optimizer state on the host, the "
+                                      "compute copies resident on the device for the whole step: one "
+                                      "copy per step; gradients reduced and sent to the host after "
+                                      "every micro-batch)", choices=("none", "all", "experts", "optimizer"))
     recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
                                                 "attention and FFN internals (selective)",
                                         choices=("none", "selective", "full"))

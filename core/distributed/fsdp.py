@@ -12,7 +12,8 @@ experts whole: they are left out of FSDP (``ignored_params``), or, when offloadi
 one-rank mesh so FSDP moves them between host and device.
 
 With a pipeline, ``PipelineExecutor`` turns gradient reduction off for every backward of a
-chunk but its last one in the step, so FSDP reduce-scatters once per step.
+chunk but its last one in the step, so FSDP reduce-scatters once per step (every backward
+under ``--cpu-offload optimizer``, see ``apply_fsdp``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from core.model_api import iter_params
 from core.parallel_state import ParallelState
 
 SHARDING_MODES = ("none", "fsdp")
-OFFLOAD_MODES = ("none", "all", "experts")
+OFFLOAD_MODES = ("none", "all", "experts", "optimizer")
 
 
 def _policy(on: bool) -> OffloadPolicy:
@@ -52,11 +53,21 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
     ``gather_once``: keep each unit's gathered parameters from its first forward of the step
     until ``reshard(chunks)`` after the optimizer step (one all-gather per step instead of one
     per micro-batch and pass, for the memory of a whole unsharded stage); always so on a
-    one-rank mesh, where gathering is a bf16 cast."""
+    one-rank mesh, where gathering is a bf16 cast.
+    ``cpu_offload="optimizer"``: every unit offloaded (fp32 masters, their gradients and the
+    optimizer state in host memory) but gathered once per step, so the compute copies (bf16
+    under ``bf16``) stay resident on the device from the first forward to the optimizer step:
+    one host-to-device copy of the shards per step instead of one per micro-batch and pass;
+    and every backward reduce-scatters (``set_gradient_sync``), so each micro-batch's fp32
+    gradient shards go to the host and accumulate there instead of the stage's unsharded
+    gradients accumulating on the device for the whole step."""
     if cpu_offload not in OFFLOAD_MODES:
         raise ValueError(f"--cpu-offload {cpu_offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
+    resident = cpu_offload == "optimizer"
+    if resident:  # masters, gradients and optimizer state on the host; compute copies stay
+        cpu_offload, gather_once = "all", True
     shard = shard and ps.sizes.dp > 1
-    if not (shard or bf16):
+    if not (shard or bf16 or cpu_offload != "none"):
         return False
     if shard:
         dp_mesh = DeviceMesh.from_group(ps.group("dp"), device_type)
@@ -86,6 +97,7 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
                     reshard_after_forward=not gather_once)
     fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), mp_policy=mixed,
                 ignored_params=ignored, reshard_after_forward=not gather_once)
+    chunk.reduce_every_backward = resident
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -105,6 +117,8 @@ def reshard(chunks) -> None:
 
 
 def set_gradient_sync(chunk: torch.nn.Module, enabled: bool) -> None:
-    """Accumulate unsharded gradients locally (False) or reduce-scatter on this backward (True)."""
+    """Accumulate unsharded gradients locally (False) or reduce-scatter on this backward (True).
+    Under ``--cpu-offload optimizer`` every backward reduces: the fp32 gradient shards then
+    accumulate on the host and no unit's unsharded gradient outlives its own backward."""
     if isinstance(chunk, FSDPModule):
-        chunk.set_requires_gradient_sync(enabled)
+        chunk.set_requires_gradient_sync(enabled or getattr(chunk, "reduce_every_backward", False))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from core.parallel_state import ParallelState
+from core.parallel_state import ParallelState, local_device
 
 
 def sharded(t: torch.Tensor) -> bool:
@@ -36,8 +36,9 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
     if not tensors or group is None:
         return
     flat = _flatten_dense_tensors(tensors)
-    dist.all_reduce(flat, group=group)
-    for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+    on_wire = flat.to(local_device())  # offloaded gradients sit on the host; NCCL wants the GPU
+    dist.all_reduce(on_wire, group=group)
+    for t, synced in zip(tensors, _unflatten_dense_tensors(on_wire.to(flat.device), tensors)):
         t.copy_(synced)
 
 
@@ -57,9 +58,8 @@ def sync_gradients(specs: list, pstate: ParallelState) -> None:
 
 def grad_norm(specs: list, pstate: ParallelState) -> torch.Tensor:
     """Global L2 norm of the gradient, each distinct parameter counted once (fp64 sum)."""
-    terms, device = [], None
+    terms, device = [], local_device()  # offloaded shards sit on the host; NCCL wants the GPU
     for p, spec in specs:
-        device = device or p.device
         if spec.tied and not pstate.is_first_stage:
             continue  # the copy that is not on the first stage
         if sharded(p):
@@ -70,7 +70,7 @@ def grad_norm(specs: list, pstate: ParallelState) -> torch.Tensor:
             terms.append(local(p.grad).detach().double().pow(2).sum())
     # one sum on one device (offloaded shards may sit on the host), no per-tensor sync
     sq = torch.stack([t.to(device) for t in terms]).sum() if terms else \
-        torch.zeros((), dtype=torch.float64, device=device or "cpu")
+        torch.zeros((), dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()

@@ -7,7 +7,10 @@ Differences from ``torch.optim.Muon`` (which it equals on 2-D parameters when co
 * 3-D stacked expert weights ``[E, out, in]`` are a batch of E matrices, orthogonalised in one
   batched Newton-Schulz (same result as looping over experts);
 * ``ns_method="polar_express"``: per-iteration coefficients (Amsel et al. 2025) instead of the
-  fixed quintic.
+  fixed quintic;
+* offloaded parameters (``--cpu-offload``: masters and gradients in host memory): each matrix's
+  gradient goes to the GPU, is gathered and orthogonalised there one matrix at a time, and
+  only the update comes back to the host master.
 
 Update: ``buf = mu * buf + (1 - mu) * g``; ``u = nesterov ? lerp(g, buf, mu) : buf``;
 ``p *= 1 - lr * wd``; ``p -= lr * adjust(shape) * NS(u)`` with ``adjust`` ``spectral``
@@ -20,6 +23,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from core.parallel_state import local_device
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 # Polar Express (degree-5) coefficients per iteration, the last repeated if more steps are asked.
@@ -63,6 +68,16 @@ def _local_rows(full: torch.Tensor, p: "DTensor") -> torch.Tensor:
     chunks = torch.chunk(full, mesh.size(), dim=0)
     rank = mesh.get_local_rank()
     return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def _on_compute_device(g: "DTensor") -> "DTensor":
+    """``g`` with its local shard on the compute device (an offloaded shard lives on the host,
+    where NCCL cannot gather it)."""
+    device = local_device()
+    if g.to_local().device == device:
+        return g
+    return DTensor.from_local(g.to_local().to(device), g.device_mesh, g.placements,
+                              shape=g.shape, stride=g.stride())
 
 
 def lr_adjustment(shape: torch.Size, rule: str) -> float:
@@ -113,12 +128,13 @@ class Muon(Optimizer):
                     g = g.lerp(buf, mu) if group["nesterov"] else buf
                 sharded = isinstance(g, DTensor)
                 if sharded:  # FSDP: orthogonalise the whole matrix, keep this rank's rows
-                    g = g.full_tensor()
-                update = newton_schulz(g, group["ns_steps"], group["ns_method"], group["eps"],
-                                       group["ns_dtype"])
+                    g = _on_compute_device(g).full_tensor()
+                # offloaded (host) gradients: Newton-Schulz on the GPU, one matrix at a time
+                update = newton_schulz(g.to(local_device()), group["ns_steps"], group["ns_method"],
+                                       group["eps"], group["ns_dtype"])
                 if sharded:
                     update = _local_rows(update, p)
                 target = p.to_local() if sharded else p
                 target.mul_(1 - group["lr"] * group["weight_decay"])
-                target.add_(update.to(p.dtype), alpha=-group["lr"] * lr_adjustment(p.shape, group["lr_adjust"]))
+                target.add_(update.to(target.device, p.dtype), alpha=-group["lr"] * lr_adjustment(p.shape, group["lr_adjust"]))
         return loss

@@ -50,6 +50,29 @@ def _reference(cfg, batches_per_step, optimizer):
     return model, losses
 
 
+class _CollectiveCounter(dict):
+    """Counts FSDP2's all-gathers and reduce-scatters issued inside the block."""
+
+    NAMES = ("all_gather_single", "reduce_scatter_single")  # what FSDP2 calls in torch 2.13
+
+    def __enter__(self):
+        self._saved = {n: getattr(dist, n) for n in self.NAMES}
+        for n in self.NAMES:
+            self[n] = 0
+            setattr(dist, n, self._counting(n, self._saved[n]))
+        return self
+
+    def _counting(self, name, fn):
+        def call(*args, **kwargs):
+            self[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    def __exit__(self, *exc):
+        for n, fn in self._saved.items():
+            setattr(dist, n, fn)
+
+
 def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=False):
     cfg = tiny_config()
     sizes = ParallelSizes(world, pp=pp, ep=ep)
@@ -64,7 +87,13 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
     opt, _ = build_optimizer(chunks, _optim_cfg(optimizer))
     s = settings(cfg, clip_grad=1.0)
     for step, batches in enumerate(steps):
-        m = train_step(chunks, ps, opt, batches[ps.dp_rank], s)
+        with _CollectiveCounter() as calls:
+            m = train_step(chunks, ps, opt, batches[ps.dp_rank], s)
+        if offload == "optimizer":
+            # each sharded unit gathers once per step (not per micro-batch and pass) and
+            # reduce-scatters on every one of its M backwards (one-rank meshes issue neither)
+            gathers = calls["all_gather_single"]
+            assert gathers > 0 and calls["reduce_scatter_single"] == M * gathers, (dict(calls), M)
         # fp32, the same terms summed in another order: 1e-5 relative leaves ~100x margin
         assert abs(m.loss - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, m.loss, ref_losses[step])
 
@@ -80,7 +109,7 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
     if offload != "none":  # offloaded shards really live on the host (here: the CPU device)
         experts = {id(p) for _, _, p, spec in iter_params(chunks) if spec.replicated_over == "expert_dp"}
         offloaded = [p for c in chunks for p in c.parameters()
-                     if isinstance(p, DTensor) and (offload == "all" or id(p) in experts)]
+                     if isinstance(p, DTensor) and (offload != "experts" or id(p) in experts)]
         assert offloaded and all(p.to_local().device.type == "cpu" for p in offloaded)
         if offload == "experts":
             assert any(isinstance(p, DTensor) for c in chunks for p in c.parameters() if id(p) in experts)

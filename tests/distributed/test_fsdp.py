@@ -17,6 +17,8 @@ CASES = {  # name: (world, pp, ep, offload, recompute, optimizer)
     "pp2_ep2_muon_recompute": (4, 2, 2, "none", "full", "muon"),
     "pp2_ep2_adamw_gather_once": (4, 2, 2, "none", "none", "adamw", True),
     "dp2_muon_gather_once_offload": (2, 1, 1, "all", "selective", "muon", True),
+    "dp2_muon_offload_optimizer": (2, 1, 1, "optimizer", "full", "muon"),
+    "pp2_ep2_adamw_offload_optimizer": (4, 2, 2, "optimizer", "none", "adamw"),
 }
 
 
