@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 from core.cli import add_to_parser, from_namespace  # noqa: E402
 from models.step37.time_plan import TimeAssumptions  # noqa: E402
-from train_args import build_parser, sections, validate  # noqa: E402
+from train_args import SECTIONS, build_parser, sections, validate  # noqa: E402
 from training.plan import DEFAULT_DEVICE_GB, report, search_report  # noqa: E402
 
 
@@ -47,7 +47,8 @@ def build_planner_parser():
     g.add_argument("--host-gb", type=float, default=2000.0,
                    help="--search: host memory per node in GB that a layout may use (default: 2000, "
                         "a DGX H200's 2 TB; 0: no limit)")
-    add_to_parser(parser, TimeAssumptions, "time model")
+    if "time" not in SECTIONS:  # pretrain_step37.py's flags do not carry the time model (yet)
+        add_to_parser(parser, TimeAssumptions, "time model")
     return parser
 
 
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     args = sections(ns, parser)
     try:
-        assumptions = from_namespace(TimeAssumptions, ns)
+        assumptions = getattr(args, "time", None) or from_namespace(TimeAssumptions, ns)
         if ns.search:
             if ns.top < 1:
                 raise ValueError(f"--top must be >= 1, got {ns.top}")

@@ -51,6 +51,7 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
     """Print the plan of every rank (a table, or JSON with one entry per rank) and the predicted
     step time; returns 0."""
     inp = plan_inputs(args, layout, device_gb)
+    assumptions = assumptions or getattr(args, "time", None)  # a "time" section of train_args, if any
     ranks = plan(layout.config, inp)
     peak = peak_tflops(args.logging.peak_tflops)
     st = plan_time(layout.config, inp, assumptions, peak, args.data.global_batch_size)
