@@ -127,23 +127,26 @@ class CheckpointIndex:
     def read_into(self, out: torch.Tensor, name: str, half: str | None = None, first_row: int = 0) -> None:
         """Copy rows ``[first_row, first_row + len(out))`` of ``name`` (one half of dim 1 with
         ``half``) into ``out`` (any device and dtype), ``READ_BLOCK_BYTES`` of the file at a
-        time. A handle of its own, closed at the end: safetensors maps the file, and the pages a
-        read touched count as this process's memory until the mapping goes."""
+        time, each block through a handle of its own: safetensors maps the file, and the pages a
+        read touched count as this process's memory until the mapping is closed."""
         from safetensors import safe_open
 
-        with safe_open(self.file_of[name], "pt") as f:
-            sl = f.get_slice(name)
-            if out.dim() == 0:
+        path = self.file_of[name]
+        if out.dim() == 0:
+            with safe_open(path, "pt") as f:
                 out.copy_(f.get_tensor(name))
-                return
-            row_bytes = max(1, out[0].numel()) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
-            step = max(1, READ_BLOCK_BYTES // row_bytes)
-            for i in range(0, out.shape[0], step):
-                j = min(out.shape[0], i + step)
-                out[i:j].copy_(_rows(sl, half, first_row + i, first_row + j))
+            return
+        with safe_open(path, "pt") as f:
+            dtype = f.get_slice(name).get_dtype()
+        row_bytes = max(1, out[0].numel()) * _DTYPE_BYTES.get(dtype, 4)
+        step = max(1, READ_BLOCK_BYTES // row_bytes)
+        for i in range(0, out.shape[0], step):
+            j = min(out.shape[0], i + step)
+            with safe_open(path, "pt") as f:
+                out[i:j].copy_(_rows(f.get_slice(name), half, first_row + i, first_row + j))
 
 
-READ_BLOCK_BYTES = 64 << 20  # bytes of a checkpoint tensor read (and converted) at a time
+READ_BLOCK_BYTES = 32 << 20  # bytes of a checkpoint tensor read (and converted) at a time
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
