@@ -138,6 +138,15 @@ def run_benchmark(args, device, dtype) -> dict:
     init_weights(ours, args.seed, std=cfg.init_std)
     params = sum(p.numel() for p in ours.parameters())
     rows = [timed(OURS, ours)]
+    if args.compile:  # the same layers again, each compiled fullgraph (models/step37/compile.py)
+        from models.step37.compile import compile_block, raise_recompile_limit
+
+        raise_recompile_limit(len(ours.layers))
+        for layer in ours.layers.values():
+            compile_block(layer)
+        ours.zero_grad(set_to_none=True)
+        rows.append(timed(OURS + " --compile", ours))
+        outputs.pop(OURS + " --compile", None)
     ours.zero_grad(set_to_none=True)
     x.grad = None
     try:
@@ -231,6 +240,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, help="untimed steps first, at least 1 (default 3; 1 with --tiny)")
     ap.add_argument("--peak-tflops", type=float,
                     help="dense bf16 peak for MFU (default: models/step37/costs.py by device name)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time our layers compiled (inductor, fullgraph per layer; the warm-up "
+                         "steps include the compilation)")
     ap.add_argument("--seed", type=int, default=0, help="document lengths, weights and inputs (default 0)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = ap.parse_args(argv)
@@ -243,7 +255,7 @@ def parse_args(argv=None):
 
 
 def reproduce(args) -> str:
-    cmd = "python benchmarks/bench_gpu.py" + (" --tiny" if args.tiny else "")
+    cmd = "python benchmarks/bench_gpu.py" + (" --tiny" if args.tiny else "") + (" --compile" if args.compile else "")
     cmd += f" --seq-length {args.seq_length} --iters {args.iters} --warmup {args.warmup} --seed {args.seed}"
     return cmd + (f" --peak-tflops {args.peak_tflops}" if args.peak_tflops else "")
 

@@ -18,13 +18,13 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 start=$(date +%s)
-timeout "${TESTS_TIMEOUT:-300}" "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml "$out/tests.xml" tests/gpu
+timeout "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml "$out/tests.xml" tests/gpu
 tests_rc=$?
 tests_s=$(( $(date +%s) - start ))
 
 start=$(date +%s)
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-timeout "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/bench_gpu.py --json "$out/bench.json" ${BENCH_ARGS:-}
+timeout "${BENCH_TIMEOUT:-240}" "$PYTHON" benchmarks/bench_gpu.py --json "$out/bench.json" ${BENCH_ARGS:---compile}
 bench_rc=$?
 bench_s=$(( $(date +%s) - start ))
 

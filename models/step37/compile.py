@@ -59,16 +59,23 @@ def apply_compile(model: Step37Model, backend: str = "inductor") -> int:
         raise ValueError("--compile does not support --attention-backend flex (flex_attention is "
                          "compiled on its own); use auto (varlen on CUDA, sdpa on CPU)")
     blocks = list(model.layers.values()) + (list(model.mtp.values()) if model.mtp is not None else [])
-    # one graph per distinct block configuration, each layer's pieces included: room for all
-    limit = 4 * len(blocks) + 8
+    raise_recompile_limit(len(blocks))
+    return sum(compile_block(block, backend) for block in blocks)
+
+
+def raise_recompile_limit(num_blocks: int) -> None:
+    """One graph per distinct block configuration, each block's pieces included: room for all."""
+    limit = 4 * num_blocks + 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     torch._dynamo.config.accumulated_cache_size_limit = max(
         torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
-    whole = 0
-    for block in blocks:
-        if _one_graph(block):
-            _compile_forward(block, backend)
-            whole += 1
-        else:
-            _compile_pieces(block.block if isinstance(block, MTPDepth) else block, backend)
-    return whole
+
+
+def compile_block(block: DecoderLayer | MTPDepth, backend: str = "inductor") -> bool:
+    """Compile one block in place: whole when it can be one graph (returns True), else in
+    pieces around its dispatcher and inner FSDP units."""
+    if _one_graph(block):
+        _compile_forward(block, backend)
+        return True
+    _compile_pieces(block.block if isinstance(block, MTPDepth) else block, backend)
+    return False
