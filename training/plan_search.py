@@ -65,8 +65,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
     """Every distinct layout: modes that would run identically are listed once (at DP 1 nothing
-    shards, so fsdp without offload is plain; offload needs FSDP, which at DP 1 only ``bf16``'s
-    one-rank meshes give, always gathered once per step)."""
+    shards, so fsdp without offload is plain, and offload puts units on one-rank meshes that
+    are always gathered once per step)."""
     out = []
     for pp in _divisors(world):
         dp = world // pp
@@ -81,7 +81,7 @@ def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_siz
                     if vpp > 1 and M % pp:
                         continue
                     for sharding, offload, once in MEMORY_MODES:
-                        if dp == 1 and sharding == "fsdp" and (offload == "none" or not base.bf16 or once):
+                        if dp == 1 and sharding == "fsdp" and (offload == "none" or once):
                             continue
                         for rc in RECOMPUTE:
                             out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=sharding,

@@ -104,19 +104,21 @@ KINDS = ("dense", "expert")
 
 
 def placement(inp: PlanInputs) -> Placement:
-    """``core/distributed/fsdp.apply_fsdp`` as data: nothing to shard at DP 1; without sharding
-    ``bf16`` still puts every unit on a one-rank mesh (gathered once per step: a cast); experts
-    whole on each EP rank (expert-DP 1) are left out of FSDP unless offloaded or under ``bf16``."""
+    """``core/distributed/fsdp.apply_fsdp`` as data: nothing to shard at DP 1; without sharding,
+    ``bf16`` or CPU offload still put every unit on a one-rank mesh (gathered once per step);
+    experts whole on each EP rank (expert-DP 1) are left out of FSDP unless offloaded or under
+    ``bf16``; ``cpu_offload="optimizer"`` offloads every unit, gathers once per step and
+    reduces on every backward."""
     s = inp.sizes
     shard = inp.sharding == "fsdp" and s.dp > 1
-    any_fsdp = shard or inp.bf16
-    expert_managed = (s.expert_dp > 1 or inp.cpu_offload != "none" or inp.bf16) if shard else inp.bf16
+    any_fsdp = shard or inp.bf16 or inp.cpu_offload != "none"
+    expert_managed = (s.expert_dp > 1 or inp.cpu_offload != "none" or inp.bf16) if shard else any_fsdp
     managed = {"dense": any_fsdp, "expert": expert_managed}
     offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": inp.cpu_offload != "none"}
     world = {"dense": s.dp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
     per_mb = shard and not inp.fsdp_gather_once and inp.cpu_offload != "optimizer"
     return Placement(world, managed, {k: managed[k] and offload[k] for k in KINDS}, per_mb,
-                     inp.cpu_offload == "optimizer" and any_fsdp)
+                     inp.cpu_offload == "optimizer")
 
 
 @dataclass

@@ -3,6 +3,7 @@ predicted tokens/s per GPU; for the recipe's flags the top row fits an H200 with
 weights to the GPU per micro-batch."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -36,6 +37,13 @@ def test_recipe_search_prints_a_ranked_table_whose_top_row_fits_without_per_micr
     assert lines[-2].startswith("plan_memory: fastest layout: ") and "tokens/s per GPU" in lines[-2]
     assert flags[flags.index("--micro-batch-size") + 1] == top["mbs"]
     assert flags[flags.index("--pipeline-model-parallel-size") + 1] == top["pp"]
+    # the printed flags pasted after the recipe's plan that layout: it fits, as fast as ranked
+    pasted = subprocess.run([sys.executable, "tools/plan_memory.py", "--world-size", "8", *RECIPE, *flags,
+                             "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert pasted.returncode == 0, pasted.stderr
+    plan = json.loads(pasted.stdout)
+    assert all(r["fits"] for r in plan["ranks"])
+    assert round(plan["time"]["tokens_per_s_per_gpu"]) == float(top["tokens/s/GPU"].replace(",", ""))
 
 
 def test_search_covers_the_layouts_and_ranks_only_what_fits():
