@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# Reference recipe: text SFT of Step-3.7-Flash on one node of 8 x H200 (141 GB), PP4 x EP2,
-# packed THD rows of 8,192 tokens, Muon with momentum 0 for the matrices.
+# Reference recipe: text SFT of Step-3.7-Flash on one node of 8 x H200 (141 GB), EP8 (no
+# pipeline), packed THD rows of 8,192 tokens, Muon with momentum 0 for the matrices.
+#
+# The layout is the top row of the planner's search over every 8-GPU layout (1,440 of them,
+# 14 fit; docs/memory.md shows the table and why this row):
+#   python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \
+#       --seq-length 8192 --global-batch-size 64 --bf16 --optimizer muon --muon-momentum 0
 #
 # Local batch is counted in packs: --global-batch-size 64 packs = 64 x 8,192 = 524,288 tokens
-# per iteration; with DP = 8 / PP4 = 2 (EP2 inside it) and micro-batch 1 pack, each pipeline
-# runs 32 micro-batches per iteration (1F1B bubble (p-1)/(m+p-1) = 8.6%).
+# per iteration; DP = 8 (EP8 inside it) and micro-batch 1 pack: 8 micro-batches per rank.
 #
-# Memory: --bf16 (bf16 compute over fp32 master weights and fp32 gradients), FSDP2 over the
-# data-parallel ranks with every shard offloaded to host memory, and full activation recompute;
-# layers split by cost (14,14,14,3: the last stage runs the head and three MTP depths). The
-# planner says this fits the GPUs (about 31 GB on the busiest) but needs up to 260 GB of host
-# memory per rank (about 1.6 TB for the node); plan it before you spend a node-hour, with the
-# same flags:
+# Memory: --bf16 (bf16 compute over fp32 master weights and fp32 gradients); FSDP2 shards the
+# dense weights over the 8 ranks, each rank holds 36 of the 288 experts whole;
+# --cpu-offload optimizer keeps the fp32 masters, gradients and optimizer state in host memory
+# and the bf16 compute copies resident on the GPU for the whole step (one host-to-device copy
+# per step, none per micro-batch); gradients go to the host after every micro-batch; Muon's
+# Newton-Schulz runs on the GPU, matrix by matrix; full activation recompute. Predicted (not
+# measured; no GPU has run this): 107 GB on each GPU, 202 GB of host memory per rank (1.6 TB
+# for the node), 89.5 s per step, 732 tokens/s per GPU at an assumed 40% MFU for the maths and
+# 25 GB/s PCIe, which sets the pace (about 1.1 TB per GPU per step, mostly fp32 gradients).
+# Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
-# This layout has not run on GPUs yet, and offload copies every layer's shards for each
-# micro-batch (slow); see docs/memory.md.
 #
 #   bash examples/step37_flash_8xh200_thd_sft.sh /data/Step-3.7-Flash /data/sft_text_document /out
 set -euo pipefail
@@ -24,8 +30,8 @@ DATA=${2:?}
 OUT=${3:?}
 torchrun --nproc-per-node 8 pretrain_step37.py \
     --hf-config "$HF" --load-hf "$HF" \
-    --pipeline-model-parallel-size 4 --expert-model-parallel-size 2 \
-    --bf16 --data-parallel-sharding fsdp --cpu-offload all --recompute-granularity full \
+    --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 \
+    --bf16 --data-parallel-sharding fsdp --cpu-offload optimizer --recompute-granularity full \
     --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \
     --seq-length 8192 --micro-batch-size 1 --global-batch-size 64 --long-docs truncate \
     --optimizer muon --muon-momentum 0 --lr 2e-4 --adamw-lr 1e-5 --min-lr 2e-5 \

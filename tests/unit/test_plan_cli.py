@@ -44,23 +44,31 @@ def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
     plan = json.loads(out.stdout)
     ranks = plan["ranks"]
     assert [r["rank"] for r in ranks] == list(range(8))
-    assert {(r["pp_rank"], r["ep_rank"]) for r in ranks} == {(p, e) for p in range(4) for e in range(2)}
+    assert {(r["pp_rank"], r["ep_rank"]) for r in ranks} == {(0, e) for e in range(8)}
     inp = plan["inputs"]
-    assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (4, 2, 2, 32)
-    assert inp["sharding"] == "fsdp" and inp["bf16"] is True
-    # offloading the shards while gathering per micro-batch keeps every unit's unsharded fp32
-    # gradient on the device between micro-batches (133.5 GB on pp1): only "optimizer" fits
-    assert all(r["fits"] for r in ranks) == (inp["cpu_offload"] == "optimizer"), inp["cpu_offload"]
+    assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (1, 8, 8, 8)
+    assert inp["sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "optimizer"
+    assert all(r["fits"] for r in ranks)
     time = plan["time"]
-    assert len(time["ranks"]) == 4 and time["step_s"] == max(r["step_s"] for r in time["ranks"]) > 0
+    assert len(time["ranks"]) == 1 and time["step_s"] == max(r["step_s"] for r in time["ranks"]) > 0
     assert time["tokens_per_s_per_gpu"] == pytest.approx(64 * 8192 / time["step_s"] / 8)
 
     table = run("tools/plan_memory.py", "--world-size", "8", *flags)
     dry = run("pretrain_step37.py", *flags, "--dry-run", "8")
     assert table.returncode == dry.returncode == 0, dry.stderr
     body = lambda s: [l for l in s.splitlines() if l.startswith("pp")]
-    assert body(table.stdout) == body(dry.stdout) and len(body(dry.stdout)) == 8 + 4  # memory, time
+    assert body(table.stdout) == body(dry.stdout) and len(body(dry.stdout)) == 8 + 1  # memory, time
     assert "predicted step" in dry.stdout and "tokens/s per GPU" in dry.stdout
+
+    # the recipe runs the search's fastest fitting layout for its model, sequence and batch
+    search = run("tools/plan_memory.py", "--search", "--world-size", "8", "--hf-config", str(hf),
+                 "--seq-length", "8192", "--global-batch-size", "64", "--bf16", "--optimizer", "muon",
+                 "--muon-momentum", "0", "--top", "1")
+    assert search.returncode == 0, search.stderr
+    top = search.stdout.strip().splitlines()[-1].split()
+    assert top and all(f in flags for f in top if f.startswith("--")), top
+    pairs = dict(zip(top[::2], top[1::2]))
+    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items()), (pairs, flags)
 
 
 def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
