@@ -94,9 +94,9 @@ class Trainer:
         source = (f"from --load {a.checkpoint.load} (next; --load-hf not read)" if self.from_checkpoint
                   else f"from --load-hf {a.model.load_hf}" if a.model.load_hf
                   else f"seeded (--seed {a.schedule.seed})")
-        return (f"model: {n:,} parameters on this rank ({held['device'] / 2**30:.2f} GiB on the device, "
-                f"{held['host'] / 2**30:.2f} GiB in host memory), built in {self.build_s:.1f} s, "
-                f"weights {source}; peak host memory so far {_peak_host_gib():.2f} GiB")
+        return (f"model: {n:,} parameters on this rank ({_size(held['device'])} on the device, "
+                f"{_size(held['host'])} in host memory), built in {self.build_s:.1f} s, weights {source}; "
+                f"peak host memory so far {_size(_peak_host_gib() * 2**30)}")
 
     def maybe_resume(self) -> None:
         r = self.ckpt.resume(self.cfg, self.chunks, self.optimizer)
@@ -232,6 +232,10 @@ def _peak_memory_gib() -> float:
 
 def _peak_host_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def will_load(ck) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.distributed.harness import run_ranks
 from tests.distributed.startup_cases import (ALLOWANCE, PEAK_FACTOR, check_hf_streaming,
