@@ -43,7 +43,7 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def _reset_peak() -> bool:
+def reset_rss_peak() -> bool:
     """Make ``ru_maxrss`` restart from the current RSS (Linux ``clear_refs`` 5); False where not
     allowed, and the peak then also covers what came before (a looser check)."""
     try:
@@ -62,7 +62,7 @@ def measured_build(cfg, ps, args) -> tuple[list, dict]:
     """``parallelize`` with this process's memory around it: baseline RSS before, peak RSS
     during, and the bytes of the shards it holds after."""
     gc.collect()
-    base, reset = _rss(), _reset_peak()
+    base, reset = _rss(), reset_rss_peak()
     chunks = parallelize(cfg, ps, args)
     peak = _peak()
     held = shard_bytes(chunks)

@@ -12,6 +12,7 @@ from core.transformer.rotary import inverse_frequencies
 from models.step37 import Step37Config, Step37Model
 from models.step37 import hf_weights, materialize as mat
 from models.step37.hf_weights import CheckpointIndex
+from tests.distributed.startup_cases import reset_rss_peak
 
 
 def _chunks(n: int, world: int) -> list[tuple[int, int]]:
@@ -128,20 +129,11 @@ def test_read_into_streams_rows_and_halves_in_blocks(tmp_path, monkeypatch):
         assert torch.equal(experts, fused[2:5, cols].float()), half
 
 
-def _rss_peak_reset() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def test_read_into_holds_one_block_of_the_file_at_a_time(tmp_path):
     """Reading a 128 MiB bf16 tensor into fp32 storage raises the peak RSS by at most about one
     block: safetensors maps the file, and a single handle kept open for the whole tensor would add
     its 128 MiB of touched pages (the old whole-tensor read added those plus an fp32 copy)."""
-    if not _rss_peak_reset():
+    if not reset_rss_peak():
         pytest.skip("/proc/self/clear_refs is not writable here: the peak cannot be reset")
     rows, cols = 16384, 4096  # 64 Mi elements: 128 MiB in bf16, 256 MiB in fp32
     ckpt = _save(tmp_path, {"w": torch.ones(rows, cols, dtype=torch.bfloat16)})
@@ -149,7 +141,7 @@ def test_read_into_holds_one_block_of_the_file_at_a_time(tmp_path):
     ckpt.shape("w")
     with open("/proc/self/status") as f:
         base = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    _rss_peak_reset()
+    reset_rss_peak()
     ckpt.read_into(out, "w")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert bool(out.eq(1).all())
