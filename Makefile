@@ -24,7 +24,7 @@ install-test: torch
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 
 test: install-test
-	$(PYTHON) -m pytest -q -n 2 tests
+	$(PYTHON) -m pytest -q -n 2 --durations=15 tests
 
 quickstart: install
 	bash examples/quickstart.sh $(QUICKSTART_DIR)
