@@ -53,7 +53,8 @@ def host_threads(cpu_offload: str) -> int:
     """With offload the optimizer step runs on the host: it gets this rank's share of the
     machine's cores (torchrun otherwise sets OMP_NUM_THREADS=1, a single-threaded step)."""
     if cpu_offload != "none":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     return torch.get_num_threads()
 
 

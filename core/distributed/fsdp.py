@@ -29,9 +29,9 @@ SHARDING_MODES = ("none", "fsdp")
 OFFLOAD_MODES = ("none", "all", "experts", "optimizer")
 
 
-def _policy(on: bool) -> OffloadPolicy:
+def _policy(on: bool, pin: bool = True) -> OffloadPolicy:
     # pinned host memory only helps (and only exists) with an accelerator
-    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on else OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=pin and torch.cuda.is_available()) if on else OffloadPolicy()
 
 
 def _self_mesh(ps: ParallelState, device_type: str) -> DeviceMesh:
@@ -64,6 +64,10 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
     if cpu_offload not in OFFLOAD_MODES:
         raise ValueError(f"--cpu-offload {cpu_offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
     resident = cpu_offload == "optimizer"
+    # pinned host memory comes from a caching allocator that rounds each block up to a power of
+    # two (a 755 MB expert stack takes 1 GiB): worth it where weights cross PCIe per micro-batch,
+    # not for the once-per-step copies of "optimizer", whose host footprint must stay as planned
+    pin = not resident
     if resident:  # masters, gradients and optimizer state on the host; compute copies stay
         cpu_offload, gather_once = "all", True
     shard = shard and ps.sizes.dp > 1
@@ -92,10 +96,10 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
         if expert and edp_mesh is None:
             continue
         offload = cpu_offload != "none" if expert else cpu_offload == "all"
-        fully_shard(unit.module, mesh=edp_mesh if expert else dp_mesh, offload_policy=_policy(offload),
+        fully_shard(unit.module, mesh=edp_mesh if expert else dp_mesh, offload_policy=_policy(offload, pin),
                     mp_policy=full if unit.fp32 else mixed, ignored_params=None if expert else ignored,
                     reshard_after_forward=not gather_once)
-    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all"), mp_policy=mixed,
+    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all", pin), mp_policy=mixed,
                 ignored_params=ignored, reshard_after_forward=not gather_once)
     chunk.reduce_every_backward = resident
     for m in chunk.modules():

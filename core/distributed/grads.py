@@ -67,7 +67,8 @@ def grad_norm(specs: list, pstate: ParallelState) -> torch.Tensor:
         else:
             owner = pstate.dp_rank == 0 if spec.replicated_over == "dp" else pstate.expert_dp_rank == 0
         if owner and p.grad is not None:
-            terms.append(local(p.grad).detach().double().pow(2).sum())
+            # fp64 accumulation without a full-size fp64 copy (offloaded gradients sit on the host)
+            terms.append(torch.linalg.vector_norm(local(p.grad).detach(), dtype=torch.float64) ** 2)
     # one sum on one device (offloaded shards may sit on the host), no per-tensor sync
     sq = torch.stack([t.to(device) for t in terms]).sum() if terms else \
         torch.zeros((), dtype=torch.float64, device=device)
@@ -80,9 +81,14 @@ def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
     """Scale the gradients of ``params`` (every parameter this rank holds) by
     ``min(1, max_norm / norm)``; returns the factor used."""
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    copies = {}  # the factor once per (device, dtype), not once per tensor
     for p in params:
         if p.grad is not None:
-            local(p.grad).mul_(factor.to(p.grad.device, p.grad.dtype))
+            g = local(p.grad)
+            key = (g.device, g.dtype)
+            if key not in copies:
+                copies[key] = factor.to(g.device, g.dtype)
+            g.mul_(copies[key])
     return factor
 
 

@@ -19,41 +19,56 @@ def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@torch.library.custom_op("step37::grouped_mm_fp32", mutates_args=())
-def _grouped_mm_fp32(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``F.grouped_mm`` as an opaque op, for compiled graphs in fp32 on CPU: torch's own
-    tracing rule for grouped_mm only admits bf16, while the CPU kernel runs fp32."""
-    return F.grouped_mm(x_NI, w_EIO, offs=offs)
+def _segment_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows ``offs[e-1]:offs[e]`` of ``x`` times ``w[e]``: one grouped GEMM, or a loop over the
+    segments (which reads the segment sizes on the host)."""
+    if grouped:
+        return F.grouped_mm(x_NI, w_EIO, offs=offs)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    chunks = torch.split(x_NI, sizes)
+    return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)], dim=0) if chunks else \
+        x_NI.new_zeros(0, w_EIO.shape[-1])
 
 
-@_grouped_mm_fp32.register_fake
-def _(x_NI, w_EIO, offs):
+@torch.library.custom_op("step37::expert_matmul", mutates_args=())
+def _expert_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """:func:`_segment_matmul` as an opaque op, for compiled graphs where the traced
+    ``grouped_mm`` does not apply: fp32 (torch's tracing rule for grouped_mm admits only bf16,
+    while the CPU kernel runs fp32) and the loop (fp32 on CUDA), whose host read of the segment
+    sizes then happens inside the op instead of breaking the graph."""
+    return _segment_matmul(x_NI, w_EIO, offs, grouped)
+
+
+@_expert_matmul.register_fake
+def _(x_NI, w_EIO, offs, grouped):
     return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[-1])
 
 
-@torch.library.custom_op("step37::grouped_mm_fp32_backward", mutates_args=())
-def _grouped_mm_fp32_backward(g_NO: torch.Tensor, x_NI: torch.Tensor, w_EIO: torch.Tensor,
-                              offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("step37::expert_matmul_backward", mutates_args=())
+def _expert_matmul_backward(g_NO: torch.Tensor, x_NI: torch.Tensor, w_EIO: torch.Tensor,
+                            offs: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # torch.func: plain autograd is switched off inside a custom op's implementation
-    _, vjp = torch.func.vjp(lambda x, w: F.grouped_mm(x, w, offs=offs), x_NI, w_EIO)
+    _, vjp = torch.func.vjp(lambda x, w: _segment_matmul(x, w, offs, grouped), x_NI, w_EIO)
     return vjp(g_NO.contiguous())
 
 
-@_grouped_mm_fp32_backward.register_fake
-def _(g_NO, x_NI, w_EIO, offs):
+@_expert_matmul_backward.register_fake
+def _(g_NO, x_NI, w_EIO, offs, grouped):
     return torch.empty_like(x_NI), torch.empty_like(w_EIO)
 
 
-def _grouped_mm_fp32_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+def _expert_matmul_setup(ctx, inputs, output):
+    x, w, offs, grouped = inputs
+    ctx.save_for_backward(x, w, offs)
+    ctx.grouped = grouped
 
 
-def _grouped_mm_fp32_grad(ctx, g_NO):
+def _expert_matmul_grad(ctx, g_NO):
     x, w, offs = ctx.saved_tensors
-    return (*_grouped_mm_fp32_backward(g_NO, x, w, offs), None)
+    return (*_expert_matmul_backward(g_NO, x, w, offs, ctx.grouped), None, None)
 
 
-_grouped_mm_fp32.register_autograd(_grouped_mm_fp32_grad, setup_context=_grouped_mm_fp32_setup)
+_expert_matmul.register_autograd(_expert_matmul_grad, setup_context=_expert_matmul_setup)
 
 
 def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
@@ -69,14 +84,11 @@ def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tenso
     """Row block ``e`` of ``x`` (``counts[e]`` rows, in expert order) times ``w[e].T``."""
     # offloaded (FSDP CPU offload) weights come to the compute device here, differentiably
     w_EOI = w_EOI.to(x_NI.device)
-    if use_grouped:
-        offs = torch.cumsum(counts_E, 0).to(torch.int32)
-        if torch.compiler.is_compiling() and x_NI.dtype != torch.bfloat16:
-            return _grouped_mm_fp32(x_NI, w_EOI.transpose(-2, -1), offs)
-        return _contiguous_grad(F.grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offs))
-    chunks = torch.split(x_NI, counts_E.tolist())
-    return torch.cat([c @ w_EOI[e].T for e, c in enumerate(chunks)], dim=0) if chunks else \
-        x_NI.new_zeros(0, w_EOI.shape[1])
+    offs = torch.cumsum(counts_E, 0).to(torch.int32)
+    if torch.compiler.is_compiling() and not (use_grouped and x_NI.dtype == torch.bfloat16):
+        return _expert_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped)
+    out = _segment_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped)
+    return _contiguous_grad(out) if use_grouped else out
 
 
 class GroupedExperts(nn.Module):

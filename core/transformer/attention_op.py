@@ -8,13 +8,14 @@ layout), so the compiled path passes the boundaries as tensors instead:
   is a device tensor whose length is marked dynamic, and the maximum segment length is the
   pack's length ``T`` (a static bound: flash sizes its grid by it and the blocks past a
   document's end return at once), so no per-batch integer reaches the graph.
-* every other backend (``sdpa`` on CPU, ``transformer_engine``): one opaque custom op,
+* ``sdpa`` (CPU): one opaque custom op,
   ``step37::thd_attention``, whose arguments are ``q``, ``k``, ``v`` and the boundaries as a
   *host* tensor ``[2, n + 1]`` (real, padded). The op rebuilds the layout from that host
   tensor (no device read) and runs the eager backend; its backward recomputes the attention
   under autograd (one extra attention forward per layer, the price of an opaque kernel).
 
-``flex`` is compiled by itself and is not supported under ``--compile``.
+``flex`` (compiled by itself) and ``transformer_engine`` (its kernels want device boundaries
+and its autograd functions do not run under ``torch.func``) are refused under ``--compile``.
 """
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ thd_attention.register_autograd(_backward, setup_context=_setup)
 
 def compiled_attention(q, k, v, layout: DocLayout, window: int | None, scale: float, backend: str):
     """The attention call a compiled layer makes (see the module docstring)."""
-    if backend == "flex":
-        raise ValueError("--compile does not support --attention-backend flex (flex_attention is "
-                         "compiled on its own); use varlen on CUDA or sdpa")
+    if backend in ("flex", "transformer_engine"):
+        raise ValueError(f"--compile does not support --attention-backend {backend} (use auto: "
+                         "varlen on CUDA, sdpa on CPU)")
     if backend == "varlen":
         cu, T = layout.params.cu_seqlens_padded, q.shape[0]
         return _varlen_kernel()(q, k, v, cu, cu, T, T, scale=scale,

@@ -55,9 +55,10 @@ def apply_compile(model: Step37Model, backend: str = "inductor") -> int:
     """Compile ``model``'s blocks in place; returns how many blocks were compiled whole."""
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"--compile-backend {backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
-    if model.config.attention_backend == "flex":
-        raise ValueError("--compile does not support --attention-backend flex (flex_attention is "
-                         "compiled on its own); use auto (varlen on CUDA, sdpa on CPU)")
+    if model.config.attention_backend in ("flex", "transformer_engine"):
+        raise ValueError(f"--compile does not support --attention-backend {model.config.attention_backend} "
+                         "(flex is compiled on its own; Transformer Engine's kernels stay eager); use "
+                         "auto (varlen on CUDA, sdpa on CPU)")
     blocks = list(model.layers.values()) + (list(model.mtp.values()) if model.mtp is not None else [])
     raise_recompile_limit(len(blocks))
     return sum(compile_block(block, backend) for block in blocks)

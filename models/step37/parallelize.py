@@ -8,12 +8,12 @@ it, in this order (each step needs the one before it):
 2. expert parallelism (``apply_expert_parallel``): MoE layers route through the all-to-all (or
    all-gather) dispatcher over the EP group, so the experts see only their own tokens;
 3. activation recompute (``apply_recompute``): a flag on the layers, read by their forward;
-   then ``--compile`` (``models/step37/compile.py``), which traces the recompute regions and
-   must come before FSDP (its hooks run outside the compiled graphs);
 4. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``), still on meta: each unit's
    parameters become DTensor shards (dense over DP, experts over expert-DP). ``--bf16``
    without sharding still goes through FSDP2, on one-rank meshes, for its mixed precision:
-   bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers;
+   bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers; then
+   ``--compile`` (``models/step37/compile.py``): the blocks' ``forward`` methods, so FSDP's
+   hooks stay outside the graphs (and it sees which blocks hold FSDP units of their own);
 5. materialisation (``models/step37/materialize.py``): storage for this rank's shards only, on
    its device (offloaded shards in host memory), in fp32 (the master weights); then each tensor
    written once: ``--load-hf`` streamed into the shards row block by row block, or seeded

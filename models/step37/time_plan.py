@@ -206,11 +206,13 @@ class _Ledger:
 GROUP = {"dense": "dp", "expert": "expert_dp"}  # where each kind's shards and replicas live
 
 
-def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pcie: float,
+def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pcie: float, host: float,
                            f: _Ledger, bk: _Ledger, step: _Ledger) -> None:
     """FSDP's traffic: offloaded fp32 shards to the GPU and the all-gather of compute copies
     (per pass, or once per step), the fp32 reduce-scatter and the gradient shards back to the
-    host (per backward with ``optimizer`` offload, else at the synchronising one)."""
+    host (per backward with ``optimizer`` offload, else at the synchronising one); with
+    ``optimizer`` offload each backward's shards are also added into the host's fp32
+    accumulators (read two, write one: 12 bytes per parameter at the host's bandwidth)."""
     b = inp.act_bytes
     h2d = sum(t[k]["shard"] * MASTER for k in KINDS if pl.offloaded[k])
     gathers = (f, bk) if pl.gather_per_microbatch else (step,) if any(pl.managed.values()) else ()
@@ -221,6 +223,8 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
                 ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[GROUP[k]])
     ledger = bk if pl.sync_every_microbatch else step
     ledger.move("host-device", h2d, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
+    if pl.sync_every_microbatch:  # FSDP's `grad += new` on the host, on the backward's thread
+        bk.seconds["host-device"] += 3 * h2d / host
     for k in KINDS:
         if pl.managed[k]:
             ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
@@ -281,7 +285,7 @@ def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptio
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         f, bk = _chunk_passes(cfg, chunk, inp, eff, bw)
-        _weights_and_gradients(t, inp, pl, bw, a.pcie_gb_s * 1e9, f, bk, step)
+        _weights_and_gradients(t, inp, pl, bw, a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, f, bk, step)
         _sync_and_optimizer(chunk, t, inp, a, pl, bw, eff, step)
         passes.append((f, bk))
     return passes, step
