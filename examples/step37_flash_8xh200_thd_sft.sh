@@ -17,8 +17,9 @@
 # per step, none per micro-batch); gradients go to the host after every micro-batch; Muon's
 # Newton-Schulz runs on the GPU, matrix by matrix; full activation recompute. Predicted (not
 # measured; no GPU has run this): 107 GB on each GPU, 202 GB of host memory per rank (1.6 TB
-# for the node), 89.5 s per step, 732 tokens/s per GPU at an assumed 40% MFU for the maths and
-# 25 GB/s PCIe, which sets the pace (about 1.1 TB per GPU per step, mostly fp32 gradients).
+# for the node), 209 s per step, 313 tokens/s per GPU (assumed: 40% MFU for the maths, 25 GB/s
+# PCIe, 20 GB/s of host memory per rank). The gradients' trip to the host sets the pace: 1.1 TB
+# over PCIe per GPU per step, then their fp32 accumulation in host memory.
 # Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
 #
