@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 
 @dataclass
@@ -60,6 +61,13 @@ def unpermute(y_NH: torch.Tensor, weights_TK: torch.Tensor, state: PermuteState)
     """Weighted sum over each token's experts: ``sum_k w[t, k] * y[slot(t, k)]`` (fp32 maths,
     output in the experts' dtype)."""
     return _Combine.apply(y_NH, weights_TK, state.order)
+
+
+def _rows_vary(x: torch.Tensor) -> torch.Tensor:
+    """Mark the row count of the experts' input as changing from batch to batch, so compiled
+    experts (``--compile``) get one graph for any count instead of one per count."""
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    return x
 
 
 class LocalDispatcher:
@@ -117,7 +125,7 @@ class AllToAllDispatcher:
         row = x_NH.shape[1] * x_NH.element_size()
         self.sent_bytes += row * (sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me])
         order, local_counts = sort_by_local_expert(recv_counts, sum(recv_splits))
-        y = experts_module(x_recv.index_select(0, order), local_counts)
+        y = experts_module(_rows_vary(x_recv.index_select(0, order)), local_counts)
         y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
         y_NH = all_to_all(y_back, recv_splits, send_splits, self.group)
         return unpermute(y_NH, weights_TK, state), side_out
@@ -148,7 +156,7 @@ class AllGatherDispatcher:
         ids = local.flatten()[slots]
         order = torch.argsort(ids, stable=True)
         slots = slots[order]
-        y = experts_module(x_all.index_select(0, slots // K),
+        y = experts_module(_rows_vary(x_all.index_select(0, slots // K)),
                            torch.bincount(ids, minlength=self.local))
         w = w_all.flatten().index_select(0, slots)
         out = x_all.new_zeros(x_all.shape).index_add(0, slots // K, (y * w[:, None]).to(y.dtype))

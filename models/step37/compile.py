@@ -15,8 +15,9 @@ dispatcher reads the all-to-all split sizes on the host (expert parallelism), or
 units inside it (the experts over expert-DP, the fp32 router under ``--bf16``), whose hooks
 must run between pieces. The pieces are the attention block (norm, attention, residual, norm),
 the router, the shared expert and the experts (under expert parallelism their row count
-depends on routing, so that graph has a dynamic first dimension); permutation, all-to-all and
-the weighted combine run eagerly between them, and so do an MTP depth's own projections.
+depends on routing: the dispatcher marks it dynamic, so one graph serves every count);
+permutation, all-to-all and the weighted combine run eagerly between them, and so do an MTP
+depth's own projections.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def _one_graph(block: torch.nn.Module) -> bool:
                    or (m is not block and isinstance(m, FSDPModule)) for m in block.modules())
 
 
-def _compile_forward(module: torch.nn.Module, backend: str, dynamic: bool | None = None) -> None:
-    module.forward = torch.compile(module.forward, fullgraph=True, backend=backend, dynamic=dynamic)
+def _compile_forward(module: torch.nn.Module, backend: str) -> None:
+    module.forward = torch.compile(module.forward, fullgraph=True, backend=backend)
 
 
 def _compile_pieces(layer: DecoderLayer, backend: str) -> None:
@@ -46,7 +47,7 @@ def _compile_pieces(layer: DecoderLayer, backend: str) -> None:
     if isinstance(ffn, MoELayer):
         _compile_forward(ffn.router, backend)
         _compile_forward(ffn.shared_expert, backend)
-        _compile_forward(ffn.experts, backend, dynamic=True if ffn.dispatcher.communicates else None)
+        _compile_forward(ffn.experts, backend)  # a communicating dispatcher marks its rows dynamic
     else:
         _compile_forward(ffn, backend)
 
