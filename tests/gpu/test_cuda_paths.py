@@ -113,3 +113,12 @@ def test_one_gpu_bf16_compiled_training_run(tmp_path):
     """pretrain_step37.py --bf16 --compile on one GPU trains (FSDP2 mixed precision hooks
     outside the compiled pieces)."""
     _train_tiny(tmp_path, ["--compile"])
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "experts"])
+def test_one_gpu_bf16_offloaded_training_run(tmp_path, offload):
+    """FSDP2 CPU offload on a GPU: the meta build places offloaded shards in host memory, the
+    step moves them (optimizer: once per step; experts: per pass), the optimizer steps on the
+    host (Muon's Newton-Schulz on the GPU) and the loss falls."""
+    _train_tiny(tmp_path, ["--data-parallel-sharding", "fsdp", "--cpu-offload", offload,
+                           "--optimizer", "muon", "--muon-momentum", "0", "--lr", "0.02"])
