@@ -1,7 +1,8 @@
 """GPU-only checks (skipped without CUDA; run by tools/gpu_check.sh): the varlen flash backend
 against per-document SDPA in bf16, grouped_mm in bf16 against a per-expert loop, compiled
-layers (varlen inside the graph) against eager, and short 1-GPU training runs with --bf16,
-eager and --compile."""
+layers (varlen inside the graph) against eager, and short 1-GPU training runs with --bf16:
+eager, --compile, --cpu-offload optimizer and experts. The training flags a test adds come
+last, so they override the defaults (argparse keeps the last value)."""
 from __future__ import annotations
 
 import json
@@ -112,7 +113,7 @@ def test_compiled_layers_with_varlen_in_bf16_match_eager_without_recompiling():
 def test_one_gpu_bf16_compiled_training_run(tmp_path):
     """pretrain_step37.py --bf16 --compile on one GPU trains (FSDP2 mixed precision hooks
     outside the compiled pieces)."""
-    _train_tiny(tmp_path, ["--compile"])
+    _train_tiny(tmp_path, ["--compile", "--train-iters", "10"])
 
 
 @pytest.mark.parametrize("offload", ["optimizer", "experts"])
@@ -121,4 +122,4 @@ def test_one_gpu_bf16_offloaded_training_run(tmp_path, offload):
     step moves them (optimizer: once per step; experts: per pass), the optimizer steps on the
     host (Muon's Newton-Schulz on the GPU) and the loss falls."""
     _train_tiny(tmp_path, ["--data-parallel-sharding", "fsdp", "--cpu-offload", offload,
-                           "--optimizer", "muon", "--muon-momentum", "0", "--lr", "0.02"])
+                           "--optimizer", "muon", "--muon-momentum", "0", "--lr", "0.02", "--train-iters", "10"])
