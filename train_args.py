@@ -62,6 +62,10 @@ class ModelArgs:
     def __post_init__(self):
         require(self, mtp_loss_scale=NON_NEGATIVE, moe_aux_loss_coeff=NON_NEGATIVE,
                 moe_bias_update_rate=NON_NEGATIVE)
+        if self.compile and self.attention_backend in ("flex", "transformer_engine"):
+            raise ValueError(f"--compile does not support --attention-backend {self.attention_backend} "
+                             "(flex is compiled on its own; Transformer Engine's kernels stay eager); "
+                             "use auto (varlen on CUDA, sdpa on CPU)")
 
 
 @dataclass

@@ -39,6 +39,7 @@ BAD = [
     (["--recompute-num-layers", "2"], "--recompute-num-layers needs --recompute-granularity"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite number > 0"),
     (["--seq-length", "0"], "--seq-length must be >= 1"),
+    (["--compile", "--attention-backend", "flex"], "--compile does not support --attention-backend flex "),
 ]
 
 
