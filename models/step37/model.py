@@ -34,7 +34,7 @@ from core.transformer.mlp import SwiGLUMLP
 from core.transformer.norm import RMSNorm
 from core.transformer.rotary import RotaryEmbedding
 from models.step37.config import Step37Config
-from models.step37.materialize import init_buffers, init_parameters, materialize
+from models.step37.materialize import materialize
 
 IGNORE_INDEX = -100
 
@@ -140,16 +140,6 @@ class Step37Model(nn.Module):
         types = {cfg.layer_types[i] for i in own} | (set(cfg.mtp_layer_types) if has_mtp else set())
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg.head_dim, cfg.rope_parameters[t])
                                      for t in sorted(types)})
-
-    @torch.no_grad()
-    def reset_parameters(self, seed: int = 0, *, generator_device=None) -> None:
-        """Normal(0, init_std) weights, zero norms and router biases, RoPE frequencies recomputed.
-        Each tensor is drawn in blocks (one per expert for stacked expert weights), each from its
-        own generator seeded by the tensor's global name, and a process writes only the rows it
-        holds (also of an FSDP shard), so any pipeline / expert / data-parallel layout starts from
-        exactly the weights of the whole model (``models/step37/materialize.py``)."""
-        init_buffers(self, next(iter(self.buffers()), torch.empty(0)).device)
-        init_parameters(self, seed, generator_device=generator_device)
 
     # ------------------------------------------------------------------ what core needs
     def param_specs(self) -> dict[str, ParamSpec]:
