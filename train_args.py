@@ -16,9 +16,10 @@ from core.parallel_state import ParallelSizes
 from data.loader import parse_data_path
 from data.packing import LONG_DOC_POLICIES
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-from models.step37.config import ATTENTION_BACKENDS, PRESETS, Step37Config
-from models.step37.compile import COMPILE_BACKENDS
-from models.step37.parallelize import stage_layers
+from core.compile import COMPILE_BACKENDS
+from core.transformer.attention_backends import ATTENTION_BACKENDS
+from models import registry
+from training.parallelize import stage_layers
 
 # numeric rules for flags: (what the message says, test); None values (unset flags) pass
 POSITIVE = ("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
@@ -41,13 +42,19 @@ def require(section, **rules) -> None:
 class ModelArgs:
     """Model: preset or Hugging Face config, initial weights, MoE and MTP losses."""
 
-    model_preset: str = option("tiny", "model shape", choices=sorted(PRESETS))
-    hf_config: str = option(None, "Hugging Face config.json or directory (overrides --model-preset)")
+    model_preset: str = option("tiny", "model shape: a preset of a registered family ("
+                                       + "; ".join(f"{s.family}: {', '.join(s.presets)}"
+                                                   for s in registry.families().values()) + ")")
+    hf_config: str = option(None, "Hugging Face config.json or directory (overrides --model-preset; its "
+                                  "model_type picks the family)")
+    model_module: str = option(None, "import this Python module first: it registers another model family "
+                                     "(models.registry.register), so this script trains it unchanged")
     load_hf: str = option(None, "initialise from this Hugging Face checkpoint directory")
     attention_backend: str = option("auto", "attention kernel: auto is varlen (flash over cu_seqlens) on "
                                             "CUDA, sdpa (per document) on CPU", choices=ATTENTION_BACKENDS)
     mtp_loss_scale: float = option(0.3, "weight of the MTP depths' token losses")
-    moe_aux_loss_coeff: float = option(0.0, "router auxiliary (load-balancing) loss weight")
+    moe_aux_loss_coeff: float = option(None, "router auxiliary (load-balancing) loss weight (default: the "
+                                             "model's: 0 for step37, router_aux_loss_coef for qwen3_moe)")
     moe_bias_update_rate: float = option(0.0, "aux-loss-free balancing: bias step per iteration "
                                               "(0 in SFT)")
     moe_dispatcher: str = option("alltoall", "expert-parallel token dispatch",
@@ -62,6 +69,10 @@ class ModelArgs:
     def __post_init__(self):
         require(self, mtp_loss_scale=NON_NEGATIVE, moe_aux_loss_coeff=NON_NEGATIVE,
                 moe_bias_update_rate=NON_NEGATIVE)
+        registry.import_model_module(self.model_module)
+        if self.hf_config is None and self.model_preset not in registry.preset_names():
+            raise ValueError(f"--model-preset {self.model_preset!r}: expected one of "
+                             f"{', '.join(registry.preset_names())}")
         if self.compile and self.attention_backend in ("flex", "transformer_engine"):
             raise ValueError(f"--compile does not support --attention-backend {self.attention_backend} "
                              "(flex is compiled on its own; Transformer Engine's kernels stay eager); "
@@ -313,7 +324,8 @@ def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
     """Every training flag by section. ``require_data=False`` (the planner): ``--data-path`` is
     optional and data and tokenizer flags are parsed but not used."""
     parser = argparse.ArgumentParser(prog=prog, description=description or (
-        "Train a Step-3.7-style MoE model on packed THD data with PP / EP / DP. "
+        "Train a model of any registered family (" + ", ".join(registry.families())
+        + "; others through --model-module) on packed THD data with PP / EP / DP. "
         "Launch with torchrun; the layout's DP size is world / pp."))
     for title, cls in SECTIONS.items():
         add_to_parser(parser, cls, title, optional=() if require_data else ("data_path",))
@@ -340,24 +352,36 @@ def parse(argv=None) -> argparse.Namespace:
 
 @dataclass
 class RunLayout:
-    """What validation derives: the model config, the parallel sizes, micro-batches per step."""
+    """What validation derives: the model family and config, the parallel sizes, micro-batches
+    per step."""
 
-    config: Step37Config
+    spec: registry.ModelSpec
+    config: object  # the family's config class
     sizes: ParallelSizes
     num_microbatches: int  # per pipeline (DP rank) per iteration
 
 
-def model_config(args) -> Step37Config:
+def model_spec_and_config(args):
+    """``(ModelSpec, config)``: from ``--hf-config`` (or ``--load-hf``'s config.json) by its
+    model_type, else from ``--model-preset``."""
     m = args.model
-    src = m.hf_config or m.load_hf
-    base = Step37Config.from_hf(src).to_hf() if src else Step37Config.preset(m.model_preset).to_hf()
-    return Step37Config.from_hf(base, attention_backend=m.attention_backend)
+    return registry.resolve(m.model_preset, m.hf_config or m.load_hf, attention_backend=m.attention_backend)
+
+
+def model_config(args):
+    return model_spec_and_config(args)[1]
+
+
+def aux_loss_coeff(args, cfg) -> float:
+    """``--moe-aux-loss-coeff``, else the model's own default."""
+    c = args.model.moe_aux_loss_coeff
+    return cfg.aux_loss_coeff if c is None else c
 
 
 def validate(args, world: int, check_files: bool = True) -> RunLayout:
     """Everything that can be checked before process groups exist; ``check_files``: also the
     dataset, tokenizer and checkpoint paths (not when planning a run on another machine)."""
-    cfg = model_config(args)
+    spec, cfg = model_spec_and_config(args)
     p, d = args.parallel, args.data
     sizes = ParallelSizes(world, pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                           vpp=p.virtual_pipeline_model_parallel_size)
@@ -371,11 +395,11 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
-    _check_against_model(args, cfg)
+    _check_against_model(args, spec, cfg, sizes)
     if check_files:
         _check_files(args, cfg)
         _check_run_files(args, cfg)
-    return RunLayout(cfg, sizes, M)
+    return RunLayout(spec, cfg, sizes, M)
 
 
 def validation_weights(args) -> list[float] | None:
@@ -390,8 +414,13 @@ def evaluates(args) -> bool:
     return args.eval.eval_iters > 0 and (w is None or w[1] > 0)
 
 
-def _check_against_model(args, cfg: Step37Config) -> None:
+def _check_against_model(args, spec, cfg, sizes: ParallelSizes) -> None:
     d, mem, ck = args.data, args.memory, args.checkpoint
+    if spec.model_class.aux_scope == "model" and aux_loss_coeff(args, cfg) > 0 and sizes.pp * sizes.vpp > 1:
+        raise ValueError(f"--moe-aux-loss-coeff {aux_loss_coeff(args, cfg):g}: {spec.family}'s auxiliary loss "
+                         "averages the router statistics over every MoE layer of the model (as transformers "
+                         "computes it), which a pipeline split does not hold in one place; train it with "
+                         "--pipeline-model-parallel-size 1, or pass --moe-aux-loss-coeff 0")
     if d.seq_length > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {d.seq_length} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
@@ -402,7 +431,7 @@ def _check_against_model(args, cfg: Step37Config) -> None:
         raise ValueError("--finetune needs --load (the checkpoint to take the weights from)")
 
 
-def _check_run_files(args, cfg: Step37Config) -> None:
+def _check_run_files(args, cfg) -> None:
     """--save writable now rather than at the first save; the validation data."""
     from core.checkpoint_dir import check_writable
     from data.checks import check_training_data
@@ -423,7 +452,7 @@ def _check_run_files(args, cfg: Step37Config) -> None:
         validation_ranges(parse_data_path(d.data_path), d.split)  # raises when a part is empty
 
 
-def _check_files(args, cfg: Step37Config) -> None:
+def _check_files(args, cfg) -> None:
     """The files a run reads, and the data against the model: the whole index, token ids below
     cfg.vocab_size, some training targets (data/checks.py)."""
     from data.checks import check_training_data  # local: keeps this section's edits in one place

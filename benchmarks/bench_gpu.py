@@ -11,7 +11,7 @@ log-normal lengths (median min(300, S/8) tokens, sigma 1, clipped to S, seeded),
 gradient drives both backwards. Timed: ``--warmup`` untimed steps, then ``--iters`` steps, each
 forward + backward from the packed batch (rotary tables and masks included), median reported.
 
-* ours: ``DecoderLayer`` (``models/step37/model.py``) on THD, ``auto`` attention (flash
+* ours: ``decoder_layer`` (``models/step37/model.py``) on THD, ``auto`` attention (flash
   ``varlen`` on CUDA, per-document ``sdpa`` on CPU), grouped_mm experts. Built on the device
   (meta, then ``to_empty``) in bf16, with the router in fp32 (``need_fp32_gate``, what the
   ``--bf16`` FSDP path does) and the buffers ``core/precision.py`` keeps in fp32.
@@ -114,7 +114,7 @@ def _free() -> None:
 def run_benchmark(args, device, dtype) -> dict:
     """Ours, then transformers with ours' weights (ours freed before transformers is timed)."""
     from models.step37.config import Step37Config
-    from models.step37.costs import device_peak_tflops
+    from core.flops import device_peak_tflops
 
     cfg, idx = slice_config(Step37Config.preset("tiny" if args.tiny else "step37-flash"))
     batch, lengths = packed_batch(args.seq_length, args.seed)
@@ -139,7 +139,7 @@ def run_benchmark(args, device, dtype) -> dict:
     params = sum(p.numel() for p in ours.parameters())
     rows = [timed(OURS, ours)]
     if args.compile:  # the same layers again, each compiled fullgraph (models/step37/compile.py)
-        from models.step37.compile import compile_block, raise_recompile_limit
+        from core.compile import compile_block, raise_recompile_limit
 
         raise_recompile_limit(len(ours.layers))
         for layer in ours.layers.values():

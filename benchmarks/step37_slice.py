@@ -37,9 +37,10 @@ def slice_config(cfg, backend: str = "auto"):
 
 def slice_flops(cfg, doc_lengths) -> float:
     """Training FLOPs of the slice's layers on these documents (no head: vocab 0 zeroes it)."""
-    from models.step37.costs import training_flops
+    from core.flops import training_flops
+    from models.registry import shapes_of
 
-    return training_flops(dataclasses.replace(cfg, vocab_size=0), list(doc_lengths))
+    return training_flops(shapes_of(dataclasses.replace(cfg, vocab_size=0)), list(doc_lengths))
 
 
 class _Zeros:
@@ -72,10 +73,10 @@ class OursSlice(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         from core.transformer.rotary import RotaryEmbedding
-        from models.step37.model import DecoderLayer
+        from models.step37.model import decoder_layer
 
         with torch.device("meta"):
-            self.layers = nn.ModuleDict({str(i): DecoderLayer(
+            self.layers = nn.ModuleDict({str(i): decoder_layer(
                 cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.swiglu_limits[i],
                 cfg.swiglu_limits_shared[i]) for i in range(cfg.num_layers)})
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg.head_dim, cfg.rope_parameters[t])
@@ -174,7 +175,7 @@ def weight_pairs(ours: OursSlice, hf: HFSlice) -> list:
     """``(our name, our tensor, transformers' tensor, half)`` for every tensor of the layers,
     matched through ``models/step37/hf_weights.candidates`` (which also knows transformers'
     in-memory names); ``half`` says which half of a fused gate/up tensor is ours."""
-    from models.step37.hf_weights import candidates
+    from models.step37.weights import candidates
 
     theirs = dict(hf.layers.named_parameters(prefix="layers")) | dict(hf.layers.named_buffers(prefix="layers"))
     pairs, used = [], set()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Move Step-3.7 weights between Hugging Face checkpoints and this project.
+"""Move a registered model family's weights between Hugging Face checkpoints and this project
+(the family from the checkpoint's config.json model_type, or from --model-preset).
 
 Verbs:
   check   DIR [--model-preset NAME | --hf-config PATH]
@@ -11,7 +12,8 @@ Verbs:
           Training checkpoint (any layout; the 'latest' one of a --save directory, or an iter_*
           directory) -> Hugging Face safetensors. With --source (the checkpoint it was imported
           from), the published layout is written and the vision tower copied byte for byte;
-          otherwise transformers' Step3p7TextModel layout (head and MTP beside it). The
+          otherwise the family's own layout (Step-3.7: transformers' Step3p7TextModel layout,
+          head and MTP beside it; Qwen3-MoE: the hub's per-expert layout). The
           config gets pad_token_id from --tokenizer-type/--tokenizer-model, else from --source's
           config, else from the tokenizer the training run recorded.
 
@@ -31,22 +33,38 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from core.hf_checkpoint import check_checkpoint  # noqa: E402
 from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
-from models.step37 import Step37Config, Step37Model, count_parameters  # noqa: E402
-from models.step37.config import PRESETS  # noqa: E402
-from models.step37.hf_weights import check_checkpoint, published_name  # noqa: E402
+from models import registry  # noqa: E402
+from models.common.decoder import count_parameters  # noqa: E402
+
+
+def spec_and_config(args, directory: str):
+    """The family and config: ``--hf-config``, else ``--model-preset``, else DIRECTORY's own
+    config.json; a preset of another family than the checkpoint's is refused by name."""
+    registry.import_model_module(getattr(args, "model_module", None))
+    if args.model_preset:
+        spec, cfg = registry.resolve(args.model_preset)
+        own = os.path.join(directory, "config.json")
+        if os.path.exists(own):
+            theirs = registry.spec_for_hf(own)
+            if theirs.family != spec.family:
+                raise ValueError(f"{directory} holds a {theirs.family} checkpoint; --model-preset "
+                                 f"{args.model_preset} is a {spec.family} model")
+        return spec, cfg
+    return registry.resolve(hf_config=args.hf_config or directory)
 
 
 def cmd_check(args) -> int:
-    source = args.hf_config or args.directory
-    cfg = Step37Config.preset(args.model_preset) if args.model_preset else Step37Config.from_hf(source)
+    spec, cfg = spec_and_config(args, args.directory)
     with torch.device("meta"):
-        model = Step37Model(cfg)
+        model = spec.build(cfg)
     report = check_checkpoint(model, args.directory)
-    counts = count_parameters(model, cfg)
-    print(f"model     {counts['total']:,} parameters ({counts['total_without_mtp']:,} without MTP, "
-          f"{cfg.num_layers} layers, {cfg.num_mtp_layers} MTP depths)")
-    print(f"matched   {report['loaded']:,} tensors; vision tower tensors kept aside: {report['vision_tensors']:,}")
+    counts = count_parameters(model)
+    print(f"model     {spec.family}: {counts['total']:,} parameters ({counts['total_without_mtp']:,} without "
+          f"MTP, {cfg.num_layers} layers, {cfg.num_mtp_layers} MTP depths)")
+    print(f"matched   {report['loaded']:,} tensors; tensors kept aside (not the text decoder's, e.g. a "
+          f"vision tower): {report['kept_aside']:,}")
     for key, title in (("missing", "missing"), ("unexpected", "unexpected"), ("misshaped", "mis-shaped")):
         items = report[key]
         print(f"{title:<10}{len(items):,}")
@@ -55,7 +73,7 @@ def cmd_check(args) -> int:
                 ours, theirs, shape, want = item
                 print(f"    {theirs}: checkpoint {shape}, model {want} ({ours})")
             elif key == "missing":
-                print(f"    {published_name(item, cfg.num_layers)} ({item})")
+                print(f"    {model.hf_weights.published(item)} ({item})")
             else:
                 print(f"    {item}")
         if len(items) > args.show:
@@ -70,20 +88,29 @@ def cmd_check(args) -> int:
 def cmd_export(args) -> int:
     from core.checkpointing import CheckpointError, load_checkpoint, read_meta, resolve
 
+    from training.checkpoints import checkpoint_family
+
+    registry.import_model_module(args.model_module)
     path = resolve(args.checkpoint)
     meta = read_meta(path)
+    spec = registry.spec(checkpoint_family(meta))
     try:
-        cfg = Step37Config(**meta["model"])
+        cfg = spec.config_class(**meta["model"])
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable model config "
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable {spec.family} model config "
                               f"({type(e).__name__}: {e})") from e
+    if args.source and os.path.exists(os.path.join(args.source, "config.json")):
+        theirs = registry.spec_for_hf(args.source)
+        if theirs.family != spec.family:
+            raise ValueError(f"--source {args.source} is a {theirs.family} checkpoint; {path} holds a "
+                             f"{spec.family} model")
     pad_id, pad_from = pad_token_id(args, meta)
-    model = Step37Model(cfg)
+    model = spec.build(cfg)
     load_checkpoint(path, [model])
     layout = model.save_hf(args.out, source=args.source)
     set_pad_token_id(os.path.join(args.out, "config.json"), pad_id)
     print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} "
-          f"({layout} layout, {count_parameters(model, cfg)['total']:,} parameters; pad_token_id "
+          f"({spec.family}, {layout} layout, {count_parameters(model)['total']:,} parameters; pad_token_id "
           f"{pad_id} from {pad_from})")
     return 0
 
@@ -133,12 +160,12 @@ def set_pad_token_id(config_path: str, pad_id: int) -> None:
 def cmd_import(args) -> int:
     from core.checkpointing import save_checkpoint
 
-    cfg = (Step37Config.preset(args.model_preset) if args.model_preset
-           else Step37Config.from_hf(args.hf_config or args.directory))
-    model = Step37Model(cfg)
+    spec, cfg = spec_and_config(args, args.directory)
+    model = spec.build(cfg)
     report = model.load_hf(args.directory)
-    path = save_checkpoint(args.out, 0, [model], None, {}, {"model": cfg.to_dict(), "source": args.directory})
-    print(f"convert_checkpoint import: {args.directory} -> {path} ({report['loaded']} tensors; "
+    path = save_checkpoint(args.out, 0, [model], None, {},
+                           {"family": spec.family, "model": cfg.to_dict(), "source": args.directory})
+    print(f"convert_checkpoint import: {args.directory} -> {path} ({spec.family}, {report['loaded']} tensors; "
           f"resume with pretrain_step37.py --load {args.out})")
     return 0
 
@@ -150,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="compare a HF checkpoint with a model config")
     check.add_argument("directory", help="Hugging Face checkpoint directory (safetensors)")
     src = check.add_mutually_exclusive_group()
-    src.add_argument("--model-preset", choices=sorted(PRESETS), help="check against a preset")
+    src.add_argument("--model-preset", help=f"check against a preset ({', '.join(registry.preset_names())})")
     src.add_argument("--hf-config", help="check against this config.json (default: DIRECTORY's own)")
     check.add_argument("--show", type=int, default=20, help="list at most N names per category")
     check.set_defaults(func=cmd_check)
@@ -167,9 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("directory", help="Hugging Face checkpoint directory")
     imp.add_argument("out", help="training checkpoint directory (like --save)")
     src2 = imp.add_mutually_exclusive_group()
-    src2.add_argument("--model-preset", choices=sorted(PRESETS))
+    src2.add_argument("--model-preset", help=f"a preset ({', '.join(registry.preset_names())})")
     src2.add_argument("--hf-config")
     imp.set_defaults(func=cmd_import)
+    for p in (check, exp, imp):
+        p.add_argument("--model-module", help="import this module first (it registers another model family)")
     return ap
 
 

@@ -21,6 +21,12 @@ def schedule_record(args) -> dict:
             "lr_wsd_decay_iters": s.lr_wsd_decay_iters}
 
 
+def checkpoint_family(meta: dict) -> str:
+    """The model family a checkpoint holds; checkpoints written before families were recorded
+    are Step-3.7's (the only family then)."""
+    return meta.get("family") or "step37"
+
+
 @dataclass
 class Resumed:
     path: str
@@ -75,7 +81,7 @@ class RunCheckpoints:
         self.log.info(f"saved checkpoint {finish_save(pending)}")
 
     # ------------------------------------------------------------------ loading
-    def resume(self, cfg, chunks, optimizer) -> Resumed | None:
+    def resume(self, family: str, cfg, chunks, optimizer) -> Resumed | None:
         """Fill ``chunks`` (and the optimizer, unless told not to) from ``--load``; None when
         there is nothing to load yet."""
         ck = self.args.checkpoint
@@ -91,6 +97,11 @@ class RunCheckpoints:
         meta = read_meta(path)
         if not isinstance(meta.get("model"), dict):
             raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no model config (\"model\")")
+        saved_family = checkpoint_family(meta)
+        if saved_family != family:
+            raise CheckpointError(f"--load {path}: a {saved_family} checkpoint; this run trains a {family} "
+                                  "model (--model-preset / --hf-config). A checkpoint loads only into its own "
+                                  "model family")
         diffs = compare_model_config(meta["model"], cfg.to_dict())
         if diffs and not ck.finetune:
             raise CheckpointError(

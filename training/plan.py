@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from models.step37.memory_plan import GB, PlanInputs, as_dict, format_table, plan
-from models.step37.time_plan import TimeAssumptions, format_time, peak_tflops, plan_time, summary
-from models.step37.time_plan import as_dict as time_dict
+from training.memory_plan import GB, PlanInputs, as_dict, format_table, plan
+from training.time_plan import TimeAssumptions, format_time, peak_tflops, plan_time, summary
+from training.time_plan import as_dict as time_dict
 from train_args import RunLayout, model_config
 
 DEFAULT_DEVICE_GB = 141.0  # H200

@@ -5,16 +5,16 @@ predicted step time, those that fit ranked fastest first.
 The model, sequence length, global batch (in packs), precision and optimizer stay as given;
 layers split by cost (the trainer's default layout). Each (pp, vpp, ep) share is built once on
 the meta device (``plan_shares.py``); the rest is arithmetic, so a search over ~1,500 layouts of
-Step-3.7-Flash takes seconds.
+Step-3.7-Flash takes seconds. Any registered model family: the shares and costs come from its
+chunks and shapes.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
 
-from models.step37.config import Step37Config
-from models.step37.memory_plan import GB, PlanInputs, placement, plan
-from models.step37.time_plan import TimeAssumptions, peak_tflops, plan_time
+from training.memory_plan import GB, PlanInputs, placement, plan
+from training.time_plan import TimeAssumptions, peak_tflops, plan_time
 
 # (--data-parallel-sharding, --cpu-offload, --fsdp-gather-once)
 MEMORY_MODES = (("none", "none", False), ("fsdp", "none", False), ("fsdp", "none", True),
@@ -63,7 +63,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
+def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
     """Every distinct layout: modes that would run identically are listed once (at DP 1 nothing
     shards, so fsdp without offload is plain, and offload puts units on one-rank meshes that
     are always gathered once per step)."""
@@ -73,7 +73,7 @@ def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_siz
         for vpp in ((1, 2) if pp > 1 else (1,)):
             if cfg.num_layers < pp * vpp:
                 continue
-            for ep in (e for e in _divisors(dp) if cfg.num_experts % e == 0):
+            for ep in (e for e in _divisors(dp) if (cfg.num_experts % e == 0 if cfg.num_experts else e == 1)):
                 for mbs in MICRO_BATCH_SIZES:
                     if global_batch_size % (mbs * dp):
                         continue
@@ -91,7 +91,7 @@ def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_siz
     return out
 
 
-def evaluate(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch_size: int,
+def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch_size: int,
              host_gb: float) -> Row:
     ranks = plan(cfg, inp)
     st = plan_time(cfg, inp, a, peak, global_batch_size)
@@ -109,7 +109,7 @@ def evaluate(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions, peak: float
                st.mfu, st.bubble, fits)
 
 
-def search(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: int,
+def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
            a: TimeAssumptions | None = None, peak: float | None = None, host_gb: float = 0.0,
            progress: bool = True) -> list[Row]:
     """Every candidate layout, those that fit first, fastest (tokens/s per GPU) first; among

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from core.checkpointing import CheckpointError, resolve
+from core.flops import device_peak_tflops, training_flops
+from core.init import local_rows, shard_bytes
 from core.logging import RankLogger
 from core.optim.build import build_optimizer
 from core.optim.lr_schedule import apply_lr, lr_multiplier
@@ -19,19 +21,19 @@ from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from data.loader import THDLoader, open_source, parse_data_path
 from data.tokenizers import build_tokenizer
-from models.step37.costs import device_peak_tflops, training_flops
-from models.step37.materialize import local_rows, shard_bytes
-from models.step37.parallelize import parallelize, stage_layers
-from train_args import RunLayout, evaluates
+from models.registry import shapes_of
+from train_args import RunLayout, aux_loss_coeff, evaluates
 from training.checkpoints import RunCheckpoints, schedule_record
 from training.eval_data import validation_loader
 from training.evaluate import evaluate
+from training.parallelize import parallelize, stage_layers
 
 
 class Trainer:
     def __init__(self, args, layout: RunLayout, ps: ParallelState, start_time: float | None = None):
         """``start_time``: when the job started (``time.time()``), for ``--exit-duration-in-mins``."""
         self.args, self.cfg, self.ps, self.M = args, layout.config, ps, layout.num_microbatches
+        self.spec = layout.spec
         d, s, a = args.data, args.schedule, args
         self.start_time = start_time or time.time()
         torch.manual_seed(s.seed)
@@ -49,13 +51,14 @@ class Trainer:
         self.chunks = parallelize(self.cfg, ps, args, from_checkpoint=self.from_checkpoint)
         self.build_s = time.perf_counter() - t0
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
+        shapes = shapes_of(self.cfg)
         self.settings = StepSettings(
             hidden_size=self.cfg.hidden_size, device=local_device(),
             dtype=torch.bfloat16 if a.memory.bf16 else torch.float32,
             mtp_depths=self.cfg.num_mtp_layers, mtp_loss_scale=a.model.mtp_loss_scale,
-            aux_loss_coeff=a.model.moe_aux_loss_coeff, clip_grad=a.optim.clip_grad,
+            aux_loss_coeff=aux_loss_coeff(a, self.cfg), clip_grad=a.optim.clip_grad,
             router_bias_rate=a.model.moe_bias_update_rate,
-            flops_of=lambda b: training_flops(self.cfg, _doc_lengths(b)))
+            flops_of=lambda b: training_flops(shapes, _doc_lengths(b)))
         self.peak_tflops = a.logging.peak_tflops or device_peak_tflops()
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
@@ -83,7 +86,7 @@ class Trainer:
     def _meta(self) -> dict:
         a, sizes = self.args, self.ps.sizes
         layers = stage_layers(self.cfg, sizes.pp * sizes.vpp, a.parallel.pipeline_layout, a.data.seq_length)
-        return {"model": self.cfg.to_dict(), "layout": vars(a.parallel), "optimizer": a.optim.optimizer,
+        return {"family": self.spec.family, "model": self.cfg.to_dict(), "layout": vars(a.parallel), "optimizer": a.optim.optimizer,
                 "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
                 "tokenizer": {"type": a.data.tokenizer_type, "model": a.data.tokenizer_model,
                               "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id}}
@@ -99,7 +102,7 @@ class Trainer:
                 f"peak host memory so far {_size(_peak_host_gib() * 2**30)}")
 
     def maybe_resume(self) -> None:
-        r = self.ckpt.resume(self.cfg, self.chunks, self.optimizer)
+        r = self.ckpt.resume(self.spec.family, self.cfg, self.chunks, self.optimizer)
         if r is None:
             if self.from_checkpoint:  # the parameters were left for it to fill
                 raise CheckpointError(f"--load {self.args.checkpoint.load}: the checkpoint found at "

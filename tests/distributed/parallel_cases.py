@@ -16,7 +16,7 @@ from data.indexed_dataset import InMemoryDataset
 from data.packing import plan_packs
 from data.thd import build_thd_batch
 from models.step37 import Step37Config, Step37Model
-from models.step37.parallelize import parallelize
+from training.parallelize import parallelize
 from train_args import parse
 
 SEQ = 48          # tokens per micro-batch (one pack)

@@ -83,7 +83,7 @@ def test_compiled_layers_with_varlen_in_bf16_match_eager_without_recompiling():
 
     from core.packed_seq import PackedSeqParams
     from models.step37 import Step37Config, Step37Model
-    from models.step37.compile import apply_compile
+    from core.compile import apply_compile
 
     torch._dynamo.reset()
     cfg = Step37Config.from_hf(Step37Config.preset("tiny").to_hf(), attention_backend="varlen")

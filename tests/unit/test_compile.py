@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from models.step37.compile import apply_compile
+from core.compile import apply_compile
 from tests.unit.numerics import assert_close_rel
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for, tiny

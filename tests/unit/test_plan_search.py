@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from models.step37 import Step37Config
-from models.step37.memory_plan import PlanInputs
+from training.memory_plan import PlanInputs
 from training.plan_search import candidates, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from models.step37 import Step37Config
-from models.step37.memory_plan import PlanInputs, plan
-from models.step37.time_plan import TimeAssumptions, plan_time
+from training.memory_plan import PlanInputs, plan
+from training.time_plan import TimeAssumptions, plan_time
 
 TINY = Step37Config.preset("tiny")
 # Forward FLOPs per token of the tiny model at seq_length 64 (hidden 64, head_dim 16, 2 KV heads):

@@ -4,8 +4,8 @@ planner's flags). These are predictions, not measurements.
 
 Per micro-batch and virtual stage (what the pipeline simulator schedules):
 
-- compute: forward FLOPs of the stage (``costs.py``: matmuls, attention over the keys a causal
-  document of ``seq_length`` sees; the last stage adds the head and the MTP depths); backward
+- compute: forward FLOPs of the stage (``core/flops.py`` over the family's block shapes: matmuls, attention over the keys a causal
+  document of ``seq_length`` sees; the last stage adds the head and the extra blocks); backward
   is twice the forward; recompute (full or selective: both rerun every matmul of attention and
   the FFN) adds one forward of the recomputed layers; at ``assumed_mfu`` of the peak;
 - all-to-all: each MoE layer dispatches and combines ``T x top_k x hidden`` activations, of
@@ -37,12 +37,12 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from core.cli import option
+from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim.build import classify
 from core.pipeline.simulate import plan_makespan
-from models.step37.config import Step37Config
-from models.step37.costs import PEAK_TFLOPS, device_peak_tflops, model_costs
-from models.step37.memory_plan import KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, placement
-from models.step37.plan_shares import ChunkShare, rank_shares, schedule_facts
+from models.registry import shapes_of
+from training.memory_plan import KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, placement
+from training.plan_shares import ChunkShare, rank_shares, schedule_facts
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
 ADAMW_BYTES = 28  # fp32 p, g, m, v read; p, m, v written
@@ -112,31 +112,32 @@ class StepTime:
 _COSTS: dict = {}
 
 
-def _costs(cfg: Step37Config, seq_length: int):
-    key = (repr(cfg), seq_length)
+def _costs(cfg, seq_length: int):
+    key = (type(cfg).__name__, repr(cfg), seq_length)
     if key not in _COSTS:
-        _COSTS[key] = model_costs(cfg, seq_length)
+        _COSTS[key] = model_costs(shapes_of(cfg), seq_length)
     return _COSTS[key]
 
 
-def _stage_flops(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
+def _stage_flops(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
     """Forward FLOPs per token of the chunk, and those its recompute repeats."""
     c = _costs(cfg, inp.seq_length)
-    fwd = sum(c.layers[i] for i in chunk.layers) + (c.last_extra if chunk.last else 0.0)
+    fwd = sum(c.blocks[i] for i in chunk.layers) + (c.last_extra if chunk.last else 0.0)
     redo = 0.0
     if inp.recompute != "none":
         n = inp.recompute_num_layers or len(chunk.layers)
-        redo = sum(c.layers[i] for i in chunk.layers[:n])
+        redo = sum(c.blocks[i] for i in chunk.layers[:n])
     return fwd, redo
 
 
-def _moe_layers(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
-    """MoE layers of the chunk (MTP depths included), and how many of them are recomputed."""
-    sparse = [i for i in chunk.layers if cfg.mlp_layer_types[i] != "dense"]
+def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
+    """MoE layers of the chunk (extra blocks included), and how many of them are recomputed."""
+    shapes = shapes_of(cfg)
+    sparse = [i for i in chunk.layers if shapes.blocks[i].ffn.moe]
     n = inp.recompute_num_layers or len(chunk.layers)
-    redo = 0 if inp.recompute == "none" else sum(1 for i in chunk.layers[:n] if cfg.mlp_layer_types[i] != "dense")
-    mtp = sum(1 for t in cfg.mtp_mlp_layer_types if t != "dense") if chunk.last else 0
-    return len(sparse) + mtp, redo
+    redo = 0 if inp.recompute == "none" else sum(1 for i in chunk.layers[:n] if shapes.blocks[i].ffn.moe)
+    extra = sum(1 for b in shapes.extra if b.ffn.moe) if chunk.last else 0
+    return len(sparse) + extra, redo
 
 
 @lru_cache(maxsize=4096)
@@ -230,7 +231,7 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
             ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
 
 
-def _chunk_passes(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs, eff: float,
+def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
                   bw: dict) -> tuple[_Ledger, _Ledger]:
     """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
     T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
@@ -275,7 +276,7 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
 
 
-def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
+def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
               peak: float, pp_rank: int) -> tuple[list, _Ledger]:
     """Per chunk the (forward, backward) ledgers of one micro-batch, and the rank's
     once-per-step ledger."""
@@ -291,7 +292,7 @@ def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptio
     return passes, step
 
 
-def plan_time(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions | None = None,
+def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
               peak: float | None = None, global_batch_size: int | None = None) -> StepTime:
     """The step-time prediction of a layout. ``global_batch_size`` in packs (default: micro-
     batches x micro-batch size x DP)."""

@@ -1,6 +1,6 @@
 """Memory plan per rank, without allocating anything: each rank's share of the model is built on
 the meta device for the real layout (``plan_shares.py``, cached), its tensors counted, and
-activations taken from ``activations.py`` times the schedule's peak in-flight micro-batches
+activations taken from ``core/activations.py`` (the family's block shapes) times the schedule's peak in-flight micro-batches
 (from the pipeline simulator).
 
 Parameters, gradients and optimizer state follow what this code allocates: parameters are
@@ -28,11 +28,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
+from core.activations import block_bytes, extra_block_bytes, head_bytes
 from core.optim.build import classify
 from core.parallel_state import ParallelSizes
-from models.step37.activations import head_bytes, layer_bytes
-from models.step37.config import Step37Config
-from models.step37.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
+from models.registry import shapes_of
+from training.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
 
 GB = 10**9
 MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
@@ -194,7 +194,7 @@ def _managed_blocks(chunk: ChunkShare, pl: Placement) -> dict:
     return out
 
 
-def rank_memory(cfg: Step37Config, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
+def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
                 pl: Placement | None = None) -> RankMemory:
     """One rank's plan from its chunks' shares (``plan_shares.rank_shares``)."""
     pl = pl or placement(inp)
@@ -242,7 +242,7 @@ def rank_memory(cfg: Step37Config, chunks: list, inp: PlanInputs, pp_rank: int, 
     return r
 
 
-def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
+def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
     """Every (pipeline rank, EP rank)'s plan; ranks that differ only in expert-DP replica plan
     the same."""
     sizes = inp.sizes
@@ -257,18 +257,17 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
     return out
 
 
-def _chunk_activations(cfg: Step37Config, chunk, T: int, b: int, inp: PlanInputs) -> int:
-    total = 0
+def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
+    shapes, total = shapes_of(cfg), 0
     for k, i in enumerate(chunk.layers):
         mode = inp.recompute if (inp.recompute_num_layers <= 0 or k < inp.recompute_num_layers) else "none"
-        total += layer_bytes(cfg, int(i), T, b, mode)
+        total += block_bytes(shapes, int(i), T, b, mode)
     if not chunk.first:
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
     if chunk.last:
-        total += head_bytes(cfg, T, b)
-        for k in range(cfg.num_mtp_layers):  # MTP depths are not recomputed (apply_recompute)
-            total += layer_bytes(cfg, -1 - k, T, b, "none") + head_bytes(cfg, T, b) \
-                + 3 * T * cfg.hidden_size * b  # shifted embedding, eh_proj input
+        total += head_bytes(shapes, T, b)
+        for k in range(len(shapes.extra)):  # extra (MTP) blocks are not recomputed (apply_recompute)
+            total += extra_block_bytes(shapes, k, T, b)
     return total
 
 

@@ -1,0 +1,93 @@
+"""Activation bytes autograd keeps per block and per output head, for one micro-batch of T
+tokens, derived from what core's blocks save for backward (see the comments; the unit tests hold
+the formula within 25% of a measurement with ``core.memory.SavedTensorBytes``).
+
+``b`` is the activation dtype size; norms, softmax statistics, the router and the loss keep fp32.
+Attention assumes a fused kernel (flash / flex / Transformer Engine: no score matrix); what the
+CPU's SDPA keeps on top is :func:`cpu_sdpa_extra_bytes`.
+"""
+from __future__ import annotations
+
+from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+
+F32 = 4
+
+
+def norm_bytes(T: int, n: int, b: int) -> int:
+    # fp32 input (a copy when b < 4, the input itself in fp32), normalised fp32 output, 1/rms
+    return 2 * T * n * F32 + T * F32
+
+
+def swiglu_bytes(T: int, inter: int, b: int, clamped: bool) -> int:
+    # gate, silu(gate), up, product (+ the two clamp outputs when clamped)
+    return T * inter * b * (6 if clamped else 4)
+
+
+def attention_bytes(hidden: int, a: AttentionShape, T: int, b: int) -> int:
+    D, Hq, Hkv, rot = a.head_dim, a.heads, a.kv_heads, a.rotary_dim
+    q = T * Hq * D
+    kv = T * Hkv * D
+    total = norm_bytes(T, hidden, b) + T * hidden * b                  # input norm + its output
+    total += norm_bytes(T, Hq * D, b) + norm_bytes(T, Hkv * D, b)      # q_norm, k_norm
+    total += q * b * (5 if a.gate else 4) + q * b * rot // D           # normed, rotated, embedded q; output (gated)
+    total += kv * b * 3 + kv * b * rot // D                            # normed, rotated, embedded k; v
+    total += T * Hq * (F32 + (b if a.gate else 0))                     # logsumexp, sigmoid(gate)
+    return total
+
+
+def ffn_bytes(hidden: int, f: FFNShape, T: int, b: int) -> int:
+    H = hidden
+    total = norm_bytes(T, H, b) + T * H * b  # post-attention norm and its output
+    if not f.moe:
+        return total + swiglu_bytes(T, f.size, b, f.clamped)
+    E, K = f.experts, f.top_k
+    total += 3 * T * E * F32 + 2 * T * K * F32                   # router scores, probabilities, weights
+    total += T * K * H * b * 2                                   # permuted tokens, expert outputs
+    total += swiglu_bytes(T * K, f.size, b, f.clamped)
+    if f.shared:
+        total += swiglu_bytes(T, f.shared, b, f.shared_clamped)
+    return total
+
+
+def block_bytes(shapes: ModelShapes, block: int, T: int, b: int, recompute: str = "none") -> int:
+    """Bytes kept between forward and backward by decoder layer ``block`` (``-1-k``: extra block
+    k), its own head and input projection excluded (see :func:`extra_block_bytes`)."""
+    H = shapes.hidden
+    if recompute == "full":
+        return T * H * b  # the layer input only
+    if recompute == "selective":  # norms, their outputs and the residual stream stay
+        return 2 * (norm_bytes(T, H, b) + T * H * b)
+    s: BlockShape = shapes.block(block)
+    return attention_bytes(H, s.attention, T, b) + ffn_bytes(H, s.ffn, T, b)
+
+
+def head_bytes(shapes: ModelShapes, T: int, b: int) -> int:
+    """Final norm and its output, and the fp32 log-probabilities the cross-entropy keeps."""
+    return norm_bytes(T, shapes.hidden, b) + T * shapes.hidden * b + T * shapes.vocab * F32
+
+
+def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int) -> int:
+    """Extra block ``k`` whole (not recomputed): its layer, its head, and for an input
+    projection the shifted embedding and the projection's input."""
+    s = shapes.extra[k]
+    total = block_bytes(shapes, -1 - k, T, b, "none")
+    if s.head:
+        total += head_bytes(shapes, T, b)
+    if s.input_proj:
+        total += 3 * T * shapes.hidden * b
+    return total
+
+
+def cpu_sdpa_extra_bytes(a: AttentionShape, doc_lengths: list, b: int) -> int:
+    """What CPU SDPA keeps on top of a fused (GPU) kernel: it runs the math path when gradients
+    are needed, keeping each document's softmax ``[H, n, keys]`` (keys <= 2*window - 1 on
+    sliding layers, by our blocking) and three head-expanded copies, but no logsumexp."""
+    H, D, w = a.heads, a.head_dim, a.window
+    total = -sum(doc_lengths) * H * F32
+    for n in doc_lengths:
+        if w is not None and n > w:
+            blocks = [(min(qs + w, n) - qs, min(qs + w, n) - max(0, qs - w + 1)) for qs in range(0, n, w)]
+        else:
+            blocks = [(n, n)]
+        total += sum(H * nq * nk * F32 + 3 * H * nq * D * b for nq, nk in blocks)
+    return total
