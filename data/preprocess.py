@@ -15,10 +15,12 @@ rows read from it. A worker that dies stops the run naming the input range it he
 """
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -30,7 +32,8 @@ import numpy as np
 
 from data.chat import SURROGATE, RowError, encode_chat
 from data.indexed_dataset import IndexedDatasetWriter, token_dtype
-from data.input_chunks import describe_task, expand_inputs, iter_chunks
+from data.input_chunks import describe_task, iter_chunks
+from data.input_files import expand_inputs
 from data.tokenizers import build_tokenizer
 from data.workers import OrderedPool
 
@@ -48,6 +51,7 @@ class PreprocessStats:
     documents: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    notes: list = field(default_factory=list)  # inputs left out or read once, said before the run
 
     @property
     def num_rejected(self) -> int:
@@ -164,6 +168,9 @@ def process_chunk(task) -> dict:
         except OSError as e:
             return {"file_error": f"cannot read bytes {task['start']:,}-{task['end']:,}: {e}",
                     "n_lines": 0, "n_bytes": 0, "rejects": []}
+    n_bytes = len(data)
+    if task["start"] == 0 and data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]  # a file saved "UTF-8 with BOM": not part of row 1
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the newline that ends the chunk's last row
@@ -174,7 +181,7 @@ def process_chunk(task) -> dict:
             parsed.append((i, _parse_row(raw, cfg)))
         except Exception as e:  # any failure on one row rejects that row, never the run
             rejects.append((i, *_reject_reason(e, "invalid_json"), raw))
-    out: dict = {"n_lines": len(lines), "rejects": rejects, "n_bytes": len(data)}
+    out: dict = {"n_lines": len(lines), "rejects": rejects, "n_bytes": n_bytes}
     if cfg.chat:
         ids, masks = [], []
         for i, msgs in parsed:
@@ -242,6 +249,11 @@ def _sigterm_unwinds():
 
 def output_keys(cfg: Any) -> list[str]:
     return ["text"] if cfg.chat else list(cfg.json_keys)
+
+
+def written_keys(cfg: Any) -> list[str]:
+    """Every dataset key the run publishes: the text keys, and the chat loss mask."""
+    return output_keys(cfg) + (["loss_mask"] if cfg.chat else [])
 
 
 def _tasks(files: list[str], chunk_bytes: int):
@@ -349,7 +361,9 @@ def run(cfg: Any, progress: bool = True) -> PreprocessStats:
     """
     from tqdm import tqdm
 
-    files = expand_inputs(cfg.input)
+    files, notes = expand_inputs(cfg.input, cfg.output_prefix, written_keys(cfg))
+    for note in notes if progress else ():
+        print(f"preprocess_data: {note}", file=sys.stderr)
     tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
     if cfg.append_eod and tok.eod_id < 0:
         raise ValueError("--append-eod: this tokenizer defines no end-of-document (EOS) token")
@@ -359,6 +373,7 @@ def run(cfg: Any, progress: bool = True) -> PreprocessStats:
     with _sigterm_unwinds():
         out = _Outputs(cfg, files, tok)
         stats = out.stats
+        stats.notes = notes
         try:
             with _executor(cfg) as pool:
                 last_log = 0
