@@ -25,6 +25,7 @@ from core.packed_seq import PackedSeqParams
 from data.indexed_dataset import IndexedDataset
 from data.packing import PackPlan, cached_plan, permutation
 from data.thd import THDBatch, build_thd_batch
+from data.units import check_pair
 
 BLEND_PERIOD = 10_000  # the blending pattern repeats every this many packs
 
@@ -71,10 +72,14 @@ class PackedSource:
     skipped: dict
 
 
-def loss_mask_prefix(prefix: str) -> str | None:
-    """The chat loss mask dataset beside ``PREFIX`` (``..._loss_mask_document``), if any."""
+def loss_mask_prefix(prefix: str, cache_path: str | None = None) -> str | None:
+    """The chat loss mask dataset beside ``PREFIX`` (``..._loss_mask_document``), if any.
+    ``ValueError`` when the text was made with a mask that is missing, or the mask beside it
+    was published by another run (``data/units.py``)."""
     mask_prefix = prefix.replace("_text_document", "_loss_mask_document")
-    return mask_prefix if mask_prefix != prefix and os.path.exists(mask_prefix + ".idx") else None
+    if mask_prefix == prefix:
+        return None
+    return mask_prefix if check_pair(prefix, mask_prefix, cache_path) else None
 
 
 def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
@@ -89,7 +94,7 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
     the dataset, or the user cache when that directory is read-only (``data/cache.py``).
     """
     text = IndexedDataset(prefix)
-    mask_prefix = loss_mask_prefix(prefix)
+    mask_prefix = loss_mask_prefix(prefix, cache_dir)
     mask = IndexedDataset(mask_prefix) if mask_prefix else None
     lengths = text.lengths.astype(np.int64)
     skipped = {"empty": np.flatnonzero(lengths == 0)}

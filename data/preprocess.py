@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from data.chat import SURROGATE, RowError, encode_chat
-from data.indexed_dataset import IndexedDatasetWriter, token_dtype
+from data.indexed_dataset import IndexedDatasetWriter, names_file, publish_together, token_dtype
 from data.input_chunks import describe_task, iter_chunks
 from data.input_files import expand_inputs
 from data.tokenizers import build_tokenizer
+from data.units import new_unit
 from data.workers import OrderedPool
 
 REJECT_REASONS = ("blank_line", "invalid_utf8", "invalid_unicode", "invalid_json", "too_deep",
@@ -52,6 +53,7 @@ class PreprocessStats:
     tokens: int = 0
     seconds: float = 0.0
     notes: list = field(default_factory=list)  # inputs left out or read once, said before the run
+    removed: list = field(default_factory=list)  # stale outputs of an earlier run, removed
 
     @property
     def num_rejected(self) -> int:
@@ -298,8 +300,10 @@ class _Outputs:
         dtype = token_dtype(tok.vocab_size)
         self.files, self.stats = files, PreprocessStats()
         self.line_base = [0] * len(files)
+        # the unit (data/units.py): training pairs a text with a loss mask only of its own run
         self.meta = {"tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
-                                   "vocab_size": tok.vocab_size}}
+                                   "vocab_size": tok.vocab_size}, "unit": new_unit(written_keys(cfg))}
+        self.stale_mask = None if cfg.chat or "text" not in cfg.json_keys else f"{prefix}_loss_mask_document"
         self.writers = {k: IndexedDatasetWriter(f"{prefix}_{k}_document", dtype) for k in output_keys(cfg)}
         if cfg.chat:
             self.writers["loss_mask"] = IndexedDatasetWriter(f"{prefix}_loss_mask_document", np.uint8)
@@ -315,10 +319,11 @@ class _Outputs:
                 f"{path}: {res['file_error']}, after {self.line_base[file_idx]:,} complete rows "
                 "of this file. No dataset was written; repair or remove the file.")
         for i, reason, detail, raw in res["rejects"]:
-            self.rej.write(json.dumps({"file": path, "line": self.line_base[file_idx] + i + 1,
-                                       "reason": reason, "detail": detail,
-                                       "text": raw.decode("utf-8", "backslashreplace")},
-                                      ensure_ascii=False) + "\n")
+            with names_file(self.rejects_tmp):
+                self.rej.write(json.dumps({"file": path, "line": self.line_base[file_idx] + i + 1,
+                                           "reason": reason, "detail": detail,
+                                           "text": raw.decode("utf-8", "backslashreplace")},
+                                          ensure_ascii=False) + "\n")
             stats.rejected[reason] += 1
         self.line_base[file_idx] += res["n_lines"]
         stats.rows_read += res["n_lines"]
@@ -332,7 +337,8 @@ class _Outputs:
     def publish(self, max_rejected_fraction: float) -> None:
         stats = self.stats
         stats.accepted = stats.rows_read - stats.num_rejected
-        self.rej.close()
+        with names_file(self.rejects_tmp):
+            self.rej.close()
         os.replace(self.rejects_tmp, self.rejects_path)  # published even on failure: it says why
         if stats.rows_read == 0:
             raise PreprocessError(f"no rows in {', '.join(self.files)}")
@@ -342,11 +348,24 @@ class _Outputs:
                 f"{stats.num_rejected:,} of {stats.rows_read:,} rows rejected ({frac:.2%} > "
                 f"--max-rejected-fraction {max_rejected_fraction:g}); see {self.rejects_path}. "
                 "No dataset was written. Fix the input or raise --max-rejected-fraction.")
-        for w in self.writers.values():
-            w.finalize(meta=self.meta)
+        publish_together(list(self.writers.values()), self.meta)  # all or none
+        self._remove_stale_mask()
+
+    def _remove_stale_mask(self) -> None:
+        """A text dataset published without --chat over an earlier chat dataset: the earlier
+        loss mask beside it is not this text's (training would refuse the pair); remove it."""
+        if self.stale_mask and os.path.exists(self.stale_mask + ".idx"):
+            for ext in (".idx", ".bin", ".meta.json"):
+                if os.path.exists(self.stale_mask + ext):
+                    os.remove(self.stale_mask + ext)
+            self.stats.removed.append(f"{self.stale_mask} (the loss mask of an earlier --chat run "
+                                      "at this prefix; this text dataset has none)")
 
     def abort(self) -> None:
-        self.rej.close()
+        try:
+            self.rej.close()
+        except OSError:
+            pass  # a full disk: the first error is the one reported
         for w in self.writers.values():
             w.abort()
         if os.path.exists(self.rejects_tmp):
