@@ -123,7 +123,7 @@ def _unpad_plan(plan: PackPlan, real_lengths: np.ndarray) -> PackPlan:
     segs = np.array(plan.segments)
     real_end = np.minimum(segs[:, 1] + segs[:, 2], real_lengths[segs[:, 0]])
     segs[:, 2] = np.maximum(real_end - segs[:, 1], 0)
-    return PackPlan(plan.pack_offsets, segs, plan.seq_length, **plan.counts())
+    return PackPlan(plan.pack_offsets, segs, plan.seq_length, **plan.counts(), key=plan.key)
 
 
 class THDLoader:
