@@ -318,8 +318,8 @@ class IndexedDatasetWriter:
 
     def commit(self) -> None:
         """Publish what ``prepare`` wrote: ``.bin``, then ``.idx``, then the sidecar."""
-        for tmp, final in ((self._bin_tmp, bin_path(self.prefix)), (self._idx_tmp, idx_path(self.prefix)),
-                           (self._meta_tmp, self.prefix + dataset_stats.SUFFIX)):
+        finals = (bin_path(self.prefix), idx_path(self.prefix), self.prefix + dataset_stats.SUFFIX)
+        for tmp, final in zip((self._bin_tmp, self._idx_tmp, self._meta_tmp), finals):
             with names_file(final):
                 os.replace(tmp, final)
             self._published.append(final)

@@ -303,7 +303,8 @@ class _Outputs:
         # the unit (data/units.py): training pairs a text with a loss mask only of its own run
         self.meta = {"tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
                                    "vocab_size": tok.vocab_size}, "unit": new_unit(written_keys(cfg))}
-        self.stale_mask = None if cfg.chat or "text" not in cfg.json_keys else f"{prefix}_loss_mask_document"
+        text_only = not cfg.chat and "text" in cfg.json_keys
+        self.stale_mask = f"{prefix}_loss_mask_document" if text_only else None
         self.writers = {k: IndexedDatasetWriter(f"{prefix}_{k}_document", dtype) for k in output_keys(cfg)}
         if cfg.chat:
             self.writers["loss_mask"] = IndexedDatasetWriter(f"{prefix}_loss_mask_document", np.uint8)
