@@ -89,7 +89,9 @@ def _refuse_output(path: str, outputs: list[str]) -> None:
     if is_tool_output(path) or any(_same(path, o) for o in outputs):
         raise ValueError(f"--input {path}: this is a file that preprocessing writes (a rejects "
                          "file, a dataset, its sidecar or a temporary), not JSONL input; a rejects "
-                         "file holds rejected rows with their reasons. Give the original inputs")
+                         "file holds rejected rows with their reasons. Give the original inputs (a "
+                         "glob the shell expanded? quote it, --input 'dir/*.jsonl', and such files "
+                         "are left out)")
 
 
 def _refuse_overwrite(path: str, outputs: list[str], prefix: str | None) -> None:

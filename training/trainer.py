@@ -121,7 +121,8 @@ class Trainer:
                 self.log.warning(f"--ignore-data-fingerprint: resuming on other data: {diff}")
         else:  # a weights-only checkpoint (convert_checkpoint.py import): the iteration says where
             self.loader.consumed = self.iteration * self.M
-        self.log.info(r.note)
+        if r.note:  # empty when fine-tuning (it said so itself)
+            self.log.info(r.note)
         if "rng" in r.extra:
             torch.set_rng_state(r.extra["rng"])
         self.skipped = int(r.extra.get("skipped", 0))
@@ -256,7 +257,8 @@ def _skip_reason(m, seq_length: int) -> str:
                "the packs hold no token with a label (documents of one token, or a loss mask "
                "that marks nothing)")
         return f"no training targets ({why})"
-    return f"a non-finite loss or grad norm ({m.loss}, {m.grad_norm}): lower --lr or check the weights and data"
+    return (f"a non-finite loss or grad norm ({m.loss}, {m.grad_norm}): lower --lr or check the "
+            "weights and data")
 
 
 def _doc_lengths(batch) -> list[int]:
