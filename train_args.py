@@ -279,14 +279,20 @@ class CheckpointArgs:
     save_interval: int = option(0, "save every N iterations (0: only at the end and on SIGTERM)")
     keep_last: int = option(0, "keep only the N checkpoints with the highest iterations, never the "
                                "one just saved nor the one 'latest' names (0: keep all)")
-    max_skipped_steps: int = option(10, "stop (with a checkpoint) after this many non-finite "
-                                        "steps in a row")
+    max_skipped_steps: int = option(10, "exit 1 (with a checkpoint) when more than this many steps "
+                                        "in a row are skipped: a non-finite loss or grad norm, or no "
+                                        "training targets; a run whose every step was skipped also "
+                                        "exits 1")
     finetune: bool = option(False, "--load only the weights: start at iteration 0 with a fresh "
                                    "optimizer, data position and RNG (a model config that differs "
                                    "from the checkpoint's is allowed, with a warning)")
     load_optim: bool = option(True, "with --load: restore the optimizer state (--no-load-optim: "
                                     "a fresh optimizer, e.g. after changing --optimizer)")
     load_rng: bool = option(True, "with --load: restore each rank's RNG state")
+    ignore_data_fingerprint: bool = option(False, "with --load: resume even though the data differs "
+                                                  "from the checkpoint's (other documents or order, "
+                                                  "--seq-length, --seed, blend weights): the saved "
+                                                  "position is applied to this data")
     async_save: bool = option(False, "write checkpoints in the background (DCP async_save: tensors "
                                      "staged in host memory first); published when every rank has "
                                      "written, at the latest before the next save or the exit")

@@ -45,7 +45,7 @@ class StepMetrics:
     num_tokens: int = 0                 # real (non-padding) tokens of the step (global)
     flops: float = 0.0                  # model FLOPs of the step, all ranks (with StepSettings.flops_of)
     moe_imbalance: float | None = None  # mean over MoE layers of max/mean tokens per expert
-    skipped: bool = False               # non-finite loss or grad norm: no update
+    skipped: bool = False               # non-finite loss or grad norm, or no targets: no update
     p2p_bytes: int = 0                  # pipeline bytes this rank sent
     p2p_trace: list = field(default_factory=list)  # the p2p batches this rank issued (NCCL replay)
     peak_held_bytes: int = 0            # most activation bytes the pipeline executor held
@@ -55,7 +55,8 @@ class StepMetrics:
 def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: StepSettings) -> StepMetrics:
     """Forward and backward of ``batches`` (this DP rank's micro-batches, on the host) through
     the pipeline schedule, gradient sync, global norm, clipping, the optimizer update and the
-    router-bias update; nothing is updated when the loss or the norm is not finite."""
+    router-bias update; nothing is updated when the loss or the norm is not finite, or when the
+    step has no target token."""
     optimizer.zero_grad(set_to_none=True)
     params = specs_of(chunks)  # before the forward: FSDP's shards, not gathered copies
     targets, tokens, flops = _global_counts(batches, ps, s.flops_of)
@@ -82,7 +83,9 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
                           moe_imbalance=imbalance_sum / moe_layers if moe_layers else None,
                           p2p_bytes=executor.p2p_bytes, p2p_trace=executor.trace,
                           peak_held_bytes=executor.peak_held_bytes, held_bytes_after=executor.held_bytes())
-    metrics.skipped = not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
+    # no targets: nothing to learn, and an update would still move the weights (weight decay,
+    # momentum); non-finite: the update would spoil them
+    metrics.skipped = targets == 0 or not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
     if not metrics.skipped:
         if s.clip_grad > 0:
             clip_gradients([p for p, _ in params], s.clip_grad, norm)

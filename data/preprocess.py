@@ -15,10 +15,12 @@ rows read from it. A worker that dies stops the run naming the input range it he
 """
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -29,9 +31,11 @@ from typing import Any
 import numpy as np
 
 from data.chat import SURROGATE, RowError, encode_chat
-from data.indexed_dataset import IndexedDatasetWriter, token_dtype
-from data.input_chunks import describe_task, expand_inputs, iter_chunks
+from data.indexed_dataset import IndexedDatasetWriter, names_file, publish_together, token_dtype
+from data.input_chunks import describe_task, iter_chunks
+from data.input_files import expand_inputs
 from data.tokenizers import build_tokenizer
+from data.units import new_unit
 from data.workers import OrderedPool
 
 REJECT_REASONS = ("blank_line", "invalid_utf8", "invalid_unicode", "invalid_json", "too_deep",
@@ -48,6 +52,8 @@ class PreprocessStats:
     documents: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    notes: list = field(default_factory=list)  # inputs left out or read once, said before the run
+    removed: list = field(default_factory=list)  # stale outputs of an earlier run, removed
 
     @property
     def num_rejected(self) -> int:
@@ -164,6 +170,9 @@ def process_chunk(task) -> dict:
         except OSError as e:
             return {"file_error": f"cannot read bytes {task['start']:,}-{task['end']:,}: {e}",
                     "n_lines": 0, "n_bytes": 0, "rejects": []}
+    n_bytes = len(data)
+    if task["start"] == 0 and data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]  # a file saved "UTF-8 with BOM": not part of row 1
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the newline that ends the chunk's last row
@@ -174,7 +183,7 @@ def process_chunk(task) -> dict:
             parsed.append((i, _parse_row(raw, cfg)))
         except Exception as e:  # any failure on one row rejects that row, never the run
             rejects.append((i, *_reject_reason(e, "invalid_json"), raw))
-    out: dict = {"n_lines": len(lines), "rejects": rejects, "n_bytes": len(data)}
+    out: dict = {"n_lines": len(lines), "rejects": rejects, "n_bytes": n_bytes}
     if cfg.chat:
         ids, masks = [], []
         for i, msgs in parsed:
@@ -244,6 +253,11 @@ def output_keys(cfg: Any) -> list[str]:
     return ["text"] if cfg.chat else list(cfg.json_keys)
 
 
+def written_keys(cfg: Any) -> list[str]:
+    """Every dataset key the run publishes: the text keys, and the chat loss mask."""
+    return output_keys(cfg) + (["loss_mask"] if cfg.chat else [])
+
+
 def _tasks(files: list[str], chunk_bytes: int):
     for file_idx, path in enumerate(files):
         for task in iter_chunks(path, chunk_bytes):
@@ -286,8 +300,11 @@ class _Outputs:
         dtype = token_dtype(tok.vocab_size)
         self.files, self.stats = files, PreprocessStats()
         self.line_base = [0] * len(files)
+        # the unit (data/units.py): training pairs a text with a loss mask only of its own run
         self.meta = {"tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
-                                   "vocab_size": tok.vocab_size}}
+                                   "vocab_size": tok.vocab_size}, "unit": new_unit(written_keys(cfg))}
+        text_only = not cfg.chat and "text" in cfg.json_keys
+        self.stale_mask = f"{prefix}_loss_mask_document" if text_only else None
         self.writers = {k: IndexedDatasetWriter(f"{prefix}_{k}_document", dtype) for k in output_keys(cfg)}
         if cfg.chat:
             self.writers["loss_mask"] = IndexedDatasetWriter(f"{prefix}_loss_mask_document", np.uint8)
@@ -303,10 +320,11 @@ class _Outputs:
                 f"{path}: {res['file_error']}, after {self.line_base[file_idx]:,} complete rows "
                 "of this file. No dataset was written; repair or remove the file.")
         for i, reason, detail, raw in res["rejects"]:
-            self.rej.write(json.dumps({"file": path, "line": self.line_base[file_idx] + i + 1,
-                                       "reason": reason, "detail": detail,
-                                       "text": raw.decode("utf-8", "backslashreplace")},
-                                      ensure_ascii=False) + "\n")
+            with names_file(self.rejects_tmp):
+                self.rej.write(json.dumps({"file": path, "line": self.line_base[file_idx] + i + 1,
+                                           "reason": reason, "detail": detail,
+                                           "text": raw.decode("utf-8", "backslashreplace")},
+                                          ensure_ascii=False) + "\n")
             stats.rejected[reason] += 1
         self.line_base[file_idx] += res["n_lines"]
         stats.rows_read += res["n_lines"]
@@ -320,7 +338,8 @@ class _Outputs:
     def publish(self, max_rejected_fraction: float) -> None:
         stats = self.stats
         stats.accepted = stats.rows_read - stats.num_rejected
-        self.rej.close()
+        with names_file(self.rejects_tmp):
+            self.rej.close()
         os.replace(self.rejects_tmp, self.rejects_path)  # published even on failure: it says why
         if stats.rows_read == 0:
             raise PreprocessError(f"no rows in {', '.join(self.files)}")
@@ -330,11 +349,24 @@ class _Outputs:
                 f"{stats.num_rejected:,} of {stats.rows_read:,} rows rejected ({frac:.2%} > "
                 f"--max-rejected-fraction {max_rejected_fraction:g}); see {self.rejects_path}. "
                 "No dataset was written. Fix the input or raise --max-rejected-fraction.")
-        for w in self.writers.values():
-            w.finalize(meta=self.meta)
+        publish_together(list(self.writers.values()), self.meta)  # all or none
+        self._remove_stale_mask()
+
+    def _remove_stale_mask(self) -> None:
+        """A text dataset published without --chat over an earlier chat dataset: the earlier
+        loss mask beside it is not this text's (training would refuse the pair); remove it."""
+        if self.stale_mask and os.path.exists(self.stale_mask + ".idx"):
+            for ext in (".idx", ".bin", ".meta.json"):
+                if os.path.exists(self.stale_mask + ext):
+                    os.remove(self.stale_mask + ext)
+            self.stats.removed.append(f"{self.stale_mask} (the loss mask of an earlier --chat run "
+                                      "at this prefix; this text dataset has none)")
 
     def abort(self) -> None:
-        self.rej.close()
+        try:
+            self.rej.close()
+        except OSError:
+            pass  # a full disk: the first error is the one reported
         for w in self.writers.values():
             w.abort()
         if os.path.exists(self.rejects_tmp):
@@ -349,7 +381,9 @@ def run(cfg: Any, progress: bool = True) -> PreprocessStats:
     """
     from tqdm import tqdm
 
-    files = expand_inputs(cfg.input)
+    files, notes = expand_inputs(cfg.input, cfg.output_prefix, written_keys(cfg))
+    for note in notes if progress else ():
+        print(f"preprocess_data: {note}", file=sys.stderr)
     tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
     if cfg.append_eod and tok.eod_id < 0:
         raise ValueError("--append-eod: this tokenizer defines no end-of-document (EOS) token")
@@ -359,6 +393,7 @@ def run(cfg: Any, progress: bool = True) -> PreprocessStats:
     with _sigterm_unwinds():
         out = _Outputs(cfg, files, tok)
         stats = out.stats
+        stats.notes = notes
         try:
             with _executor(cfg) as pool:
                 last_log = 0

@@ -9,15 +9,19 @@ Chat:  python tools/preprocess_data.py --input chats.jsonl --output-prefix out/s
           1 on assistant tokens), aligned token for token.
 
 Every rejected row goes to PREFIX_rejects.jsonl with its file, line number, reason and original
-text; rows read always equal rows accepted plus rows rejected. Outputs are published only when
-the run succeeds, and not at all when more than --max-rejected-fraction of the rows is rejected,
-an input file is damaged (a truncated gzip stream, say) or a worker process dies. Ctrl-C and
-SIGTERM stop the run and remove its temporary files. Exit status: 0 published, 1 refused or
-failed, 130 interrupted, 143 terminated.
+text; rows read always equal rows accepted plus rows rejected. The tool never reads its own
+outputs (a glob's matches named like them are left out, and said) and reads a file given twice
+once. Outputs are published only when the run succeeds, all of a run's datasets together (a chat
+text never without its loss mask), and not at all when more than --max-rejected-fraction of the
+rows is rejected, an input file is damaged (a truncated gzip stream, say), a write fails (a full
+disk: the file is named) or a worker process dies. Ctrl-C and SIGTERM stop the run and remove
+its temporary files. Exit status: 0 published, 1 refused or failed, 130 interrupted, 143
+terminated.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from dataclasses import dataclass
@@ -87,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     except (PreprocessError, FileNotFoundError, ValueError, WorkerFailed) as e:
         print(f"preprocess_data: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # writing the outputs: a full disk, a quota, permissions
+        full = " (the disk is full: free space or choose another --output-prefix)" \
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        print(f"preprocess_data: error: cannot write {e.filename or 'the outputs'}: "
+              f"{e.strerror or e}{full}. No dataset was published and the temporary files were "
+              "removed.", file=sys.stderr)
+        return 1
     except WorkerDied as e:
         print(f"preprocess_data: error: {e}. Nothing was published and the temporary files were "
               "removed. A worker killed by SIGKILL was most likely stopped by the out-of-memory "
@@ -101,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.chat:
         outputs += f", {cfg.output_prefix}_loss_mask_document"
     print(f"preprocess_data: {stats.summary()}; wrote {outputs}")
+    for what in stats.removed:
+        print(f"preprocess_data: removed {what}")
     return 0
 
 

@@ -32,6 +32,7 @@ class Resumed:
     path: str
     iteration: int
     extra: dict  # this rank's loader position, RNG, skipped steps (empty when fine-tuning)
+    note: str = ""  # "resumed from ...": logged by the caller once it accepts the data position
 
 
 class RunCheckpoints:
@@ -124,9 +125,8 @@ class RunCheckpoints:
         if not ck.load_rng:
             extra.pop("rng", None)
         kept = [what for what, on in (("optimizer", restore_optim), ("RNG", ck.load_rng)) if not on]
-        self.log.info(f"resumed from {path} at iteration {meta['iteration']}"
-                      + (f" (fresh {' and '.join(kept)})" if kept else ""))
-        return Resumed(path, meta["iteration"], extra)
+        return Resumed(path, meta["iteration"], extra, f"resumed from {path} at iteration {meta['iteration']}"
+                       + (f" (fresh {' and '.join(kept)})" if kept else ""))
 
     def _check_schedule(self, saved: dict | None) -> None:
         """Warn when the resumed run's LR schedule is not the one the checkpoint followed."""

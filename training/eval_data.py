@@ -43,7 +43,7 @@ def _open_part(prefix: str, lo: int, hi: int, seq_length: int, long_docs: str, s
     """Documents ``[lo, hi)`` of ``prefix`` packed on their own (empty documents and documents
     whose loss mask has another length are left out, as ``open_source`` does)."""
     text = IndexedDataset(prefix)
-    mask_prefix = loss_mask_prefix(prefix)
+    mask_prefix = loss_mask_prefix(prefix, cache_dir)
     mask = IndexedDataset(mask_prefix) if mask_prefix else None
     lengths = text.lengths.astype(np.int64)
     if mask is not None:

@@ -66,7 +66,7 @@ class Trainer:
         self.log.info(self._startup_summary())
         self.iteration = self.start_iteration = 0
         self.resumed = False
-        self.skipped, self.in_a_row = 0, 0
+        self.skipped, self.in_a_row, self.skip_reason = 0, 0, ""
         self.evaluated_at = None
         self.stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -110,9 +110,22 @@ class Trainer:
             return
         self.resumed = True
         self.iteration = self.start_iteration = r.iteration
-        state = r.extra.get("loader") or {"global_consumed": self.iteration * self.M * self.ps.sizes.dp,
-                                          "fingerprint": self.loader.fingerprint()}
-        self.loader.load_state_dict(state)
+        ck, train_iters = self.args.checkpoint, self.args.schedule.train_iters
+        if r.iteration > train_iters:
+            raise CheckpointError(f"--load {r.path} is at iteration {r.iteration}, past --train-iters "
+                                  f"{train_iters}: nothing to train. Give a --train-iters above "
+                                  f"{r.iteration}, or --finetune to start a new run from its weights")
+        if "loader" in r.extra:
+            try:
+                ignored = self.loader.load_state_dict(r.extra["loader"], ck.ignore_data_fingerprint)
+            except ValueError as e:
+                raise CheckpointError(f"--load {r.path}: {e}") from None
+            for diff in ignored:
+                self.log.warning(f"--ignore-data-fingerprint: resuming on other data: {diff}")
+        else:  # a weights-only checkpoint (convert_checkpoint.py import): the iteration says where
+            self.loader.consumed = self.iteration * self.M
+        if r.note:  # empty when fine-tuning (it said so itself)
+            self.log.info(r.note)
         if "rng" in r.extra:
             torch.set_rng_state(r.extra["rng"])
         self.skipped = int(r.extra.get("skipped", 0))
@@ -136,12 +149,13 @@ class Trainer:
         if m.skipped:
             self.skipped += 1
             self.in_a_row += 1
-            self.log.warning(f"iteration {self.iteration}: non-finite loss or grad norm "
-                             f"({m.loss}, {m.grad_norm}): step skipped")
+            self.skip_reason = _skip_reason(m, self.args.data.seq_length)
+            self.log.warning(f"iteration {self.iteration}: {self.skip_reason}: step skipped")
         else:
             self.in_a_row = 0
         dt = time.perf_counter() - t0
-        return {"loss": m.loss, "mtp_loss": sum(m.mtp_losses) / len(m.mtp_losses) if m.mtp_losses else None,
+        return {"loss": m.loss if m.num_targets else float("nan"),  # no targets: no loss, not 0
+                "mtp_loss": sum(m.mtp_losses) / len(m.mtp_losses) if m.mtp_losses else None,
                 "lr": a.optim.lr * mult,  # the --lr group (matrices under muon/dion)
                 "grad_norm": m.grad_norm, "tokens_per_sec": m.num_tokens / dt, "step_ms": 1000 * dt,
                 "tflops_per_gpu": m.flops / self.ps.sizes.world / dt / 1e12,
@@ -164,6 +178,8 @@ class Trainer:
                                "before train()")
         s, ck, lg, e = a.schedule, a.checkpoint, a.logging, a.eval
         last = {}
+        self.log.start_at(self.iteration)  # metrics.jsonl: each iteration once, after a resume too
+        skipped_before = self.skipped
         if self.valid is None and a.eval.eval_iters:
             self.log.info("no validation data (--split has no validation part and no --valid-data-path): "
                           "no evaluation")
@@ -172,8 +188,8 @@ class Trainer:
             if self.iteration % lg.log_interval == 0 or self.iteration == s.train_iters:
                 self.log.log_iteration(self.iteration, s.train_iters, last)
             if self.in_a_row > ck.max_skipped_steps:
-                self.log.error(f"{self.in_a_row} non-finite steps in a row (> --max-skipped-steps "
-                               f"{ck.max_skipped_steps}): stopping; lower --lr or check the data")
+                self.log.error(f"{self.in_a_row} steps in a row skipped (> --max-skipped-steps "
+                               f"{ck.max_skipped_steps}), the last for {self.skip_reason}: stopping")
                 self.save()
                 self.ckpt.wait()
                 return 1
@@ -188,7 +204,13 @@ class Trainer:
                 self.save()
                 self.ckpt.wait()
                 return 0
-        ran = self.iteration > self.start_iteration
+        return self._finish(last, self.skipped - skipped_before)
+
+    def _finish(self, last: dict, skipped: int) -> int:
+        """The end of a run that reached --train-iters: final evaluation and save, the summary,
+        and an exit status that says whether anything was trained (``skipped``: this run's)."""
+        s, ck, lg = self.args.schedule, self.args.checkpoint, self.args.logging
+        ran = self.iteration - self.start_iteration
         if ran and self.valid is not None and self.evaluated_at != self.iteration:
             self.evaluate()
         if ran:
@@ -197,6 +219,15 @@ class Trainer:
         n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
         self.log.info(f"optimizer state: {self.optimizer.state_bytes() / max(1, n_params):.2f} bytes "
                       f"per parameter on this rank")
+        if not ran:
+            self.log.info(f"pretrain_step37: the checkpoint is at iteration {self.iteration} = "
+                          f"--train-iters {s.train_iters}: nothing to train (raise --train-iters "
+                          "to train on)")
+            return 0
+        if skipped == ran:
+            self.log.error(f"every step of this run was skipped ({ran}, the last for "
+                           f"{self.skip_reason}): nothing was trained")
+            return 1
         self.log.info(f"pretrain_step37: {self.iteration} iterations ({self.skipped} skipped), final "
                       f"loss {last.get('loss', float('nan')):.4f}; logs in {lg.log_dir or '-'}, "
                       f"checkpoints in {ck.save or '-'}")
@@ -220,6 +251,17 @@ class Trainer:
         if s.exit_interval and self.iteration % s.exit_interval == 0:
             return f"--exit-interval {s.exit_interval}"
         return None
+
+
+def _skip_reason(m, seq_length: int) -> str:
+    """Why a step was skipped, and what to do about it."""
+    if m.num_targets == 0:
+        why = ("--seq-length 1: a pack of one token has no label" if seq_length < 2 else
+               "the packs hold no token with a label (documents of one token, or a loss mask "
+               "that marks nothing)")
+        return f"no training targets ({why})"
+    return (f"a non-finite loss or grad norm ({m.loss}, {m.grad_norm}): lower --lr or check the "
+            "weights and data")
 
 
 def _doc_lengths(batch) -> list[int]:
