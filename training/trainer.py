@@ -86,8 +86,8 @@ class Trainer:
     def _meta(self) -> dict:
         a, sizes = self.args, self.ps.sizes
         layers = stage_layers(self.cfg, sizes.pp * sizes.vpp, a.parallel.pipeline_layout, a.data.seq_length)
-        return {"family": self.spec.family, "model": self.cfg.to_dict(), "layout": vars(a.parallel), "optimizer": a.optim.optimizer,
-                "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
+        return {"family": self.spec.family, "model": self.cfg.to_dict(), "layout": vars(a.parallel),
+                "optimizer": a.optim.optimizer, "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
                 "tokenizer": {"type": a.data.tokenizer_type, "model": a.data.tokenizer_model,
                               "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id}}
 
