@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-BUILT_IN = ("models.step37",)
+BUILT_IN = ("models.step37", "models.qwen3_moe")
 
 
 @dataclass(frozen=True)
