@@ -53,8 +53,9 @@ class ModelArgs:
     attention_backend: str = option("auto", "attention kernel: auto is varlen (flash over cu_seqlens) on "
                                             "CUDA, sdpa (per document) on CPU", choices=ATTENTION_BACKENDS)
     mtp_loss_scale: float = option(0.3, "weight of the MTP depths' token losses")
-    moe_aux_loss_coeff: float = option(None, "router auxiliary (load-balancing) loss weight (default: the "
-                                             "model's: 0 for step37, router_aux_loss_coef for qwen3_moe)")
+    moe_aux_loss_coeff: float = option(None, "router auxiliary (load-balancing) loss weight (default: the model "
+                                             "config's own, e.g. a Hugging Face config's router_aux_loss_coef; "
+                                             "0 for a family that balances its routers by a bias)")
     moe_bias_update_rate: float = option(0.0, "aux-loss-free balancing: bias step per iteration "
                                               "(0 in SFT)")
     moe_dispatcher: str = option("alltoall", "expert-parallel token dispatch",
@@ -401,7 +402,7 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
-    _check_against_model(args, spec, cfg, sizes)
+    _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
         _check_run_files(args, cfg)
@@ -420,13 +421,8 @@ def evaluates(args) -> bool:
     return args.eval.eval_iters > 0 and (w is None or w[1] > 0)
 
 
-def _check_against_model(args, spec, cfg, sizes: ParallelSizes) -> None:
+def _check_against_model(args, cfg) -> None:
     d, mem, ck = args.data, args.memory, args.checkpoint
-    if spec.model_class.aux_scope == "model" and aux_loss_coeff(args, cfg) > 0 and sizes.pp * sizes.vpp > 1:
-        raise ValueError(f"--moe-aux-loss-coeff {aux_loss_coeff(args, cfg):g}: {spec.family}'s auxiliary loss "
-                         "averages the router statistics over every MoE layer of the model (as transformers "
-                         "computes it), which a pipeline split does not hold in one place; train it with "
-                         "--pipeline-model-parallel-size 1, or pass --moe-aux-loss-coeff 0")
     if d.seq_length > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {d.seq_length} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")

@@ -66,6 +66,12 @@ class StageOutput:
     mtp_num_tokens: list = field(default_factory=list)
     aux_loss: torch.Tensor | None = None
     expert_load: torch.Tensor | None = None
+    # a model-wide aux loss (core.moe.aux scope "model"): this chunk's router statistics, summed
+    # over its MoE layers; the executor combines the stages' (aux_loss is then the chunk's alone)
+    router_counts: torch.Tensor | None = None   # [E] routed slots over valid tokens (no gradient)
+    router_probs: torch.Tensor | None = None    # [E] scores summed over valid tokens (differentiable)
+    router_layers: int = 0
+    router_tokens: torch.Tensor | None = None   # valid tokens of the micro-batch
 
 
 def iter_params(chunks) -> Iterator[tuple[nn.Module, str, nn.Parameter, ParamSpec]]:

@@ -31,6 +31,8 @@ class StepSettings:
     mtp_depths: int = 0                 # multi-token-prediction depths of the model (every rank)
     mtp_loss_scale: float = 0.0         # weight of the MTP token losses in the objective
     aux_loss_coeff: float = 0.0         # weight of the MoE router auxiliary loss
+    model_aux_experts: int = 0          # experts of a model-wide aux loss (core.moe.aux "model"): its
+                                        # router statistics travel with the pipeline's messages
     clip_grad: float = 0.0              # clip the global grad norm to this (0: off)
     router_bias_rate: float = 0.0       # aux-loss-free balancing: bias step per iteration (0: off)
     flops_of: Callable | None = None    # model FLOPs of a training micro-batch (host batch -> float)
@@ -64,7 +66,8 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     on_device = [b.to(device) for b in batches]
     executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
                                 hidden_size=s.hidden_size, dtype=s.dtype, device=device,
-                                mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff)
+                                mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff,
+                                carry_numel=s.model_aux_experts + 1 if s.model_aux_experts else 0)
     schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))
     stats = executor.run(schedule, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
 

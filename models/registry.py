@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 BUILT_IN = ("models.step37", "models.qwen3_moe")
+LEGACY_FAMILY = "step37"  # what checkpoints hold that were written before families were recorded
 
 
 @dataclass(frozen=True)

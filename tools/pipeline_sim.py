@@ -25,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.pipeline.nccl_replay import NCCLDeadlock, P2PMismatch, replay  # noqa: E402
+from models.registry import preset_names  # noqa: E402
 from core.pipeline.p2p import batches_of, plan_all  # noqa: E402
 from core.pipeline.schedules import build_schedule  # noqa: E402
 from core.pipeline.simulate import (Deadlock, check_schedule, plan_makespan, render_text,  # noqa: E402
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stage-costs", help="comma-separated forward cost per virtual stage "
                                           "(overrides --fwd-cost; backward scales with it)")
     ap.add_argument("--model-preset", help="cost the stages of this model (a preset of any registered "
-                                           "family, e.g. step37-flash or qwen3-30b-a3b)")
+                                           f"family: {', '.join(preset_names())})")
     ap.add_argument("--hf-config", help="or of the model of this Hugging Face config.json")
     ap.add_argument("--seq-length", type=int, default=8192, help="tokens per pack, for attention costs")
     ap.add_argument("--pipeline-layout", help="layers per virtual stage (default: the trainer's)")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from core.checkpointing import (CheckpointError, begin_save, compare_model_config, finish_save,
                                 load_checkpoint, read_meta, resolve)
+from models import registry
 
 
 def schedule_record(args) -> dict:
@@ -22,9 +23,9 @@ def schedule_record(args) -> dict:
 
 
 def checkpoint_family(meta: dict) -> str:
-    """The model family a checkpoint holds; checkpoints written before families were recorded
-    are Step-3.7's (the only family then)."""
-    return meta.get("family") or "step37"
+    """The model family a checkpoint holds (``registry.LEGACY_FAMILY`` for checkpoints written
+    before families were recorded)."""
+    return meta.get("family") or registry.LEGACY_FAMILY
 
 
 @dataclass

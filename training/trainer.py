@@ -57,6 +57,7 @@ class Trainer:
             dtype=torch.bfloat16 if a.memory.bf16 else torch.float32,
             mtp_depths=self.cfg.num_mtp_layers, mtp_loss_scale=a.model.mtp_loss_scale,
             aux_loss_coeff=aux_loss_coeff(a, self.cfg), clip_grad=a.optim.clip_grad,
+            model_aux_experts=self.cfg.num_experts if self.spec.model_class.aux_scope == "model" else 0,
             router_bias_rate=a.model.moe_bias_update_rate,
             flops_of=lambda b: training_flops(shapes, _doc_lengths(b)))
         self.peak_tflops = a.logging.peak_tflops or device_peak_tflops()

@@ -8,8 +8,9 @@ excluded from both (the routers' valid-token mask).
 * ``"model"`` (transformers' ``load_balancing_loss_func``: Qwen-MoE, Mixtral): one loss over the
   layers together, ``E * sum_e f_e * P_e`` with ``f_e`` the routed slots to expert e per token
   and ``P_e`` the mean score, both averaged over every MoE layer (``f`` sums to top-k). The
-  average runs over the layers of one chunk: it equals transformers' when the chunk holds every
-  MoE layer of the model (no pipeline split), which ``training`` checks before a run uses it.
+  average runs over the layers of one chunk here; across pipeline stages the executor carries
+  the counts with its messages (``core/pipeline/executor.py``) and each stage adds
+  :func:`model_aux_share` of the whole model's loss, which sums to transformers' exactly.
 """
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ def aux_loss(stats: list[dict], scope: str = "layer") -> torch.Tensor:
         return torch.stack([s["aux_loss"] for s in stats]).sum()
     if scope != "model":
         raise ValueError(f"aux loss scope {scope!r}: expected one of {', '.join(AUX_SCOPES)}")
-    rows = len(stats) * stats[0]["num_valid"]
-    f = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0) / rows
-    p = torch.stack([s["prob_sum"] for s in stats]).sum(0) / rows
-    return f.numel() * (f * p).sum()
+    counts = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
+    probs = torch.stack([s["prob_sum"] for s in stats]).sum(0)
+    return model_aux_share(counts, probs, len(stats), stats[0]["num_valid"])
+
+
+def model_aux_share(counts: torch.Tensor, probs: torch.Tensor, layers, tokens) -> torch.Tensor:
+    """``E * sum_e (counts_e / (L n)) * (probs_e / (L n))``: the model-wide loss when ``probs``
+    sums every layer's scores, or a stage's exact share of it when ``probs`` sums its layers'
+    (``counts``: routed slots over every layer, detached; ``layers``: L; ``tokens``: n valid)."""
+    rows = layers * tokens
+    return counts.numel() * ((counts.detach() / rows) * (probs / rows)).sum()

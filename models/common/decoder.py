@@ -176,6 +176,10 @@ class DecoderLM(nn.Module):
         if stats:
             out.aux_loss = aux_loss(stats, self.aux_scope)
             out.expert_load = torch.stack([s["tokens_per_expert"] for s in stats])
+            if self.aux_scope == "model":  # for the executor to combine over pipeline stages
+                out.router_counts = out.expert_load.sum(0)
+                out.router_probs = torch.stack([s["prob_sum"] for s in stats]).sum(0)
+                out.router_layers, out.router_tokens = len(stats), stats[0]["num_valid"]
         return out
 
     # ------------------------------------------------------------------ weights
