@@ -18,9 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECIPE = os.path.join(ROOT, "examples", "step37_flash_8xh200_thd_sft.sh")
 
 
-def recipe_flags(hf_dir: str) -> list[str]:
+def recipe_flags(hf_dir: str, recipe: str = RECIPE) -> list[str]:
     """The flags the recipe passes to pretrain_step37.py, with its variables filled in."""
-    text = open(RECIPE).read().replace("\\\n", " ")
+    text = open(recipe).read().replace("\\\n", " ")
     line = next(l for l in text.splitlines() if "pretrain_step37.py" in l and l.startswith("torchrun"))
     line = line.split("pretrain_step37.py", 1)[1]
     line = re.sub(r'"\$HF"', hf_dir, line)
@@ -82,3 +82,27 @@ def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
     assert gbs.returncode == 2 and "--global-batch-size 6 must be a multiple" in gbs.stderr
     mfu = run("tools/plan_memory.py", "--world-size", "2", "--assumed-mfu", "1.5")
     assert mfu.returncode == 2 and "--assumed-mfu must be in (0, 1], got 1.5" in mfu.stderr
+
+
+def test_qwen3_recipe_runs_the_search_top_row(tmp_path):
+    """examples/qwen3_30b_a3b_8xh200_thd_sft.sh: its layout flags are the search's fastest fitting
+    layout for its model, sequence, batch and precision (searched in this process)."""
+    from models.qwen3_moe import Qwen3MoeConfig
+    from train_args import build_parser, sections
+    from training.plan import plan_inputs
+    from training.plan_search import search
+
+    hf = tmp_path / "Qwen3-30B-A3B"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(Qwen3MoeConfig.preset("qwen3-30b-a3b").to_hf()))
+    flags = recipe_flags(str(hf), os.path.join(ROOT, "examples", "qwen3_30b_a3b_8xh200_thd_sft.sh"))
+    parser = build_parser(require_data=False)
+    args = sections(parser.parse_args(flags), parser)
+    cfg = Qwen3MoeConfig.from_hf(str(hf))
+    top = search(cfg, 8, plan_inputs(args), args.data.global_batch_size, progress=False, host_gb=2000)[0]
+    assert top.fits and top.device_gb <= 141
+    wanted = top.flags().split()
+    pairs = dict(zip(wanted[::2], wanted[1::2]))
+    for flag in (f for f in wanted if f.startswith("--")):
+        assert flag in flags, (flag, flags)
+    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
