@@ -150,3 +150,12 @@ def test_config_reads_the_hub_form_and_errors_are_clear():
         Qwen3MoeConfig.from_hf({**hub, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     with pytest.raises(ValueError, match=r"mlp_only_layers \[60\]: not layers of a 48-layer model"):
         Qwen3MoeConfig.from_hf({**hub, "mlp_only_layers": [60]})
+
+
+def test_conversion_with_another_family_is_refused_by_name(tmp_path, capsys):
+    from tools.convert_checkpoint import main
+
+    save_hf_model(str(tmp_path), seed=0)
+    assert main(["check", str(tmp_path)]) == 0 and "qwen3_moe: " in capsys.readouterr().out
+    assert main(["check", str(tmp_path), "--model-preset", "tiny"]) == 1
+    assert f"{tmp_path} holds a qwen3_moe checkpoint; --model-preset tiny is a step37 model" in capsys.readouterr().err
