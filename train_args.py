@@ -143,6 +143,18 @@ class MemoryArgs:
                                "and reduction (FSDP2 mixed precision; without --data-parallel-sharding "
                                "on one-rank meshes); routers, RoPE, norm and softmax statistics and "
                                "the loss stay fp32")
+    store_param_remainders: bool = option(False, "with --bf16: hold each parameter as its bf16 compute value "
+                                                 "plus a 16-bit remainder, which together are its fp32 master "
+                                                 "bit for bit (4 bytes per parameter instead of 4 + a 2-byte "
+                                                 "bf16 copy); the optimizer updates the fp32 value and splits it "
+                                                 "again, checkpoints hold the fp32 masters")
+    optimizer_in_backward: bool = option(False, "Muon's matrices step inside the backward, each as soon as its "
+                                                "gradient is final, and free that gradient at once (no "
+                                                "whole-model gradient buffer); needs one micro-batch per rank "
+                                                "and step, --optimizer muon and, with clipping, "
+                                                "--muon-momentum 0 (momentum-free Muon ignores a global "
+                                                "gradient scale, so clipping cannot change its updates; the "
+                                                "AdamW groups step after the backward, clipped as always)")
     params_dtype: str = option(None, "deprecated: --params-dtype bf16 means --bf16, fp32 is the default",
                                choices=("fp32", "bf16"))
     data_parallel_sharding: str = option("none", "fsdp: FSDP2-shard dense parameters over the DP ranks "
@@ -172,6 +184,11 @@ class MemoryArgs:
             raise ValueError("--recompute-num-layers needs --recompute-granularity selective or full")
         if self.cpu_offload != "none" and self.data_parallel_sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+        if self.store_param_remainders and not (self.bf16 or self.params_dtype == "bf16"):
+            raise ValueError("--store-param-remainders needs --bf16 (it stores bf16 compute values)")
+        if self.store_param_remainders and self.cpu_offload != "none":
+            raise ValueError("--store-param-remainders with --cpu-offload is not supported: offload keeps "
+                             "fp32 masters in host memory already")
         if self.params_dtype is not None:
             print(f"warning: --params-dtype is deprecated; use --bf16 (fp32 master weights). "
                   f"--params-dtype {self.params_dtype} is taken as {'--bf16' if self.params_dtype == 'bf16' else 'the fp32 default'}",
@@ -402,6 +419,12 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
+    if args.memory.optimizer_in_backward:
+        from core.optim.in_backward import check_in_backward
+
+        o, mem = args.optim, args.memory
+        check_in_backward(o.optimizer, o.muon_momentum, o.clip_grad, M, sizes.dp, mem.data_parallel_sharding,
+                          mem.cpu_offload)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)

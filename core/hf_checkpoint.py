@@ -212,11 +212,13 @@ def check_checkpoint(model, path: str) -> dict:
 
 
 @torch.no_grad()
-def load_weights(model, path: str, *, strict: bool = True, progress: bool = False) -> dict:
+def load_weights(model, path: str, *, strict: bool = True, progress: bool = False, masters=None) -> dict:
     """Copy the checkpoint's tensors into ``model`` (dtype converted), tensor by tensor and only
     the rows this process holds: its experts of a stacked expert tensor, its rows of an FSDP
     shard (also offloaded to host memory). Returns the check report plus ``filled``: the names
-    written. With ``strict``, missing or mis-shaped tensors raise. ``progress``: a tqdm bar."""
+    written. With ``strict``, missing or mis-shaped tensors raise. ``progress``: a tqdm bar.
+    ``masters``: parameters it holds are read in fp32 and stored as bf16 plus remainder, so an
+    fp32 checkpoint's values survive exactly."""
     from tqdm import tqdm
 
     ckpt = open_checkpoint(model, path)
@@ -232,7 +234,13 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
                           disable=not progress):
         local, first = local_rows(tensors[name])
         offset = specs[name].expert_offset if name in specs else None
-        if local.numel():
+        if not local.numel():
+            continue
+        if masters is not None and tensors[name] in masters:
+            value = torch.empty_like(local, dtype=torch.float32)
+            ckpt.read_source(value, src, first + (offset or 0))
+            masters.set_master(tensors[name], value)
+        else:
             ckpt.read_source(local, src, first + (offset or 0))
     out["filled"] = sorted(found)
     return out

@@ -93,20 +93,26 @@ def constant_values(model: nn.Module) -> dict[str, float]:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, std: float, *, generator_device=None, skip=()) -> None:
+def init_parameters(model: nn.Module, seed: int, std: float, *, generator_device=None, skip=(),
+                    masters=None) -> None:
     """Seeded initial values (normal, ``std``) for every parameter of ``model`` but those named
     in ``skip`` and those with a constant, each process writing only the rows it holds (see the
-    module docstring). ``model`` implements ``param_specs()`` (``core/model_api.py``)."""
+    module docstring). ``model`` implements ``param_specs()`` (``core/model_api.py``).
+    ``masters`` (``core/optim/masters.py``): parameters it holds get their fp32 value as bf16
+    plus remainder (drawn in fp32 as always, so every storage mode starts from one master)."""
     specs, constants = model.param_specs(), constant_values(model)
     for name, p in model.named_parameters():
         local, first = local_rows(p)
         if name in skip or local.is_meta or local.numel() == 0:
             continue
+        out = torch.empty_like(local, dtype=torch.float32) if masters is not None and p in masters else local
         if name in constants:
-            local.fill_(constants[name])
+            out.fill_(constants[name])
         else:
-            fill_seeded(local, name, p.shape, first, std, seed, specs[name].expert_offset,
+            fill_seeded(out, name, p.shape, first, std, seed, specs[name].expert_offset,
                         generator_device or local.device)
+        if out is not local:
+            masters.set_master(p, out)
 
 
 @torch.no_grad()

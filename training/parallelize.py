@@ -10,14 +10,16 @@ place that does it, in this order (each step needs the one before it):
    tokens;
 3. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
    by their forward;
-4. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``), still on meta: each unit's
+4. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``), still on meta (with
+   ``--store-param-remainders`` the parameters are bf16 already, ``core/optim/masters.py``): each unit's
    parameters become DTensor shards (dense over DP, experts over expert-DP). ``--bf16``
    without sharding still goes through FSDP2, on one-rank meshes, for its mixed precision:
    bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers; then
    ``--compile`` (``core/compile.py``): the blocks' ``forward`` methods, so FSDP's hooks stay
    outside the graphs (and it sees which blocks hold FSDP units of their own);
 5. materialisation (``training/startup.py``): storage for this rank's shards only, on its device
-   (offloaded shards in host memory), in fp32 (the master weights); then each tensor written
+   (offloaded shards in host memory), in fp32 (the master weights; or bf16 plus a 16-bit
+   remainder per parameter, the same fp32 master bit for bit); then each tensor written
    once: ``--load-hf`` streamed into the shards row block by row block through the family's
    weight adapter, or seeded initial values that are the same in any layout. When the trainer
    will resume from ``--load`` (``from_checkpoint``) neither happens: the checkpoint fills every
@@ -34,6 +36,7 @@ from core.compile import apply_compile
 from core.distributed.fsdp import apply_fsdp
 from core.flops import balanced_layout
 from core.moe.parallel import apply_expert_parallel
+from core.optim.masters import to_bf16_storage
 from core.parallel_state import ParallelState, local_device
 from core.transformer.block import apply_recompute
 from models.registry import shapes_of, spec_of
@@ -50,6 +53,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
                           device="meta")
     device = local_device()
     for chunk in chunks:
+        if mem.store_param_remainders:  # bf16 parameters; their remainders come at materialisation
+            to_bf16_storage(chunk)
         if ps.sizes.ep > 1:
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)

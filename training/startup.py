@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from core.hf_checkpoint import load_weights
 from core.init import allocate, init_buffers, init_parameters
+from core.optim.masters import RemainderMasters, attach
 
 
 def materialize(model, device, *, seed: int = 0, hf_path: str | None = None, init: bool = True,
@@ -14,15 +15,20 @@ def materialize(model, device, *, seed: int = 0, hf_path: str | None = None, ini
     """Allocate ``model`` (built on meta, possibly FSDP-wrapped) on ``device`` and write its
     weights once: from the Hugging Face checkpoint ``hf_path`` (streamed into this process's
     rows; tensors it lacks are seeded), else from ``seed``; ``init=False`` leaves the parameters
-    undefined (a training checkpoint fills them next). Buffers are always set. Returns the
+    undefined (a training checkpoint fills them next). Buffers are always set. Parameters the
+    model holds in bf16 (``--store-param-remainders``: ``core.optim.masters.to_bf16_storage``)
+    get a remainder each, and their values are written as exact fp32 masters. Returns the
     checkpoint report of the load, if any; ``progress``: a bar over the checkpoint's tensors."""
     allocate(model, device)
     init_buffers(model, device)
+    masters = RemainderMasters(model.parameters())
+    if masters.rem:
+        attach(model, masters)
     report, filled = None, set()
     if hf_path is not None:
-        report = load_weights(model, hf_path, progress=progress)
+        report = load_weights(model, hf_path, progress=progress, masters=masters)
         filled = set(report["filled"])
     if init:
         init_parameters(model, seed, model.config.init_std, generator_device=generator_device or device,
-                        skip=filled)
+                        skip=filled, masters=masters)
     return report

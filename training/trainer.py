@@ -15,7 +15,9 @@ from core.checkpointing import CheckpointError, resolve
 from core.flops import device_peak_tflops, training_flops
 from core.init import local_rows, shard_bytes
 from core.logging import RankLogger
+from core.model_api import specs_of
 from core.optim.build import build_optimizer
+from core.optim.in_backward import InBackwardSteps
 from core.optim.lr_schedule import apply_lr, lr_multiplier
 from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
@@ -51,6 +53,8 @@ class Trainer:
         self.chunks = parallelize(self.cfg, ps, args, from_checkpoint=self.from_checkpoint)
         self.build_s = time.perf_counter() - t0
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
+        if a.memory.optimizer_in_backward:  # Muon's matrices step in the backward (hooks)
+            self.optimizer.in_backward = InBackwardSteps(self.optimizer.optimizers["muon"], specs_of(self.chunks), ps)
         shapes = shapes_of(self.cfg)
         self.settings = StepSettings(
             hidden_size=self.cfg.hidden_size, device=local_device(),

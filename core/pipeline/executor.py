@@ -65,8 +65,10 @@ class StepStats:
 class PipelineExecutor:
     def __init__(self, chunks: list, pstate: ParallelState, *, seq_tokens: int, hidden_size: int,
                  dtype: torch.dtype = torch.float32, device="cpu", mtp_loss_scale: float = 0.0,
-                 aux_coeff: float = 0.0, carry_numel: int = 0):
+                 aux_coeff: float = 0.0, carry_numel: int = 0, nan_on_nonfinite_loss: bool = False):
         self.chunks, self.ps = chunks, pstate
+        # optimizer in backward: a non-finite loss makes every gradient NaN, so no matrix steps
+        self.nan_on_nonfinite_loss = nan_on_nonfinite_loss
         self.carry_numel = carry_numel if aux_coeff else 0  # router statistics riding on each message
         self.T, self.H, self.dtype, self.device = seq_tokens, hidden_size, dtype, device
         self.mtp_loss_scale, self.aux_coeff = mtp_loss_scale, aux_coeff
@@ -193,6 +195,8 @@ class PipelineExecutor:
             total = loss / num_tokens + (aux if aux is not None else 0.0)
             if router is not None:  # the micro-batch's totals are known here: add this stage's share
                 total = total + router(carry)
+            if self.nan_on_nonfinite_loss:  # x 1.0 when finite (exact); NaN gradients otherwise
+                total = total * torch.where(torch.isfinite(total.detach()), 1.0, float("nan"))
             return inp, total, None, None, carry
         buf = out.hidden.detach().to(self.dtype).contiguous()
         owner = (a.microbatch, a.chunk) if torch.is_grad_enabled() else None
