@@ -58,6 +58,8 @@ class PlanInputs:
     muon_ns_steps: int = 5
     dion_rank_fraction: float = 0.25
     bf16: bool = False              # bf16 compute over fp32 master weights and gradients
+    store_param_remainders: bool = False  # bf16 weight + int16 remainder = the fp32 master
+    optimizer_in_backward: bool = False   # matrices step in the backward; their gradients freed at once
     device_gb: float = 141.0
     pipeline_layout: str | None = None
 
@@ -70,6 +72,14 @@ class PlanInputs:
                                  f"{', '.join(allowed)}")
         if self.cpu_offload != "none" and self.sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+        if self.store_param_remainders and not self.bf16:
+            raise ValueError("--store-param-remainders needs --bf16")
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per parameter of a sharded gradient: fp32, or bf16 (rounded once after an fp32
+        reduction) for remainder-stored parameters."""
+        return 2 if self.store_param_remainders else MASTER
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -111,8 +121,10 @@ def placement(inp: PlanInputs) -> Placement:
     reduces on every backward."""
     s = inp.sizes
     shard = inp.sharding == "fsdp" and s.dp > 1
-    any_fsdp = shard or inp.bf16 or inp.cpu_offload != "none"
-    expert_managed = (s.expert_dp > 1 or inp.cpu_offload != "none" or inp.bf16) if shard else any_fsdp
+    # remainders at one micro-batch: bf16 parameters need no one-rank mesh (apply_fsdp one_rank_meshes)
+    one_rank = inp.bf16 and not (inp.store_param_remainders and inp.num_microbatches == 1)
+    any_fsdp = shard or one_rank or inp.cpu_offload != "none"
+    expert_managed = (s.expert_dp > 1 or inp.cpu_offload != "none" or one_rank) if shard else any_fsdp
     managed = {"dense": any_fsdp, "expert": expert_managed}
     offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": inp.cpu_offload != "none"}
     world = {"dense": s.dp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
@@ -167,15 +179,25 @@ def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str
     """Per kind: parameters whole (``numel``; ``fp32``: those computing in fp32 under bf16) and
     as this rank's shards (``shard``), and the optimizer state of the shards in bytes."""
     inp = PlanInputs(optimizer=optimizer, muon_momentum=momentum, dion_rank_fraction=dion_fraction)
-    out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0} for k in KINDS}
+    out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0, "fp32_shard": 0, "matrix_shard": 0}
+           for k in KINDS}
     for s in chunk.tensors:
         kind = "expert" if s.expert else "dense"
         numel = _shard_numel(s.t, expert_world if s.expert else dense_world)
         out[kind]["numel"] += s.t.numel()
         out[kind]["fp32"] += s.t.numel() if s.fp32 else 0
         out[kind]["shard"] += numel
+        out[kind]["fp32_shard"] += numel if s.fp32 else 0
+        out[kind]["matrix_shard"] += numel if classify(s.spec, s.t, optimizer) == "matrix" else 0
         out[kind]["optimizer"] += _optimizer_bytes(s.spec, s.t, numel, inp)
     return out
+
+
+def _gradient_bytes(t: dict, inp: PlanInputs) -> int:
+    """One kind's sharded gradients kept until the optimizer step: bf16 for remainder-stored
+    parameters (fp32 routers stay fp32); none for the matrices stepped in the backward."""
+    keep = t["shard"] - (t["matrix_shard"] if inp.optimizer_in_backward else 0)
+    return (keep - t["fp32_shard"]) * inp.grad_bytes + t["fp32_shard"] * MASTER
 
 
 def chunk_tally(chunk: ChunkShare, inp: PlanInputs, pl: Placement) -> dict:
@@ -202,25 +224,26 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
     T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
     r = RankMemory(pp_rank, ep_rank)
     dev = dict.fromkeys(("parameters", "gradients", "unsharded grads", "optimizer", "activations",
-                         "p2p buffers", "all-to-all buffers", "gathered layers"), 0)
+                         "recompute working set", "p2p buffers", "all-to-all buffers", "gathered layers"), 0)
     host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
     managed_numel, managed_fp32, managed_dev_grads, largest_block, per_step_gather = 0, 0, 0, 0, 0
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         for kind in KINDS:
             where = host if pl.offloaded[kind] else dev
-            where["parameters"] += t[kind]["shard"] * MASTER
-            where["gradients"] += t[kind]["shard"] * MASTER
+            where["parameters"] += t[kind]["shard"] * MASTER  # fp32, or bf16 + 2-byte remainder
+            where["gradients"] += _gradient_bytes(t[kind], inp)
             where["optimizer"] += t[kind]["optimizer"]
             r.parameters += t[kind]["shard"]
             if pl.managed[kind]:
                 managed_numel += t[kind]["numel"]
                 managed_fp32 += t[kind]["fp32"]
-                managed_dev_grads += 0 if pl.offloaded[kind] else t[kind]["shard"] * MASTER
+                managed_dev_grads += 0 if pl.offloaded[kind] else _gradient_bytes(t[kind], inp)
         blocks = _managed_blocks(chunk, pl)
         largest_block = max([largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
         per_step_gather += blocks.get(ROOT, 0)  # FSDP2 keeps the root gathered forward to backward
         dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
+        dev["recompute working set"] = max(dev["recompute working set"], _recompute_working_set(cfg, chunk, T, b, inp))
     # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
     dev["activations"] = dev["activations"] * facts.peak_in_flight[pp_rank] // len(chunks)
     if managed_numel:
@@ -234,6 +257,8 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         else:  # one unit's gradient at a time: autograd's (compute dtype), FSDP's fp32 for the reduce
             largest = max(largest_block, per_step_gather)
             dev["unsharded grads"] = largest * (b + MASTER if b < MASTER else MASTER)
+    elif inp.optimizer_in_backward:  # plain parameters: one block's gradients before its hooks free them
+        dev["unsharded grads"] = max(n for c in chunks for k, n in block_numel(c).items() if k is not ROOT) * b
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
         dev["all-to-all buffers"] = 4 * T * cfg.num_experts_per_tok * H * b
@@ -257,6 +282,17 @@ def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
     return out
 
 
+def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
+    """What a recomputed layer holds again during its backward: its whole activations less what
+    recompute kept (one layer at a time, the largest of the chunk)."""
+    if inp.recompute == "none":
+        return 0
+    shapes = shapes_of(cfg)
+    n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
+    return max((block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
+                for i in chunk.layers[:n]), default=0)
+
+
 def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
     shapes, total = shapes_of(cfg), 0
     for k, i in enumerate(chunk.layers):
@@ -276,9 +312,9 @@ def as_dict(ranks: list[RankMemory]) -> list[dict]:
 
 
 def format_table(ranks: list[RankMemory], inp: PlanInputs) -> str:
-    cols = ["parameters", "gradients", "unsharded grads", "optimizer", "activations", "p2p buffers",
-            "all-to-all buffers", "gathered layers"]
-    short = ["params", "grads", "unshard", "optim", "activ", "p2p", "a2a", "gathered"]
+    cols = ["parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
+            "p2p buffers", "all-to-all buffers", "gathered layers"]
+    short = ["params", "grads", "unshard", "optim", "activ", "recomp", "p2p", "a2a", "gathered"]
     head = f"{'rank':<10}{'params #':>14}" + "".join(f"{s:>10}" for s in short) + \
         f"{'device':>10}{'host':>10}  fits {inp.device_gb:g} GB"
     lines = ["all sizes in GB (1e9 bytes); device columns unless noted; device is the peak (sharded "

@@ -48,7 +48,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     flags (``train_args.parse``): sections ``parallel``, ``memory``, ``model``, ``schedule``.
     ``from_checkpoint``: a ``--load`` checkpoint will fill the parameters (no initialisation,
     no ``--load-hf`` read)."""
-    m, mem = args.model, args.memory
+    m, mem, d = args.model, args.memory, args.data
+    one_microbatch = d.global_batch_size == d.micro_batch_size * ps.sizes.dp
     chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seq_length=args.data.seq_length,
                           device="meta")
     device = local_device()
@@ -59,7 +60,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
         apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
-                   shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16)
+                   shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16,
+                   one_rank_meshes=not (mem.store_param_remainders and one_microbatch))
         if m.compile:
             apply_compile(chunk, m.compile_backend)
         materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,

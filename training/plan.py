@@ -32,7 +32,9 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
                       num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,
                       muon_ns_steps=o.muon_ns_steps, dion_rank_fraction=o.dion_rank_fraction,
-                      bf16=m.bf16, device_gb=device_gb, pipeline_layout=p.pipeline_layout)
+                      bf16=m.bf16, store_param_remainders=m.store_param_remainders,
+                      optimizer_in_backward=m.optimizer_in_backward, device_gb=device_gb,
+                      pipeline_layout=p.pipeline_layout)
 
 
 def every_rank(ranks: list, layout: RunLayout) -> list[dict]:

@@ -22,6 +22,9 @@ MEMORY_MODES = (("none", "none", False), ("fsdp", "none", False), ("fsdp", "none
                 ("fsdp", "all", True), ("fsdp", "optimizer", False))
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# (--store-param-remainders, --optimizer-in-backward): with --bf16, and the latter with Muon at
+# momentum 0 and one micro-batch per rank and step
+MASTER_MODES = ((False, False), (True, False), (False, True), (True, True))
 
 
 @dataclass
@@ -34,6 +37,8 @@ class Row:
     cpu_offload: str
     gather_once: bool
     recompute: str
+    remainders: bool
+    in_backward: bool
     micro_batch_size: int
     num_microbatches: int
     device_gb: float        # busiest rank
@@ -55,6 +60,10 @@ class Row:
             out.append(f"--cpu-offload {self.cpu_offload}")
         if self.gather_once:
             out.append("--fsdp-gather-once")
+        if self.remainders:
+            out.append("--store-param-remainders")
+        if self.in_backward:
+            out.append("--optimizer-in-backward")
         out += [f"--recompute-granularity {self.recompute}", f"--micro-batch-size {self.micro_batch_size}"]
         return " ".join(out)
 
@@ -83,11 +92,27 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                     for sharding, offload, once in MEMORY_MODES:
                         if dp == 1 and sharding == "fsdp" and (offload == "none" or once):
                             continue
-                        for rc in RECOMPUTE:
-                            out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=sharding,
-                                               cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
-                                               recompute_num_layers=0, micro_batch_size=mbs,
-                                               num_microbatches=M, pipeline_layout=None))
+                        for rem, inb in _master_modes(base, M, dp, sharding, offload):
+                            for rc in RECOMPUTE:
+                                out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=sharding,
+                                                   cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
+                                                   recompute_num_layers=0, micro_batch_size=mbs,
+                                                   num_microbatches=M, pipeline_layout=None,
+                                                   store_param_remainders=rem, optimizer_in_backward=inb))
+    return out
+
+
+def _master_modes(base: PlanInputs, M: int, dp: int, sharding: str, offload: str) -> list:
+    """The (remainders, optimizer in backward) pairs the flags and this layout allow
+    (``core/optim/in_backward.check_in_backward``)."""
+    out = []
+    for rem, inb in MASTER_MODES:
+        if rem and (not base.bf16 or offload != "none"):
+            continue
+        if inb and (base.optimizer != "muon" or base.muon_momentum > 0 or M != 1 or offload != "none"
+                    or (dp > 1 and sharding != "fsdp")):
+            continue
+        out.append((rem, inb))
     return out
 
 
@@ -104,7 +129,8 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
     host = max(nodes.values()) / GB
     fits = device <= inp.device_gb and (host_gb <= 0 or host <= host_gb)
     return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
-               inp.recompute, inp.micro_batch_size, inp.num_microbatches, device, host,
+               inp.recompute, inp.store_param_remainders, inp.optimizer_in_backward,
+               inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
                st.mfu, st.bubble, fits)
 
@@ -124,7 +150,7 @@ def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
 
 
 HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}  {'sharding':<9}{'offload':<10}{'once':<5}"
-        f"{'recompute':<10}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
+        f"{'recompute':<10}{'masters':<8}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
         f"{'step_s':>8}{'tokens/s/GPU':>13}{'MFU':>7}{'idle':>7}")
 
 
@@ -132,11 +158,16 @@ def format_rows(rows: list[Row], top: int) -> str:
     lines = [HEAD]
     for i, r in enumerate(rows[:top], 1):
         lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}  {r.sharding:<9}{r.cpu_offload:<10}"
-                     f"{'yes' if r.gather_once else 'no':<5}{r.recompute:<10}{r.micro_batch_size:>4}"
+                     f"{'yes' if r.gather_once else 'no':<5}{r.recompute:<10}{_masters(r):<8}{r.micro_batch_size:>4}"
                      f"{r.num_microbatches:>4}{r.device_gb:>8.1f}{r.host_gb_per_node:>13.0f}"
                      f"{'yes' if r.weights_per_microbatch else 'no':>11}{r.step_s:>8.1f}"
                      f"{r.tokens_per_s_per_gpu:>13,.0f}{r.mfu:>7.1%}{r.idle:>7.1%}")
     return "\n".join(lines)
+
+
+def _masters(r: Row) -> str:
+    """fp32: fp32 masters; rem: bf16 + remainder; +ib: Muon steps in the backward."""
+    return ("rem" if r.remainders else "fp32") + ("+ib" if r.in_backward else "")
 
 
 def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: TimeAssumptions, peak: float,
@@ -158,7 +189,8 @@ def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: Tim
         print(format_rows(sorted(rows, key=lambda r: r.device_gb), min(top, 5)))
         return 1
     print(format_rows(fitting, top))
-    print("once: --fsdp-gather-once; weights/mb: offloaded weights copied to the GPU for every "
+    print("once: --fsdp-gather-once; masters: fp32, or rem (--store-param-remainders), +ib "
+          "(--optimizer-in-backward); weights/mb: offloaded weights copied to the GPU for every "
           "micro-batch's forward and backward; M: micro-batches per pipeline; GB/GPU: the busiest "
           "rank; idle: pipeline bubble and stage imbalance")
     best = fitting[0]
