@@ -13,9 +13,10 @@ model passes through host memory.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,8 @@ from core.init import local_rows
 from core.model_api import persistent_tensors
 
 READ_BLOCK_BYTES = 32 << 20  # bytes of a checkpoint tensor read (and converted) at a time
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+READ_DTYPES = ("F32", "BF16", "F16")  # converted to the parameter's dtype on the copy
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -56,65 +59,108 @@ class Exported:
     side_files: dict = field(default_factory=dict)
 
 
+class CheckpointFileError(ValueError):
+    """A checkpoint file that cannot be read as it should; the message names the file (and the
+    tensor) and what to do."""
+
+
+def open_file(path: str):
+    """``safe_open(path)``, a failure named with the file (truncated, not safetensors...)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, "pt")
+    except Exception as e:  # safetensors' own error type, OSError
+        raise CheckpointFileError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
+                                  "re-download or re-export it") from e
+
+
+def _weight_map(path: str) -> dict:
+    """Tensor name -> file of a single-file or sharded checkpoint; a stale or broken layout is
+    an error naming the file."""
+    index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointFileError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from e
+        files = set(weight_map.values())
+        if os.path.exists(single) and SINGLE not in files:
+            raise CheckpointFileError(f"{path}: holds both {INDEX} (naming {len(files)} shard files) and {SINGLE}, "
+                                      "which the index does not name: one is stale from an earlier export; remove "
+                                      "it, or export into an empty directory")
+        absent = sorted(f for f in files if not os.path.exists(os.path.join(path, f)))
+        if absent:
+            raise CheckpointFileError(f"{index} names {absent[:3]}, not in {path}")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    if os.path.exists(single):
+        with open_file(single) as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX}")
+
+
 class CheckpointIndex:
     """Tensor name -> file for a single-file or sharded safetensors checkpoint (+ side files)."""
 
     def __init__(self, path: str, side_files: tuple = ()):
-        from safetensors import safe_open
-
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                self.file_of = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-        elif os.path.exists(os.path.join(path, "model.safetensors")):
-            single = os.path.join(path, "model.safetensors")
-            with safe_open(single, "pt") as f:
-                self.file_of = {k: single for k in f.keys()}
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self.file_of = _weight_map(path)
         for name in side_files:
             extra = os.path.join(path, name)
             if os.path.exists(extra):
-                with safe_open(extra, "pt") as f:
+                with open_file(extra) as f:
                     self.file_of.update({k: extra for k in f.keys()})
         self._open: dict = {}
 
     def handle(self, name: str):
-        from safetensors import safe_open
-
         f = self.file_of[name]
         if f not in self._open:
-            self._open[f] = safe_open(f, "pt")
+            self._open[f] = open_file(f)
         return self._open[f]
 
+    def slice(self, name: str):
+        try:
+            return self.handle(name).get_slice(name)
+        except CheckpointFileError:
+            raise
+        except Exception as e:
+            where = f" ({INDEX} says it does)" if os.path.basename(self.file_of[name]) != SINGLE else ""
+            raise CheckpointFileError(f"{self.file_of[name]}: cannot read tensor {name}{where} "
+                                      f"({type(e).__name__}: {e})") from e
+
     def shape(self, name: str) -> list[int]:
-        return list(self.handle(name).get_slice(name).get_shape())
+        return list(self.slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """safetensors' dtype name: F32, BF16, F16, F8_E4M3, I64, BOOL..."""
+        return self.slice(name).get_dtype()
 
     def read(self, name: str, half: str | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """A tensor, optionally rows ``[a, b)`` of dim 0 and one half of dim 1, read lazily."""
-        return _rows(self.handle(name).get_slice(name), half, *(rows or (0, None)))
+        return _rows(self.slice(name), half, *(rows or (0, None)))
 
     def read_into(self, out: torch.Tensor, name: str, half: str | None = None, first_row: int = 0) -> None:
         """Copy rows ``[first_row, first_row + len(out))`` of ``name`` (one half of dim 1 with
         ``half``) into ``out`` (any device and dtype), ``READ_BLOCK_BYTES`` of the file at a
         time, each block through a handle of its own: safetensors maps the file, and the pages a
         read touched count as this process's memory until the mapping is closed."""
-        from safetensors import safe_open
-
         path = self.file_of[name]
-        if out.dim() == 0:
-            with safe_open(path, "pt") as f:
-                out.copy_(f.get_tensor(name))
-            return
-        with safe_open(path, "pt") as f:
-            dtype = f.get_slice(name).get_dtype()
-        row_bytes = max(1, out[0].numel()) * _DTYPE_BYTES.get(dtype, 4)
-        step = max(1, READ_BLOCK_BYTES // row_bytes)
-        for i in range(0, out.shape[0], step):
-            j = min(out.shape[0], i + step)
-            with safe_open(path, "pt") as f:
-                out[i:j].copy_(_rows(f.get_slice(name), half, first_row + i, first_row + j))
+        try:
+            if out.dim() == 0:
+                with open_file(path) as f:
+                    out.copy_(f.get_tensor(name))
+                return
+            row_bytes = max(1, out[0].numel()) * _DTYPE_BYTES.get(self.dtype(name), 4)
+            step = max(1, READ_BLOCK_BYTES // row_bytes)
+            for i in range(0, out.shape[0], step):
+                j = min(out.shape[0], i + step)
+                with open_file(path) as f:
+                    out[i:j].copy_(_rows(f.get_slice(name), half, first_row + i, first_row + j))
+        except CheckpointFileError:
+            raise
+        except Exception as e:
+            raise CheckpointFileError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from e
 
     def read_source(self, out: torch.Tensor, src: Source, first_row: int) -> None:
         """Rows ``[first_row, ...)`` of ``src`` into ``out``: a per-expert source reads expert
@@ -153,10 +199,13 @@ def _source_shape(ckpt: CheckpointIndex, src: Source, offset: int, n_rows: int) 
     return [offset + n_rows, *inner]  # rows up to the last expert held
 
 
-def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list]:
-    """(our name -> Source), our names with no source, mis-shaped tensors."""
+def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list, list]:
+    """(our name -> Source), our names with no source, mis-shaped tensors, and tensors of a dtype
+    this reader does not convert ``(ours, theirs, dtype, scale tensors beside it)``: only
+    ``READ_DTYPES`` convert without loss of meaning; an fp8 tensor with scales beside it is a
+    quantized checkpoint whose values mean nothing without them, an int or bool one no weight."""
     adapter, specs = model.hf_weights, model.param_specs()
-    found, missing, misshaped = {}, [], []
+    found, missing, misshaped, wrong_dtype = {}, [], [], []
     for name, t in persistent_tensors(model):
         offset = specs[name].expert_offset if name in specs else None
         for src in adapter.sources(name):
@@ -165,14 +214,20 @@ def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list]:
                 continue
             ok = len(shape) == t.dim() and shape[1:] == list(t.shape[1:]) and (
                 shape[:1] == list(t.shape[:1]) if offset is None else shape[0] >= offset + t.shape[0])
-            if ok:
-                found[name] = src
+            theirs = src.first(offset or 0)
+            dtype = ckpt.dtype(theirs)
+            if not ok:
+                misshaped.append((name, theirs, shape, list(t.shape)))
+            elif dtype not in READ_DTYPES:
+                scales = sorted(k for k in ckpt.file_of if k != theirs and "scale" in k
+                                and k.startswith(theirs.rsplit(".", 1)[0]))
+                wrong_dtype.append((name, theirs, dtype, scales))
             else:
-                misshaped.append((name, src.first(offset or 0), shape, list(t.shape)))
+                found[name] = src
             break
         else:
             missing.append(name)
-    return found, missing, misshaped
+    return found, missing, misshaped, wrong_dtype
 
 
 def _used(ckpt: CheckpointIndex, found: dict) -> set:
@@ -190,15 +245,36 @@ def _matches(pattern: str, key: str) -> bool:
     return key.startswith(head) and key.endswith(tail) and key[len(head):len(key) - len(tail)].isdigit()
 
 
-def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: list) -> dict:
+def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: list,
+           wrong_dtype: list = ()) -> dict:
     adapter = model.hf_weights
     kept = tuple(getattr(adapter, "kept_prefixes", ()))
     ignored = tuple(getattr(adapter, "ignored_suffixes", ()))
-    used = _used(ckpt, found) | {m[1] for m in misshaped}
+    used = _used(ckpt, found) | {m[1] for m in misshaped} | {w[1] for w in wrong_dtype}
     unexpected = sorted(k for k in ckpt.file_of if k not in used and not (kept and k.startswith(kept))
                         and not (ignored and k.endswith(ignored)))
+    dtypes = Counter(ckpt.dtype(src.first()) if not src.per_expert else ckpt.dtype(
+        next(k for k in ckpt.file_of if _matches(src.name, k))) for src in found.values())
     return {"missing": missing, "unexpected": unexpected, "misshaped": misshaped, "loaded": len(found),
+            "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
             "kept_aside": sum(1 for k in ckpt.file_of if kept and k.startswith(kept))}
+
+
+def problems(rep: dict) -> str:
+    """Why a checkpoint does not fit, in one line ("" when it does)."""
+    parts = []
+    if rep["missing"]:
+        parts.append(f"missing {rep['missing'][:10]}{' ...' if len(rep['missing']) > 10 else ''}")
+    if rep["misshaped"]:
+        parts.append(f"mis-shaped {[(m[0], m[2], m[3]) for m in rep['misshaped'][:10]]}")
+    for ours, theirs, dtype, scales in rep["wrong_dtype"][:5]:
+        hint = (f" with scale tensors beside it ({scales[0]}...): a quantized checkpoint; dequantize it to bf16 "
+                "first" if scales else ": not a weight this reader converts")
+        parts.append(f"{theirs} (for {ours}) is {dtype}{hint} (it reads {', '.join(READ_DTYPES)})")
+    if rep["unexpected"]:
+        parts.append(f"unexpected tensors the model has no place for {rep['unexpected'][:5]}"
+                     f"{' ...' if len(rep['unexpected']) > 5 else ''} (another model, or a quantized layout's scales?)")
+    return "; ".join(parts)
 
 
 def open_checkpoint(model, path: str) -> CheckpointIndex:
@@ -222,12 +298,11 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
     from tqdm import tqdm
 
     ckpt = open_checkpoint(model, path)
-    found, missing, misshaped = plan_load(model, ckpt)
-    out = report(model, ckpt, found, missing, misshaped)
-    if strict and (missing or misshaped):
-        raise ValueError(f"{path}: checkpoint does not fit the model: missing {missing[:10]}"
-                         f"{' ...' if len(missing) > 10 else ''}; mis-shaped "
-                         f"{[(m[0], m[2], m[3]) for m in misshaped[:10]]}")
+    found, *rest = plan_load(model, ckpt)
+    out = report(model, ckpt, found, *rest)
+    why = problems(out)
+    if strict and why:
+        raise ValueError(f"{path}: checkpoint does not fit the model: {why}")
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     specs = model.param_specs()
     for name, src in tqdm(found.items(), desc=f"loading {os.path.basename(path)}", unit="tensor",
@@ -246,11 +321,24 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
     return out
 
 
+def stale_files(path: str, side_files: tuple = ()) -> list[str]:
+    """Checkpoint files an earlier export left in ``path`` (single file, shards, index, side files)."""
+    names = [SINGLE, INDEX, *side_files]
+    found = [os.path.join(path, n) for n in names if os.path.exists(os.path.join(path, n))]
+    return sorted(found + glob.glob(os.path.join(path, "model-*-of-*.safetensors")))
+
+
 def save_weights(model, path: str, *, source: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
-    """Write the model as a Hugging Face checkpoint (the adapter's layout); returns the layout."""
+    """Write the model as a Hugging Face checkpoint (the adapter's layout); returns the layout.
+    Checkpoint files already in ``path`` (an earlier export) are removed first, so nothing stale
+    sits beside the new files (a loader would prefer an old index)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
+    if source is not None and os.path.abspath(source) == os.path.abspath(path):
+        raise ValueError(f"{path}: exporting over --source itself would destroy what it reads from")
+    for old in stale_files(path, tuple(getattr(model.hf_weights, "side_files", ()))):
+        os.remove(old)
     state = {n: t.detach().contiguous().cpu() for n, t in persistent_tensors(model)}
     src = open_checkpoint(model, source) if source else None
     ex = model.hf_weights.export(state, src)

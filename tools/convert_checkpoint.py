@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from core.hf_checkpoint import check_checkpoint  # noqa: E402
+from core.hf_checkpoint import check_checkpoint, problems, stale_files  # noqa: E402
 from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from models import registry  # noqa: E402
 from models.common.decoder import count_parameters  # noqa: E402
@@ -63,25 +63,32 @@ def cmd_check(args) -> int:
     counts = count_parameters(model)
     print(f"model     {spec.family}: {counts['total']:,} parameters ({counts['total_without_mtp']:,} without "
           f"MTP, {cfg.num_layers} layers, {cfg.num_mtp_layers} MTP depths)")
-    print(f"matched   {report['loaded']:,} tensors; tensors kept aside (not the text decoder's, e.g. a "
-          f"vision tower): {report['kept_aside']:,}")
-    for key, title in (("missing", "missing"), ("unexpected", "unexpected"), ("misshaped", "mis-shaped")):
+    dtypes = ", ".join(f"{n:,} {d}" for d, n in sorted(report["dtypes"].items()))
+    print(f"matched   {report['loaded']:,} tensors ({dtypes or 'none'}); tensors kept aside (not the text "
+          f"decoder's, e.g. a vision tower): {report['kept_aside']:,}")
+    for key, title in (("missing", "missing"), ("unexpected", "unexpected"), ("misshaped", "mis-shaped"),
+                       ("wrong_dtype", "dtype")):
         items = report[key]
         print(f"{title:<10}{len(items):,}")
         for item in items[:args.show]:
             if key == "misshaped":
                 ours, theirs, shape, want = item
                 print(f"    {theirs}: checkpoint {shape}, model {want} ({ours})")
+            elif key == "wrong_dtype":
+                ours, theirs, dtype, scales = item
+                quantized = f", quantized: scales beside it ({', '.join(scales[:2])})" if scales else ""
+                print(f"    {theirs}: {dtype}, this tool reads F32 / BF16 / F16 ({ours}{quantized}); "
+                      "dequantize or convert it to bf16 first")
             elif key == "missing":
                 print(f"    {model.hf_weights.published(item)} ({item})")
             else:
                 print(f"    {item}")
         if len(items) > args.show:
             print(f"    ... and {len(items) - args.show} more (--show N to list more)")
-    ok = not report["missing"] and not report["misshaped"]
+    ok = not problems(report)  # an unexpected tensor is a problem too: another model, or scales
     print(f"convert_checkpoint check: {'OK' if ok else 'DOES NOT FIT'}: {report['loaded']:,} matched, "
           f"{len(report['missing']):,} missing, {len(report['unexpected']):,} unexpected, "
-          f"{len(report['misshaped']):,} mis-shaped")
+          f"{len(report['misshaped']):,} mis-shaped, {len(report['wrong_dtype']):,} of an unread dtype")
     return 0 if ok else 1
 
 
@@ -91,7 +98,7 @@ def cmd_export(args) -> int:
     from training.checkpoints import checkpoint_family
 
     registry.import_model_module(args.model_module)
-    path = resolve(args.checkpoint)
+    path = resolve(args.checkpoint, "CKPT")
     meta = read_meta(path)
     spec = registry.spec(checkpoint_family(meta))
     try:
@@ -107,7 +114,11 @@ def cmd_export(args) -> int:
     pad_id, pad_from = pad_token_id(args, meta)
     model = spec.build(cfg)
     load_checkpoint(path, [model])
+    stale = stale_files(args.out, tuple(getattr(model.hf_weights, "side_files", ()))) if os.path.isdir(args.out) else []
     layout = model.save_hf(args.out, source=args.source)
+    if stale:
+        print(f"convert_checkpoint export: removed {len(stale)} file(s) of an earlier export from {args.out}: "
+              f"{', '.join(os.path.basename(p) for p in stale)}")
     set_pad_token_id(os.path.join(args.out, "config.json"), pad_id)
     print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} "
           f"({spec.family}, {layout} layout, {count_parameters(model)['total']:,} parameters; pad_token_id "
@@ -158,8 +169,13 @@ def set_pad_token_id(config_path: str, pad_id: int) -> None:
 
 
 def cmd_import(args) -> int:
+    from core.checkpoint_dir import read_pointer
     from core.checkpointing import save_checkpoint
 
+    latest = read_pointer(args.out) if os.path.isdir(args.out) else None
+    if latest is not None:
+        raise ValueError(f"OUT {args.out} already holds a run's checkpoints ('latest' is {latest}): importing "
+                         "would point 'latest' back to iteration 0; import into an empty directory")
     spec, cfg = spec_and_config(args, args.directory)
     model = spec.build(cfg)
     report = model.load_hf(args.directory)
@@ -209,7 +225,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 1
 
