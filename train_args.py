@@ -169,7 +169,12 @@ class MemoryArgs:
                                       "(fp32 masters, gradients and optimizer state on the host, the "
                                       "compute copies resident on the device for the whole step: one "
                                       "copy per step; gradients reduced and sent to the host after "
-                                      "every micro-batch)", choices=("none", "all", "experts", "optimizer"))
+                                      "every micro-batch), masters (with --bf16: bf16 weights are the "
+                                      "only copy on the device; fp32 masters and optimizer state on the "
+                                      "host, updated by host threads while the backward goes on; each "
+                                      "finished update goes to the host once, the new bf16 weights come "
+                                      "back once per step; one micro-batch per rank and step)",
+                                choices=("none", "all", "experts", "optimizer", "masters"))
     recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
                                                 "attention and FFN internals (selective)",
                                         choices=("none", "selective", "full"))
@@ -182,8 +187,10 @@ class MemoryArgs:
         require(self, recompute_num_layers=AT_LEAST_0, dry_run=AT_LEAST_0)
         if self.recompute_num_layers and self.recompute_granularity == "none":
             raise ValueError("--recompute-num-layers needs --recompute-granularity selective or full")
-        if self.cpu_offload != "none" and self.data_parallel_sharding != "fsdp":
+        if self.cpu_offload not in ("none", "masters") and self.data_parallel_sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+        if self.cpu_offload == "masters" and not (self.bf16 or self.params_dtype == "bf16"):
+            raise ValueError("--cpu-offload masters needs --bf16 (the device holds the bf16 compute weights)")
         if self.store_param_remainders and not (self.bf16 or self.params_dtype == "bf16"):
             raise ValueError("--store-param-remainders needs --bf16 (it stores bf16 compute values)")
         if self.store_param_remainders and self.cpu_offload != "none":
@@ -419,6 +426,12 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
+    if args.memory.cpu_offload == "masters":
+        if M != 1:
+            raise ValueError(f"--cpu-offload masters needs one micro-batch per rank and step, got {M}: set "
+                             "--global-batch-size to --micro-batch-size x data-parallel size")
+        if sizes.dp > 1 and args.memory.data_parallel_sharding != "fsdp":
+            raise ValueError("--cpu-offload masters at data-parallel size > 1 needs --data-parallel-sharding fsdp")
     if args.memory.optimizer_in_backward:
         from core.optim.in_backward import check_in_backward
 

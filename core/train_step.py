@@ -16,6 +16,7 @@ import torch.distributed as dist
 from core.distributed.fsdp import reshard
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_metrics, sync_gradients
 from core.model_api import specs_of
+from core.optim.masters import masters_of
 from core.parallel_state import ParallelState, local_device
 from core.pipeline.executor import PipelineExecutor
 from core.pipeline.schedules import build_schedule
@@ -109,6 +110,7 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
             assert len(layers) == load.shape[0], "moe_layers() and StageOutput.expert_load disagree"
             for layer, layer_load in zip(layers, load):
                 layer.router.update_bias(layer_load, s.router_bias_rate)
+    masters_of(chunks).finish()  # host masters: the workers' updates done, new bf16 weights on the device
     reshard(chunks)  # FSDP units gathered for the whole step (gather-once, bf16 copies): now stale
     return metrics
 

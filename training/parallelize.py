@@ -36,7 +36,8 @@ from core.compile import apply_compile
 from core.distributed.fsdp import apply_fsdp
 from core.flops import balanced_layout
 from core.moe.parallel import apply_expert_parallel
-from core.optim.masters import to_bf16_storage
+from core.optim.host_masters import HostMasters
+from core.optim.masters import RemainderMasters, to_bf16_storage
 from core.parallel_state import ParallelState, local_device
 from core.transformer.block import apply_recompute
 from models.registry import shapes_of, spec_of
@@ -53,19 +54,22 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seq_length=args.data.seq_length,
                           device="meta")
     device = local_device()
+    host = mem.cpu_offload == "masters"
+    # one master storage for the rank: bf16 + remainder, or fp32 in host memory
+    masters = RemainderMasters() if mem.store_param_remainders else HostMasters() if host else None
     for chunk in chunks:
-        if mem.store_param_remainders:  # bf16 parameters; their remainders come at materialisation
+        if masters is not None:  # bf16 parameters; their fp32 masters come at materialisation
             to_bf16_storage(chunk)
         if ps.sizes.ep > 1:
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
-        apply_fsdp(chunk, ps, mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
+        apply_fsdp(chunk, ps, "none" if host else mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
                    shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16,
-                   one_rank_meshes=not (mem.store_param_remainders and one_microbatch))
+                   one_rank_meshes=not (masters is not None and one_microbatch))
         if m.compile:
             apply_compile(chunk, m.compile_backend)
         materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,
-                    hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0)
+                    hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0, masters=masters)
     return chunks
 
 

@@ -5,24 +5,28 @@ checkpoint to fill. See ``core/init.py`` for the seeding contract (the same weig
 layout) and the choice of generator."""
 from __future__ import annotations
 
+import torch
+
 from core.hf_checkpoint import load_weights
 from core.init import allocate, init_buffers, init_parameters
 from core.optim.masters import RemainderMasters, attach
 
 
 def materialize(model, device, *, seed: int = 0, hf_path: str | None = None, init: bool = True,
-                generator_device=None, progress: bool = False) -> dict | None:
+                generator_device=None, progress: bool = False, masters=None) -> dict | None:
     """Allocate ``model`` (built on meta, possibly FSDP-wrapped) on ``device`` and write its
     weights once: from the Hugging Face checkpoint ``hf_path`` (streamed into this process's
     rows; tensors it lacks are seeded), else from ``seed``; ``init=False`` leaves the parameters
     undefined (a training checkpoint fills them next). Buffers are always set. Parameters the
     model holds in bf16 (``--store-param-remainders``: ``core.optim.masters.to_bf16_storage``)
-    get a remainder each, and their values are written as exact fp32 masters. Returns the
-    checkpoint report of the load, if any; ``progress``: a bar over the checkpoint's tensors."""
+    get an fp32 master each in ``masters`` (the rank's storage: remainders by default, or host
+    masters), and their values are written as exact fp32 masters. Returns the checkpoint report
+    of the load, if any; ``progress``: a bar over the checkpoint's tensors."""
     allocate(model, device)
     init_buffers(model, device)
-    masters = RemainderMasters(model.parameters())
-    if masters.rem:
+    if any(p.dtype == torch.bfloat16 for p in model.parameters()):
+        masters = masters if masters is not None else RemainderMasters()
+        masters.add(model.parameters())
         attach(model, masters)
     report, filled = None, set()
     if hf_path is not None:

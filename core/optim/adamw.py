@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from core.distributed.grads import local
+from core.optim.host_masters import zeros_like_on
 from core.optim.masters import NO_MASTERS
 
 
@@ -42,20 +43,22 @@ class AdamW(Optimizer):
         return loss
 
     def _state(self, p) -> dict:
+        """torch's AdamW state, fp32, where the master lives (the device, or the host)."""
         state = self.state[p]
         if not state:
+            device = self.masters.state_device(p)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"], state["exp_avg_sq"] = zeros_like_on(p, device), zeros_like_on(p, device)
         return state
 
     @torch.no_grad()
     def update(self, p, group) -> None:
         state = self._state(p)
         beta1, beta2 = group["betas"]
-        g = fp32_grad(p, self.grad_scale)
-        with self.masters.fp32(p) as m:
-            adamw([m], [g], [local(state["exp_avg"])], [local(state["exp_avg_sq"])], [], [state["step"]],
-                  foreach=False, capturable=False, differentiable=False, fused=None, amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                  eps=group["eps"], maximize=False)
+        avg, avg_sq, step = local(state["exp_avg"]), local(state["exp_avg_sq"]), state["step"]
+
+        def apply(m, g):
+            adamw([m], [g], [avg], [avg_sq], [], [step], foreach=False, capturable=False, differentiable=False,
+                  fused=None, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        self.masters.update(p, apply, fp32_grad(p, self.grad_scale))

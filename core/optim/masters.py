@@ -66,10 +66,19 @@ def join(hi: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
 class RemainderMasters:
     """The int16 remainders of a model's bf16 parameters (this rank's shards), keyed by the
     parameter; ``fp32(p)`` gives the exact fp32 master of ``p`` for an update and writes the
-    result back into ``p``'s own storage and its remainder."""
+    result back into ``p``'s own storage and its remainder.
 
-    def __init__(self, params):
+    The interface every master storage gives the optimizers (``HostMasters`` too):
+    ``update(p, fn, *inputs)`` runs ``fn(master, *inputs)`` on ``p``'s fp32 master, with the
+    inputs (an update, a gradient) on the master's device; ``state_device(p)`` is where the
+    optimizer state of ``p`` lives; ``finish()`` waits for every update and makes the compute
+    values current (a no-op here: updates are synchronous)."""
+
+    def __init__(self, params=()):
         self.rem = {}
+        self.add(params)
+
+    def add(self, params) -> None:
         for p in params:
             if p.dtype == torch.bfloat16:
                 self.rem[p] = torch.zeros_like(local(p), dtype=torch.int16)
@@ -103,10 +112,15 @@ class RemainderMasters:
         yield m
         self.set_master(p, m)
 
-    def merged(self, other: "RemainderMasters") -> "RemainderMasters":
-        out = RemainderMasters(())
-        out.rem = {**self.rem, **other.rem}
-        return out
+    def update(self, p, fn, *inputs) -> None:
+        with self.fp32(p) as m:
+            fn(m, *[x.to(m.device) for x in inputs])
+
+    def state_device(self, p) -> torch.device:
+        return local(p).device
+
+    def finish(self) -> None:
+        """Every update is synchronous here."""
 
 
 NO_MASTERS = RemainderMasters(())  # fp32 parameters: their storage is the master
@@ -125,15 +139,15 @@ def to_bf16_storage(chunk: torch.nn.Module) -> int:
     return n
 
 
-def attach(chunk: torch.nn.Module, masters: RemainderMasters) -> None:
-    chunk._param_remainders = masters
+def attach(chunk: torch.nn.Module, masters) -> None:
+    """Give ``chunk`` its rank's master storage (one object for all of a rank's chunks)."""
+    chunk._param_masters = masters
 
 
-def masters_of(chunks) -> RemainderMasters:
-    """The remainders of every chunk (``NO_MASTERS`` when none is stored)."""
-    out = NO_MASTERS
-    for c in chunks:
-        mine = getattr(c, "_param_remainders", None)
-        if mine is not None:
-            out = out.merged(mine)
-    return out
+def masters_of(chunks):
+    """The master storage of a rank's chunks (``NO_MASTERS`` when their parameters are their
+    own fp32 masters)."""
+    found = {id(m): m for m in (getattr(c, "_param_masters", None) for c in chunks) if m is not None}
+    if len(found) > 1:
+        raise ValueError("a rank's chunks must share one master storage")
+    return next(iter(found.values()), NO_MASTERS)

@@ -160,13 +160,14 @@ class Muon(Optimizer):
         decay = 1 - group["lr"] * group["weight_decay"]
         alpha = -group["lr"] * lr_adjustment(p.shape, group["lr_adjust"])
         keep = torch.isfinite(update).all() if guard else None
-        with self.masters.fp32(p) as m:
-            update = update.to(m.device, m.dtype)
-            if keep is None:
+
+        def apply(m, u, *on):
+            u = u.to(m.dtype)
+            if not on:
                 m.mul_(decay)
-                m.add_(update, alpha=alpha)
+                m.add_(u, alpha=alpha)
             else:  # a NaN or inf anywhere in the gradient spreads to every row of the update
-                on = keep.to(m.device)
-                m.mul_(torch.where(on, decay, 1.0))
-                m.add_(torch.where(on, update, 0.0), alpha=alpha)
+                m.mul_(torch.where(on[0], decay, 1.0))
+                m.add_(torch.where(on[0], u, 0.0), alpha=alpha)
+        self.masters.update(p, apply, update, *(() if keep is None else (keep,)))
         return keep

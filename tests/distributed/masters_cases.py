@@ -18,7 +18,8 @@ from tests.distributed.parallel_cases import micro_batches, run_args, settings, 
 from training.parallelize import parallelize
 
 MODES = {"bf16": (), "remainders": ("--store-param-remainders",), "in_backward": ("--optimizer-in-backward",),
-         "both": ("--store-param-remainders", "--optimizer-in-backward")}
+         "both": ("--store-param-remainders", "--optimizer-in-backward"),
+         "host": ("--cpu-offload", "masters"), "host_in_backward": ("--cpu-offload", "masters", "--optimizer-in-backward")}
 
 
 def optim_cfg(optimizer: str):

@@ -1,5 +1,6 @@
-"""--store-param-remainders and --optimizer-in-backward against --bf16 (fp32 masters): one rank
-and EP2 x DP2 with FSDP, AdamW and Muon (momentum 0), the same batches; each resumes bitwise.
+"""--store-param-remainders, --optimizer-in-backward and --cpu-offload masters against --bf16 (fp32
+masters): one rank and EP2 x DP2 with FSDP, AdamW and Muon (momentum 0), the same batches; each
+resumes bitwise.
 
 Tolerances, relative to how far each tensor moved in the steps compared:
 - --optimizer-in-backward alone, clipping off: bitwise (the same gradient, the same update,
@@ -14,7 +15,10 @@ Tolerances, relative to how far each tensor moved in the steps compared:
   gradients are rounded to bf16 once. Muon's update is discontinuous in such noise (Newton-Schulz
   lifts near-zero singular values toward 1), so only the losses are compared for it (measured
   2e-5 after 4 steps; 1e-3 allowed); AdamW (eps 1: smooth) masters measured within 2.7% of their
-  movement after a step, 10% allowed.
+  movement after a step, 10% allowed;
+- --cpu-offload masters: fp32 masters on the host, their bf16 rounding (to even, as --bf16's
+  cast) on the device, the same fp32 updates: bitwise at one rank; at DP 2 its sharded bf16
+  parameters' reduced gradients are rounded to bf16 once (as with remainders).
 """
 from __future__ import annotations
 
@@ -32,17 +36,21 @@ REMAINDERS = {"adamw": (0.10, 1e-3), "muon": (float("inf"), 1e-3)}
 def test_each_mode_follows_bf16(tmp_path, layout, optimizer):
     world, ep = LAYOUTS[layout]
     steps = 4 if optimizer == "muon" else 1
-    tol = {"in_backward": (0.0, 0.0), "remainders": REMAINDERS[optimizer], "both": REMAINDERS[optimizer]}
+    bf16_grads = REMAINDERS[optimizer] if world > 1 else (0.0, 0.0)  # host masters: exact at one rank
+    tol = {"in_backward": (0.0, 0.0), "remainders": REMAINDERS[optimizer], "both": REMAINDERS[optimizer],
+           "host": bf16_grads, "host_in_backward": bf16_grads}
     run_ranks(world, compare_modes, ep, optimizer, 0.0, steps, tol, tmpdir=str(tmp_path))
 
 
 def test_clipping_cannot_change_momentum_free_muon(tmp_path):
     """The global clip factor is known only after the backward; Muon steps in it unclipped."""
     run_ranks(1, compare_modes, 1, "muon", 1.0, 1, {"in_backward": (1e-3, 0.0), "remainders": (float("inf"), 1e-3),
-                                                   "both": (float("inf"), 1e-3)}, tmpdir=str(tmp_path))
+                                                   "both": (float("inf"), 1e-3), "host": (0.0, 0.0),
+                                                   "host_in_backward": (1e-3, 0.0)}, tmpdir=str(tmp_path))
 
 
-@pytest.mark.parametrize("mode, world", [("remainders", 1), ("in_backward", 1), ("both", 4)])
+@pytest.mark.parametrize("mode, world", [("remainders", 1), ("in_backward", 1), ("both", 4),
+                                         ("host_in_backward", 4)])
 def test_resume_is_bitwise(tmp_path, mode, world):
     """The checkpoint holds fp32 masters: loading splits them into the same bf16 values and
     remainders (one rank; and EP2 x DP2, whose shards are DTensors)."""
