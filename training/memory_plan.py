@@ -36,7 +36,7 @@ from training.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, sch
 
 GB = 10**9
 MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
-OFFLOAD_MODES = ("none", "all", "experts", "optimizer")
+OFFLOAD_MODES = ("none", "all", "experts", "optimizer", "masters")
 
 
 @dataclass
@@ -70,16 +70,23 @@ class PlanInputs:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected one of "
                                  f"{', '.join(allowed)}")
-        if self.cpu_offload != "none" and self.sharding != "fsdp":
+        if self.cpu_offload not in ("none", "masters") and self.sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+        if self.cpu_offload == "masters" and not self.bf16:
+            raise ValueError("--cpu-offload masters needs --bf16")
         if self.store_param_remainders and not self.bf16:
             raise ValueError("--store-param-remainders needs --bf16")
 
     @property
+    def bf16_params(self) -> bool:
+        """Parameters stored in bf16 (remainders, or host masters): their gradients are bf16."""
+        return self.store_param_remainders or self.cpu_offload == "masters"
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes per parameter of a sharded gradient: fp32, or bf16 (rounded once after an fp32
-        reduction) for remainder-stored parameters."""
-        return 2 if self.store_param_remainders else MASTER
+        reduction) for bf16-stored parameters."""
+        return 2 if self.bf16_params else MASTER
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -104,6 +111,7 @@ class Placement:
     offloaded: dict              # kind -> its shards, gradients and optimizer state on the host
     gather_per_microbatch: bool  # managed units gathered for every forward and backward pass
     sync_every_microbatch: bool  # reduce-scatter on every backward (cpu_offload "optimizer")
+    host_masters: bool = False   # cpu_offload "masters": fp32 masters on the host, bf16 on the device
 
     def copies_weights_per_microbatch(self) -> bool:
         """Host-to-device copies of offloaded shards on every forward and backward."""
@@ -121,16 +129,17 @@ def placement(inp: PlanInputs) -> Placement:
     reduces on every backward."""
     s = inp.sizes
     shard = inp.sharding == "fsdp" and s.dp > 1
-    # remainders at one micro-batch: bf16 parameters need no one-rank mesh (apply_fsdp one_rank_meshes)
-    one_rank = inp.bf16 and not (inp.store_param_remainders and inp.num_microbatches == 1)
-    any_fsdp = shard or one_rank or inp.cpu_offload != "none"
-    expert_managed = (s.expert_dp > 1 or inp.cpu_offload != "none" or one_rank) if shard else any_fsdp
+    # bf16-stored parameters at one micro-batch need no one-rank mesh (apply_fsdp one_rank_meshes)
+    one_rank = inp.bf16 and not (inp.bf16_params and inp.num_microbatches == 1)
+    fsdp_offload = inp.cpu_offload not in ("none", "masters")
+    any_fsdp = shard or one_rank or fsdp_offload
+    expert_managed = (s.expert_dp > 1 or fsdp_offload or one_rank) if shard else any_fsdp
     managed = {"dense": any_fsdp, "expert": expert_managed}
-    offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": inp.cpu_offload != "none"}
+    offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": fsdp_offload}
     world = {"dense": s.dp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
     per_mb = shard and not inp.fsdp_gather_once and inp.cpu_offload != "optimizer"
     return Placement(world, managed, {k: managed[k] and offload[k] for k in KINDS}, per_mb,
-                     inp.cpu_offload == "optimizer")
+                     inp.cpu_offload == "optimizer", inp.cpu_offload == "masters")
 
 
 @dataclass
@@ -231,9 +240,17 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         t = chunk_tally(chunk, inp, pl)
         for kind in KINDS:
             where = host if pl.offloaded[kind] else dev
-            where["parameters"] += t[kind]["shard"] * MASTER  # fp32, or bf16 + 2-byte remainder
-            where["gradients"] += _gradient_bytes(t[kind], inp)
-            where["optimizer"] += t[kind]["optimizer"]
+            if pl.host_masters:  # bf16 on the device; fp32 master + bf16 staging in and out on the host
+                bf16 = t[kind]["shard"] - t[kind]["fp32_shard"]  # the fp32 routers stay on the device
+                dev["parameters"] += bf16 * 2 + t[kind]["fp32_shard"] * MASTER
+                host["parameters"] += bf16 * (MASTER + 2)   # fp32 master, the new bf16 weight staged
+                host["gradients"] += bf16 * 2                # the update (or gradient) staged in
+                host["optimizer"] += t[kind]["optimizer"]
+                dev["gradients"] += _gradient_bytes(t[kind], inp)
+            else:
+                where["parameters"] += t[kind]["shard"] * MASTER  # fp32, or bf16 + 2-byte remainder
+                where["gradients"] += _gradient_bytes(t[kind], inp)
+                where["optimizer"] += t[kind]["optimizer"]
             r.parameters += t[kind]["shard"]
             if pl.managed[kind]:
                 managed_numel += t[kind]["numel"]

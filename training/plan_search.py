@@ -19,7 +19,8 @@ from training.time_plan import TimeAssumptions, peak_tflops, plan_time
 # (--data-parallel-sharding, --cpu-offload, --fsdp-gather-once)
 MEMORY_MODES = (("none", "none", False), ("fsdp", "none", False), ("fsdp", "none", True),
                 ("fsdp", "experts", False), ("fsdp", "experts", True), ("fsdp", "all", False),
-                ("fsdp", "all", True), ("fsdp", "optimizer", False))
+                ("fsdp", "all", True), ("fsdp", "optimizer", False), ("none", "masters", False),
+                ("fsdp", "masters", False), ("fsdp", "masters", True))
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # (--store-param-remainders, --optimizer-in-backward): with --bf16, and the latter with Muon at
@@ -90,7 +91,7 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                     if vpp > 1 and M % pp:
                         continue
                     for sharding, offload, once in MEMORY_MODES:
-                        if dp == 1 and sharding == "fsdp" and (offload == "none" or once):
+                        if dp == 1 and sharding == "fsdp" and (offload in ("none", "masters") or once):
                             continue
                         for rem, inb in _master_modes(base, M, dp, sharding, offload):
                             for rc in RECOMPUTE:
@@ -107,10 +108,12 @@ def _master_modes(base: PlanInputs, M: int, dp: int, sharding: str, offload: str
     (``core/optim/in_backward.check_in_backward``)."""
     out = []
     for rem, inb in MASTER_MODES:
+        if offload == "masters" and (rem or not base.bf16 or M != 1 or (dp > 1 and sharding != "fsdp")):
+            continue
         if rem and (not base.bf16 or offload != "none"):
             continue
-        if inb and (base.optimizer != "muon" or base.muon_momentum > 0 or M != 1 or offload != "none"
-                    or (dp > 1 and sharding != "fsdp")):
+        if inb and (base.optimizer != "muon" or base.muon_momentum > 0 or M != 1
+                    or offload not in ("none", "masters") or (dp > 1 and sharding != "fsdp")):
             continue
         out.append((rem, inb))
     return out

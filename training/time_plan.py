@@ -55,15 +55,16 @@ class TimeAssumptions:
 
     assumed_mfu: float = option(0.4, "fraction of the dense bf16 peak (--peak-tflops) that every "
                                      "matmul reaches (Newton-Schulz included)")
-    pcie_gb_s: float = option(25.0, "host-device GB/s per GPU each way (PCIe 5 x16 peaks at 64; "
-                                    "half of a measured ~50, for GPUs that share a switch)")
+    pcie_gb_s: float = option(35.0, "host-device GB/s per GPU each way, pinned memory (PCIe 5 x16 peaks "
+                                    "at 64; H100 / H200 pinned copies measure about 35-55: the low end)")
     nvlink_gb_s: float = option(150.0, "GB/s per GPU for p2p, all-to-all and data-parallel "
                                        "collectives inside a node (NVLink 4: 450 per direction)")
     network_gb_s: float = option(50.0, "GB/s per GPU for groups that span nodes (one 400 Gb/s NIC "
                                        "per GPU)")
     gpus_per_node: int = option(8, "GPUs per node: which groups span nodes, host memory per node")
-    host_gb_s: float = option(20.0, "host memory bandwidth one rank's optimizer step gets on the "
-                                    "host, GB/s (a node's ~400 shared by 8 ranks, halved)")
+    host_gb_s: float = option(52.0, "host memory bandwidth one rank's optimizer step gets on the host, "
+                                    "GB/s (a DGX H100 / H200 node's memory measures about 420-480 GB/s, "
+                                    "shared by its 8 ranks: the low end)")
     hbm_gb_s: float = option(3000.0, "device memory bandwidth of elementwise optimizer updates, "
                                      "GB/s (H200: 4,800 peak)")
 
@@ -194,6 +195,7 @@ class _Ledger:
 
     seconds: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
     bytes: dict = field(default_factory=lambda: {HD: 0.0, NV: 0.0})
+    behind_backward: float = 0.0  # seconds of host work that runs while the backward does (host masters)
 
     def move(self, key: str, nbytes: float, bytes_per_s: float, link: str = NV) -> None:
         self.seconds[key] += nbytes / bytes_per_s
@@ -264,6 +266,9 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
             step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[GROUP[k]])
         if inp.pp > 1 and w["tied"]:  # first and last stage sum the embedding's gradient
             step.move("dp comm", w["tied"] * MASTER, bw["embedding"])
+        if pl.host_masters:
+            _host_masters_step(w, inp, pcie, host, eff, step)
+            continue
         memory = host if pl.offloaded[k] else hbm
         step.seconds["optimizer"] += w["adamw"] * ADAMW_BYTES / memory
         if not w["matrix"]:
@@ -274,6 +279,25 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
             step.move("dp comm", (pl.shard_world[k] - 1) * w["matrix"] * MASTER, bw[GROUP[k]])
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
+
+
+def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: float, step: _Ledger) -> None:
+    """``cpu_offload="masters"`` (``core/optim/host_masters.py``), per kind: Muon's
+    Newton-Schulz on the GPU; each matrix's bf16 update to the host (2 bytes) and its host update
+    (fp32 master read and written, the update read, the new bf16 weight written: 12 bytes) on
+    worker threads, during the backward with ``optimizer_in_backward`` (else after it); the
+    AdamW parameters' fp32 gradients (4 bytes) to the host and their AdamW (28 bytes + 2 for the
+    new weight) after the clip; every new bf16 weight back to the GPU once (2 bytes)."""
+    step.seconds["optimizer"] += w["flops"] / eff
+    matrix_s = w["matrix"] * (2 / pcie + 12 / host)
+    if inp.optimizer_in_backward:
+        step.behind_backward += matrix_s
+    else:
+        step.seconds["optimizer"] += matrix_s
+    step.bytes[HD] += 2 * w["matrix"] + 4 * w["adamw"]
+    step.move("host-device", 4 * w["adamw"], pcie, HD)
+    step.seconds["optimizer"] += w["adamw"] * (ADAMW_BYTES + 2) / host
+    step.move("host-device", 2 * (w["matrix"] + w["adamw"]), pcie, HD)
 
 
 def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
@@ -318,6 +342,8 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
             for link in moved:
                 moved[link] += M * ledger.bytes[link]
         sec["idle"] = makespan - M * sum(f.total + bk.total for f, bk in passes)
+        # host work that overlaps the backward: only what outlasts the rank's backward shows
+        sec["optimizer"] += max(0.0, step.behind_backward - M * sum(bk.total for _, bk in passes))
         ranks.append(RankTime(r, sec, moved))
     slowest = max(ranks, key=lambda x: x.total)
     step_s, world = slowest.total, inp.sizes.world
