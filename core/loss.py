@@ -11,12 +11,12 @@ tile. Kept for backward: the per-token ``logsumexp`` (fp32 ``[T]``) beside the i
 
 Backward: each tile's logits are recomputed (one more forward GEMM of the head: the price of
 not keeping them), turned in place into ``(softmax - onehot) * grad * valid`` from the saved
-logsumexp, cast to the GEMMs' operand dtype (the inputs' on a GPU: what autograd of
-``F.linear`` in bf16 multiplies with too; fp32 on a CPU, which upcasts bf16 operands), and multiplied into ``dh`` (fp32 accumulator ``[T, H]``, returned in h's dtype) and
-into the vocabulary block's ``dW`` (fp32 accumulator ``[cols, H]``, written into dW in W's dtype
-once the block's tokens are done). The loop runs vocabulary blocks outside and token blocks
-inside so that only one block of dW is ever fp32; dh's fp32 accumulator is a ``[T, H]`` tensor
-(absent when h is fp32: dh is it).
+logsumexp, cast to the GEMMs' operand dtype (the inputs' on a GPU, as autograd of a bf16
+``F.linear`` multiplies too; fp32 on a CPU, which upcasts bf16 operands), and multiplied into
+``dh`` (fp32 accumulator ``[T, H]``, returned in h's dtype) and into the vocabulary block's
+``dW`` (fp32 accumulator ``[cols, H]``, written into dW in W's dtype once the block's tokens are
+done). Vocabulary blocks run outside, token blocks inside, so only one block of dW is ever
+fp32; dh's fp32 accumulator is a ``[T, H]`` tensor (none when h is fp32: dh is it).
 
 Tile shape (:func:`tile_shape`): ``cols`` so that one vocabulary block's fp32 dW accumulator
 ``[cols, H]`` is at most ``TILE_BYTES`` (128 MiB), ``rows`` so that one fp32 tile ``[rows,
@@ -44,10 +44,11 @@ F32 = 4
 _OUT_DTYPE: dict = {}  # (device type, dtype) -> the device's GEMM writes fp32 from these inputs
 
 
-def tile_shape(T: int, V: int, H: int, budget: int = TILE_BYTES) -> tuple[int, int]:
-    """``(rows, cols)``: vocabulary blocks of ``cols`` (fp32 ``[cols, H]`` within ``budget``, a
-    multiple of 128 where the vocabulary is larger), token blocks of ``rows`` (fp32 ``[rows,
-    cols]`` within ``budget``)."""
+def tile_shape(T: int, V: int, H: int, budget: int | None = None) -> tuple[int, int]:
+    """``(rows, cols)``: vocabulary blocks of ``cols`` (fp32 ``[cols, H]`` within ``budget``,
+    default ``TILE_BYTES``; a multiple of 128 where the vocabulary is larger), token blocks of
+    ``rows`` (fp32 ``[rows, cols]`` within ``budget``)."""
+    budget = budget or TILE_BYTES
     cols = max(128, budget // (F32 * H) // 128 * 128)
     cols = min(V, cols)
     rows = max(1, min(T, budget // (F32 * cols)))

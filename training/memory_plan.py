@@ -31,6 +31,7 @@ from functools import lru_cache
 from core.activations import block_bytes, extra_block_bytes, head_bytes
 from core.optim.build import classify
 from core.parallel_state import ParallelSizes
+from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
 from training.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
 
@@ -302,8 +303,9 @@ def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
     if chunk.last:
         total += head_bytes(shapes, T, b)
-        for k in range(len(shapes.extra)):  # extra (MTP) blocks are not recomputed (apply_recompute)
-            total += extra_block_bytes(shapes, k, T, b)
+        extra = inp.recompute if recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)) else "none"
+        for k in range(len(shapes.extra)):  # extra (MTP) blocks: as apply_recompute sets them
+            total += extra_block_bytes(shapes, k, T, b, extra)
     return total
 
 
