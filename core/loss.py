@@ -21,12 +21,12 @@ fp32; dh's fp32 accumulator is a ``[T, H]`` tensor (none when h is fp32: dh is i
 Tile shape (:func:`tile_shape`): ``cols`` so that one vocabulary block's fp32 dW accumulator
 ``[cols, H]`` is at most ``TILE_BYTES`` (128 MiB), ``rows`` so that one fp32 tile ``[rows,
 cols]`` is at most 128 MiB too. Step-3.7-Flash (H 4096, vocab 128,896): tiles of 4096 tokens x
-8192 entries, 16 vocabulary blocks, 8 token blocks at T = 32768. Why 128 MiB: the backward holds
-about 4.5 such pieces at once (the tile, its copy in W's dtype, the dW accumulator and the GEMM
-result added into it, dh's tile), about 0.6 GiB beside dh's fp32 ``[T, H]`` (0.5 GiB at T =
-32768), against 16.9 GB of fp32 logits; and a ``4096 x 4096 x 8192`` GEMM is large enough to run
-at the GPU's full rate (each weight block is read 8 times per pass, each token block 16 times:
-a few hundred MB of traffic against ~35 TFLOP per pass).
+8192 entries, 16 vocabulary blocks, 8 token blocks at T = 32768. Why 128 MiB: at the peak of
+the backward the tile, its copy in W's dtype, the dW block and the GEMM result added into it
+hold 0.34 GB beyond dh's fp32 accumulator (0.54 GB at T = 32768): 0.87 GB in all against 16.9
+GB of fp32 logits (``benchmarks/bench_loss.py``), whatever T beyond the ``[T, H]`` terms; and a
+``4096 x 4096 x 8192`` GEMM is large enough to run at a GPU's full rate (per pass each weight
+block is read 8 times and each token block 16 times: ~13 GB, a few ms of HBM, against ~35 TFLOP).
 
 No tensor value is read by the host: tile bounds come from the shapes, the target count stays a
 tensor. The two passes are opaque custom ops (``thd::linear_cross_entropy`` and its backward,
