@@ -285,13 +285,17 @@ def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
 
 def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
     """What a recomputed layer holds again during its backward: its whole activations less what
-    recompute kept (one layer at a time, the largest of the chunk)."""
+    recompute kept (one layer at a time, the largest of the chunk; recomputed MTP depths too)."""
     if inp.recompute == "none":
         return 0
     shapes = shapes_of(cfg)
     n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
-    return max((block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
-                for i in chunk.layers[:n]), default=0)
+    sets = [block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
+            for i in chunk.layers[:n]]
+    if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, inp.recompute)
+                 for k in range(len(shapes.extra))]
+    return max(sets, default=0)
 
 
 def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:

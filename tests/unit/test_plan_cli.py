@@ -48,7 +48,7 @@ def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
     inp = plan["inputs"]
     assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (1, 8, 8, 1)
     assert inp["sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "experts"
-    assert inp["fsdp_gather_once"] is True
+    assert inp["fsdp_gather_once"] is False
     assert all(r["fits"] for r in ranks)
     time = plan["time"]
     assert len(time["ranks"]) == 1 and time["step_s"] == max(r["step_s"] for r in time["ranks"]) > 0
