@@ -176,9 +176,12 @@ class MemoryArgs:
                                       "back once per step; one micro-batch per rank and step)",
                                 choices=("none", "all", "experts", "optimizer", "masters"))
     recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
-                                                "attention and FFN internals (selective)",
+                                                "attention and FFN internals (selective), and the "
+                                                "MTP depths up to their heads when every layer of "
+                                                "the chunk is recomputed",
                                         choices=("none", "selective", "full"))
-    recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all)")
+    recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all, "
+                                          "and the MTP depths)")
     dry_run: int = option(0, "plan a run on this many ranks and exit: each rank's share built on the "
                              "meta device, parameter counts and memory (no data needed; the same "
                              "plan as tools/plan_memory.py --world-size N)")

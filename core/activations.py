@@ -61,20 +61,32 @@ def block_bytes(shapes: ModelShapes, block: int, T: int, b: int, recompute: str 
     return attention_bytes(H, s.attention, T, b) + ffn_bytes(H, s.ffn, T, b)
 
 
+def loss_bytes(T: int) -> int:
+    # the chunked cross-entropy (core/loss.py): an fp32 logsumexp and the int64 label per token
+    return T * (F32 + 8)
+
+
 def head_bytes(shapes: ModelShapes, T: int, b: int) -> int:
-    """Final norm and its output, and the fp32 log-probabilities the cross-entropy keeps."""
-    return norm_bytes(T, shapes.hidden, b) + T * shapes.hidden * b + T * shapes.vocab * F32
+    """Final norm and its output (the head's input), and what the chunked cross-entropy keeps:
+    no logits, an fp32 logsumexp and the label per token."""
+    return norm_bytes(T, shapes.hidden, b) + T * shapes.hidden * b + loss_bytes(T)
 
 
-def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int) -> int:
-    """Extra block ``k`` whole (not recomputed): its layer, its head, and for an input
-    projection the shifted embedding and the projection's input."""
-    s = shapes.extra[k]
-    total = block_bytes(shapes, -1 - k, T, b, "none")
+def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: str = "none") -> int:
+    """Extra block ``k``: its layer, its head, and for an input projection the shifted embedding
+    and the projection's input. Under ``full`` recompute everything before its head reruns
+    (``core.transformer.block.RecomputeUnit``): only that part's inputs (the shifted embedding,
+    the previous hidden state) stay, with the head's input and its loss's per-token values;
+    under ``selective`` its layer keeps what a selective decoder layer keeps."""
+    s, H = shapes.extra[k], shapes.hidden
+    if recompute == "full":
+        total = T * H * b * (2 if s.input_proj else 1)
+        return total + (T * H * b + loss_bytes(T) if s.head else 0)
+    total = block_bytes(shapes, -1 - k, T, b, recompute)
     if s.head:
         total += head_bytes(shapes, T, b)
     if s.input_proj:
-        total += 3 * T * shapes.hidden * b
+        total += 3 * T * H * b
     return total
 
 

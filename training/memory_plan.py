@@ -31,6 +31,7 @@ from functools import lru_cache
 from core.activations import block_bytes, extra_block_bytes, head_bytes
 from core.optim.build import classify
 from core.parallel_state import ParallelSizes
+from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
 from training.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
 
@@ -301,13 +302,17 @@ def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
 
 def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
     """What a recomputed layer holds again during its backward: its whole activations less what
-    recompute kept (one layer at a time, the largest of the chunk)."""
+    recompute kept (one layer at a time, the largest of the chunk; recomputed MTP depths too)."""
     if inp.recompute == "none":
         return 0
     shapes = shapes_of(cfg)
     n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
-    return max((block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
-                for i in chunk.layers[:n]), default=0)
+    sets = [block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
+            for i in chunk.layers[:n]]
+    if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, inp.recompute)
+                 for k in range(len(shapes.extra))]
+    return max(sets, default=0)
 
 
 def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
@@ -319,8 +324,9 @@ def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
     if chunk.last:
         total += head_bytes(shapes, T, b)
-        for k in range(len(shapes.extra)):  # extra (MTP) blocks are not recomputed (apply_recompute)
-            total += extra_block_bytes(shapes, k, T, b)
+        extra = inp.recompute if recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)) else "none"
+        for k in range(len(shapes.extra)):  # extra (MTP) blocks: as apply_recompute sets them
+            total += extra_block_bytes(shapes, k, T, b, extra)
     return total
 
 

@@ -7,7 +7,9 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
 - compute: forward FLOPs of the stage (``core/flops.py`` over the family's block shapes: matmuls, attention over the keys a causal
   document of ``seq_length`` sees; the last stage adds the head and the extra blocks); backward
   is twice the forward; recompute (full or selective: both rerun every matmul of attention and
-  the FFN) adds one forward of the recomputed layers; at ``assumed_mfu`` of the peak;
+  the FFN) adds one forward of the recomputed layers (and of the extra blocks up to their heads
+  when every layer of the chunk is recomputed); the chunked loss reruns each head's logits in
+  its backward (one more head forward, recompute or not); at ``assumed_mfu`` of the peak;
 - all-to-all: each MoE layer dispatches and combines ``T x top_k x hidden`` activations, of
   which ``(ep - 1) / ep`` leave the rank, in forward, in backward, and again when recomputed;
 - p2p: one ``[T, hidden]`` message per stage boundary each way;
@@ -40,6 +42,7 @@ from core.cli import option
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim.build import classify
 from core.pipeline.simulate import plan_makespan
+from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
 from training.memory_plan import KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, placement
 from training.plan_shares import ChunkShare, rank_shares, schedule_facts
@@ -128,7 +131,21 @@ def _stage_flops(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]
     if inp.recompute != "none":
         n = inp.recompute_num_layers or len(chunk.layers)
         redo = sum(c.blocks[i] for i in chunk.layers[:n])
-    return fwd, redo
+    return fwd, redo + (_last_stage_redo(cfg, chunk, inp) if chunk.last else 0.0)
+
+
+def _last_stage_redo(cfg, chunk: ChunkShare, inp: PlanInputs) -> float:
+    """What the last stage reruns besides its layers: every head's logits in the chunked loss's
+    backward (``core/loss.py``), and the extra blocks up to their heads when they are recomputed
+    (``full`` also reruns the input projection)."""
+    shapes, c = shapes_of(cfg), _costs(cfg, inp.seq_length)
+    head = 2 * shapes.hidden * shapes.vocab
+    redo = head * (1 + sum(1 for b in shapes.extra if b.head))
+    if inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        for b, flops in zip(shapes.extra, c.extra):
+            proj = 2 * b.input_proj * shapes.hidden if inp.recompute == "selective" else 0
+            redo += flops - (head if b.head else 0) - proj
+    return redo
 
 
 def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
@@ -138,6 +155,8 @@ def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
     n = inp.recompute_num_layers or len(chunk.layers)
     redo = 0 if inp.recompute == "none" else sum(1 for i in chunk.layers[:n] if shapes.blocks[i].ffn.moe)
     extra = sum(1 for b in shapes.extra if b.ffn.moe) if chunk.last else 0
+    if extra and inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        redo += extra
     return len(sparse) + extra, redo
 
 

@@ -1,5 +1,6 @@
 """A pre-norm decoder block on THD input, assembled from core's parts by a family:
-``h = x + attn(norm1(x)); out = h + ffn(norm2(h))``, with activation recompute.
+``h = x + attn(norm1(x)); out = h + ffn(norm2(h))``, with activation recompute; and
+:class:`RecomputeUnit`, the recompute of a block built around one (an MTP depth).
 
 The FFN is a dense SwiGLU (returns a tensor) or an MoE layer (returns ``(tensor, stats)``; it also
 takes the valid-token mask); it is registered under the family's own attribute name (``mlp``,
@@ -63,13 +64,47 @@ class DecoderBlock(nn.Module):
         return h, self.post_attention_layernorm(h)
 
 
+class RecomputeUnit(nn.Module):
+    """A block built around decoder blocks (an MTP depth: input norms and projection, a decoder
+    block, a head). Under ``full`` recompute the part of its forward it runs through
+    :meth:`recomputed` keeps only its inputs (its decoder blocks then recompute nothing of their
+    own, or they would run twice); under ``selective`` its decoder blocks drop their attention
+    and FFN internals, the rest keeps what it keeps. Statistics returned by the recomputed part
+    are those of the forward: the rerun's are dropped (as :class:`DecoderBlock`'s)."""
+
+    recompute: str = "none"
+
+    def recomputed(self, fn, *args):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+
+def _set_recompute(block: nn.Module, granularity: str) -> None:
+    outer = isinstance(block, RecomputeUnit)
+    if outer:
+        block.recompute = granularity
+    inner = "none" if outer and granularity == "full" else granularity
+    for m in block.modules():
+        if isinstance(m, DecoderBlock):
+            m.recompute = inner
+
+
 def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0) -> None:
-    """Set activation recompute on the chunk's decoder layers (``chunk.blocks()``, ids >= 0;
-    ``num_layers`` > 0: only its first N)."""
+    """Set activation recompute on the chunk's blocks (``chunk.blocks()``): its decoder layers
+    (ids >= 0; ``num_layers`` > 0: only its first N) and, when all of them are, the extra blocks
+    that follow them (ids < 0, the MTP depths)."""
     if granularity not in RECOMPUTE:
         raise ValueError(f"--recompute-granularity {granularity!r}: expected none, selective or full")
     layers = [m for i, m in chunk.blocks() if i >= 0]
-    for layer in layers if num_layers <= 0 else layers[:num_layers]:
-        for m in layer.modules():
-            if isinstance(m, DecoderBlock):
-                m.recompute = granularity
+    chosen = layers if num_layers <= 0 else layers[:num_layers]
+    recompute_extra = recomputes_extra_blocks(num_layers, len(layers))
+    extra = [m for i, m in chunk.blocks() if i < 0] if recompute_extra else []
+    for block in chosen + extra:
+        _set_recompute(block, granularity)
+
+
+def recomputes_extra_blocks(num_layers: int, chunk_layers: int) -> bool:
+    """Whether :func:`apply_recompute` recomputes the extra blocks of a chunk of
+    ``chunk_layers`` decoder layers (the planner asks the same)."""
+    return num_layers <= 0 or num_layers >= chunk_layers

@@ -12,7 +12,9 @@ Forward: ``model(tokens, position_ids, packed_seq_params)`` -> logits ``[T, voca
 hidden state ``[T, hidden]`` on a stage without the head). With ``labels`` (training) it returns
 core's :class:`~core.model_api.StageOutput`: the hidden state to send on, or on the last stage
 sums of token cross-entropies and target counts (the caller normalises once per step by the
-global token count), plus the MoE layers' auxiliary loss and routing load. ``param_specs``,
+global token count), plus the MoE layers' auxiliary loss and routing load. The training loss
+never forms the logits: ``core/loss.py`` computes linear + cross-entropy a tile of tokens x
+vocabulary at a time and keeps an fp32 ``[T]`` logsumexp for backward. ``param_specs``,
 ``fsdp_units``, ``moe_layers`` and ``blocks`` tell core the rest (``core/model_api.py``).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.init import materialize_seeded
+from core.loss import IGNORE_INDEX, linear_cross_entropy
 from core.model_api import FSDPUnit, ParamSpec, StageOutput
 from core.moe.aux import aux_loss
 from core.moe.experts import GroupedExperts
@@ -31,8 +34,6 @@ from core.packed_seq import PackedSeqParams
 from core.transformer.attention_backends import DocLayout
 from core.transformer.block import DecoderBlock
 from core.transformer.rotary import RotaryEmbedding
-
-IGNORE_INDEX = -100
 
 
 class DecoderLM(nn.Module):
@@ -149,13 +150,21 @@ class DecoderLM(nn.Module):
             return self.logits(self.norm(x)) if self.last else x
         if not self.last:
             return self._with_moe_stats(StageOutput(hidden=x), stats)
-        loss_sum, num_tokens = token_loss(self.logits(self.norm(x)), labels)
+        loss_sum, num_tokens = linear_cross_entropy(self.norm(x), self.head_weight, labels)
         out = StageOutput(loss_sum=loss_sum, num_tokens=num_tokens)
         self.extra_losses(out, stats, x, tokens, labels, ropes, layout, valid)
         return self._with_moe_stats(out, stats)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head ``[vocab, hidden]``: ``lm_head``'s, or the input embedding when tied
+        (under FSDP the root's gathered copy during the forward)."""
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+
     def logits(self, h_TH: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h_TH) if self.lm_head is not None else F.linear(h_TH, self.embed_tokens.weight)
+        """Full ``[T, vocab]`` logits in the activations' dtype (inference and evaluation of
+        logits; the training loss never forms them)."""
+        return F.linear(h_TH, self.head_weight)
 
     def final_hidden(self, tokens, position_ids, packed_seq_params) -> torch.Tensor:
         """The normalised last hidden state ``[T, hidden]`` (what the head reads)."""
@@ -197,11 +206,6 @@ class DecoderLM(nn.Module):
         from core.hf_checkpoint import save_weights
 
         return save_weights(self, path, **kwargs)
-
-
-def token_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor):
-    loss = F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (labels_T != IGNORE_INDEX).sum()
 
 
 def count_parameters(model: DecoderLM, config=None) -> dict:

@@ -6,20 +6,24 @@ Multi-token prediction, depth k = 1..D (DeepSeek-V3 style): ``h_k = block_k(eh_p
 embed(x shifted by k)), hnorm(h_{k-1})]))`` with ``h_0`` the main model's last hidden state
 before the final norm, and depth k's logits at position t predict token t + k + 1. Shifts stay
 inside each document: a position whose shifted input or target would come from the next
-document gets padding and no target.
+document gets padding and no target. Each depth's head computes its loss a tile at a time
+(``core/loss.py``: no ``[T, vocab]`` logits); under ``--recompute-granularity full`` everything
+of a depth before its head is recomputed in the backward (the depth keeps its inputs and its
+head's input), under ``selective`` its decoder block drops its internals.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from core.loss import IGNORE_INDEX, linear_cross_entropy
 from core.moe.layer import MoELayer
 from core.transformer.attention import Attention
 from core.transformer.attention_backends import DocLayout
-from core.transformer.block import DecoderBlock
+from core.transformer.block import DecoderBlock, RecomputeUnit
 from core.transformer.mlp import SwiGLUMLP
 from core.transformer.norm import RMSNorm
-from models.common.decoder import IGNORE_INDEX, DecoderLM, token_loss
+from models.common.decoder import DecoderLM
 from models.step37.config import Step37Config
 from models.step37.weights import Step37Weights
 
@@ -42,7 +46,7 @@ def decoder_layer(cfg: Step37Config, layer_type: str, mlp_type: str, limit: floa
                         ffn_name=name, rope_key=layer_type)
 
 
-class MTPDepth(nn.Module):
+class MTPDepth(RecomputeUnit):
     def __init__(self, cfg: Step37Config, k: int, experts: range | None = None):
         super().__init__()
         H = cfg.hidden_size
@@ -54,13 +58,19 @@ class MTPDepth(nn.Module):
         self.head_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.head = nn.Linear(H, cfg.vocab_size, bias=False)
 
-    def forward(self, emb_TH, h_prev_TH, ropes, layout, valid_T):
-        """(hidden state for the next depth, this depth's logits, MoE statistics or None). The
-        head runs inside the forward so a wrapper that gathers this module's weights (FSDP)
-        covers it."""
+    def forward(self, emb_TH, h_prev_TH, ropes, layout, valid_T, labels_T):
+        """(hidden state for the next depth, this depth's summed token loss and target count,
+        MoE statistics or None). The head runs inside the forward so a wrapper that gathers this
+        module's weights (FSDP) covers it; it stays outside the recomputed part, whose rerun
+        would otherwise add a pass over the vocabulary to the one the loss's backward makes."""
+        h, h_norm, stats = self.recomputed(self._trunk, emb_TH, h_prev_TH, ropes, layout, valid_T)
+        loss, count = linear_cross_entropy(h_norm, self.head.weight, labels_T)
+        return h, loss, count, stats
+
+    def _trunk(self, emb_TH, h_prev_TH, ropes, layout, valid_T):
         x = self.eh_proj(torch.cat([self.enorm(emb_TH), self.hnorm(h_prev_TH)], dim=-1))
         h, stats = self.block(x, ropes, layout, valid_T)
-        return h, self.head(self.head_norm(h)), stats
+        return h, self.head_norm(h), stats
 
 
 class Step37Model(DecoderLM):
@@ -108,9 +118,8 @@ class Step37Model(DecoderLM):
         for k, depth in enumerate(self.mtp.values(), start=1):
             shifted_tokens = torch.where(ok, shifted_tokens[nxt], torch.zeros_like(tokens))
             shifted_labels = torch.where(ok, shifted_labels[nxt], torch.full_like(labels, IGNORE_INDEX))
-            h, logits, s = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid)
+            h, loss, n, s = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid, shifted_labels)
             stats += [s] if s is not None else []
-            loss, n = token_loss(logits, shifted_labels)
             out.mtp_loss_sums.append(loss)
             out.mtp_num_tokens.append(n)
 

@@ -20,6 +20,7 @@ TINY = Step37Config.preset("tiny")
 #   head 2*64*320 = 40,960; each MTP depth 2*2*64*64 + 36,440 + 36,864 + 40,960 = 130,648
 #   total 290,224 + 40,960 + 2 * 130,648 = 592,480
 TINY_FWD_FLOPS_PER_TOKEN = 592_480
+TINY_HEAD_FLOPS_PER_TOKEN = 40_960  # 2 * 64 * 320, per head (main and each MTP depth)
 TINY_PARAMETERS = 414_592  # every tensor of the model (the memory plan counts them)
 
 
@@ -30,23 +31,38 @@ def _inputs(**kw) -> PlanInputs:
 
 def test_one_rank_step_is_compute_plus_the_optimizer_by_hand():
     """One rank, fp32, AdamW, 2 micro-batches of 64 tokens, at 50% of 1 TFLOP/s:
-    compute 3 (forward + backward) x 592,480 x 64 tokens x 2 / 0.5e12 = 4.5502464e-4 s;
-    AdamW on the device 28 bytes x 414,592 parameters / 1 GB/s = 0.011608576 s; nothing
-    else moves (no pipeline, EP, DP or offload)."""
+    compute (3 (forward + backward) x 592,480 + 3 heads x 40,960 that the chunked loss reruns
+    in its backward) x 64 tokens x 2 / 0.5e12 = 4.8648192e-4 s; AdamW on the device 28 bytes x
+    414,592 parameters / 1 GB/s = 0.011608576 s; nothing else moves (no pipeline, EP, DP or
+    offload). MFU counts the model's FLOPs only (3 x forward, no rerun)."""
     a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
     st = plan_time(TINY, _inputs(), a, peak=1.0)
     assert plan(TINY, _inputs())[0].parameters == TINY_PARAMETERS
     sec = st.ranks[0].seconds
-    compute = 3 * TINY_FWD_FLOPS_PER_TOKEN * 64 * 2 / 0.5e12
+    compute = (3 * TINY_FWD_FLOPS_PER_TOKEN + 3 * TINY_HEAD_FLOPS_PER_TOKEN) * 64 * 2 / 0.5e12
     optimizer = 28 * TINY_PARAMETERS / 1e9
     # sums of a few floats: equal to 1e-12 relative (rounding only)
-    assert sec["compute"] == pytest.approx(compute, rel=1e-12)
+    assert sec["compute"] == pytest.approx(compute, rel=1e-12) == pytest.approx(4.8648192e-4, rel=1e-12)
     assert sec["optimizer"] == pytest.approx(optimizer, rel=1e-12)
     assert {k: v for k, v in sec.items() if k not in ("compute", "optimizer")} == \
         {"all-to-all": 0.0, "p2p": 0.0, "host-device": 0.0, "dp comm": 0.0, "idle": 0.0}
     assert st.step_s == pytest.approx(compute + optimizer, rel=1e-12)
     assert st.tokens_per_s_per_gpu == pytest.approx(2 * 64 / (compute + optimizer), rel=1e-12)
-    assert st.mfu == pytest.approx(compute * 0.5 / (compute + optimizer), rel=1e-12)
+    model_flops = 3 * TINY_FWD_FLOPS_PER_TOKEN * 64 * 2 / 1e12
+    assert st.mfu == pytest.approx(model_flops / (compute + optimizer), rel=1e-12)
+
+
+def test_recompute_reruns_the_layers_and_the_mtp_depths_up_to_their_heads_by_hand():
+    """Full recompute of every layer: the backward adds one forward of the 4 layers (290,224)
+    and of the 2 MTP depths without their heads (2 x 89,688), besides the 3 heads' rerun;
+    selective reruns the depths' layers but not their input projections (2 x 2 x 64 x 128 each)."""
+    a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
+    base = plan_time(TINY, _inputs(), a, peak=1.0).ranks[0].seconds["compute"]
+    per_token = {"full": 290_224 + 2 * 89_688, "selective": 290_224 + 2 * (89_688 - 2 * 2 * 64 * 64)}
+    for mode, extra in per_token.items():
+        sec = plan_time(TINY, _inputs(recompute=mode), a, peak=1.0).ranks[0].seconds
+        # a difference of sums of a few floats: rounding only, 1e-9 relative leaves room
+        assert sec["compute"] - base == pytest.approx(extra * 64 * 2 / 0.5e12, rel=1e-9), mode
 
 
 def test_offloaded_shards_cross_pcie_twice_per_microbatch_by_hand():
