@@ -14,7 +14,7 @@ from training.memory_plan import PlanInputs
 from training.plan_search import candidates, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECIPE = ["--model-preset", "step37-flash", "--seq-length", "8192", "--global-batch-size", "64",
+RECIPE = ["--model-preset", "step37-flash", "--seq-length", "8192", "--global-batch-size", "32",
           "--bf16", "--optimizer", "muon", "--muon-momentum", "0"]
 
 
