@@ -34,6 +34,7 @@ bench: install-test
 	$(PYTHON) benchmarks/bench_packing.py
 	$(PYTHON) benchmarks/bench_attention.py
 	$(PYTHON) benchmarks/bench_loss.py
+	$(PYTHON) benchmarks/bench_recipe_plan.py
 	$(PYTHON) benchmarks/bench_parallel.py
 	$(PYTHON) benchmarks/bench_optim.py
 	$(PYTHON) benchmarks/bench_gpu.py --tiny

@@ -12,6 +12,8 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
   its backward (one more head forward, recompute or not); at ``assumed_mfu`` of the peak;
 - all-to-all: each MoE layer dispatches and combines ``T x top_k x hidden`` activations, of
   which ``(ep - 1) / ep`` leave the rank, in forward, in backward, and again when recomputed;
+  a shared expert's forward runs while its layer's dispatch is in flight (the code overlaps
+  them), hiding up to the dispatch's time;
 - p2p: one ``[T, hidden]`` message per stage boundary each way;
 - weights gathered per pass (FSDP without gather-once): the offloaded fp32 shards host to
   device (4 bytes per shard parameter) and the all-gather of the compute copies, for the forward
@@ -23,12 +25,17 @@ Once per step and rank, after the pipeline: weights gathered once (gather-once, 
 meshes, ``optimizer`` offload), the gradient reduce-scatter (or all-reduce where FSDP does not
 shard) and the shards' device-to-host copy, the tied embedding's all-reduce, and the optimizer:
 AdamW at memory bandwidth (28 bytes per parameter: p, g, m, v read; p, m, v written) on the host
-for offloaded shards, Muon's Newton-Schulz on the GPU matrix by matrix (whole matrices: FSDP
-shards are all-gathered first; offloaded ones travel host to device and back), Dion's power
-iteration likewise.
+for offloaded shards, Muon's Newton-Schulz on the GPU matrix by matrix (row-sharded matrices
+by one owner each, in the batches the code forms: the busiest owner's FLOPs and the two
+all-to-alls; offloaded ones travel host to device and back), Dion's power iteration likewise;
+``cpu_offload="masters"``: the host's updates and their copies.
 
-Nothing overlaps (conservative: FSDP prefetch, copy engines and the shared expert do overlap
-some of it on a GPU). The step is the pipeline's makespan under these per-stage costs (bubble
+One overlap is counted, because the code has it: under ``cpu_offload="masters"`` with
+``optimizer_in_backward`` the host's work on Muon's matrices (updates to the host, master
+updates on worker threads, new weights back) runs while the backward does, and only what
+outlasts the backward (at least the last block's share) adds to the step. Nothing else overlaps
+(conservative: FSDP prefetch, copy engines and the shared expert do overlap some of it on a
+GPU). The step is the pipeline's makespan under these per-stage costs (bubble
 and stage imbalance included, from ``core.pipeline.simulate``) plus the slowest rank's
 once-per-step work.
 """
@@ -286,6 +293,14 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
             ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
 
 
+def _shared_flops(cfg, chunk: ChunkShare) -> float:
+    """Forward FLOPs per token of a shared expert (SwiGLU: gate, up, down) of the chunk's MoE
+    layers (the largest, if they differ; 0 without one)."""
+    shapes = shapes_of(cfg)
+    blocks = [shapes.blocks[i] for i in chunk.layers] + (list(shapes.extra) if chunk.last else [])
+    return max((6.0 * shapes.hidden * b.ffn.shared for b in blocks if b.ffn.moe), default=0.0)
+
+
 def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
                   bw: dict) -> tuple[_Ledger, _Ledger]:
     """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
@@ -299,6 +314,10 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     if a2a:
         f.move("all-to-all", 2 * n_moe * a2a, bw["ep"])
         bk.move("all-to-all", 2 * (n_moe + n_redo) * a2a, bw["ep"])
+        # the shared expert's forward runs while the dispatch is in flight (AllToAllDispatcher)
+        hidden = min(_shared_flops(cfg, chunk) * T / eff, a2a / bw["ep"])
+        f.seconds["all-to-all"] -= n_moe * hidden
+        bk.seconds["all-to-all"] -= n_redo * hidden
     if chunk.stage < inp.pp * inp.vpp - 1:
         f.move("p2p", T * H * b, bw["pp"])
     if chunk.stage > 0:
@@ -432,7 +451,7 @@ def format_time(st: StepTime) -> str:
     a = st.assumptions
     lines = [f"predicted step time in seconds (assumed: {a['assumed_mfu']:.0%} of {st.peak_tflops:g} "
              f"TFLOP/s, PCIe {a['pcie_gb_s']:g} GB/s, NVLink {a['nvlink_gb_s']:g} GB/s, host "
-             f"{a['host_gb_s']:g} GB/s; transfers not overlapped)",
+             f"{a['host_gb_s']:g} GB/s; only host masters' host work overlaps the backward)",
              f"{'rank':<6}" + "".join(f"{k:>13}" for k in BREAKDOWN) + f"{'step':>10}{'PCIe GB':>10}"]
     for r in st.ranks:
         lines.append(f"pp{r.pp_rank:<4}" + "".join(f"{r.seconds[k]:>13.2f}" for k in BREAKDOWN)

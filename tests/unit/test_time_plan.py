@@ -145,3 +145,17 @@ def test_muon_under_fsdp_counts_the_busiest_owner_not_every_matrix():
     # what Muon adds to the data-parallel traffic over AdamW's (same shards, same reduce-scatter)
     extra = sec["dp comm"] - plan_time(TINY, adamw, a, peak=1.0).ranks[0].seconds["dp comm"]
     assert extra == pytest.approx(3 / 4 * work["dense"]["split"] * 6 / 1e9, rel=1e-9)
+
+
+def test_the_shared_expert_hides_behind_its_layers_dispatch_by_hand():
+    """EP 2, one rank's 64 tokens, 3 MoE layers: each dispatch or combine sends 64 x top-2 x 64
+    fp32 x 1/2 = 16,384 bytes; the forward's 6 all-to-alls at 1 GB/s take 98.304 us, less what
+    each layer's shared expert (6 x 64 x 32 = 12,288 FLOPs per token, 64 tokens at 50% of
+    1 TFLOP/s: 1.572864 us) computes while its dispatch (16.384 us) is in flight; with full
+    recompute the backward's rerun hides as much again."""
+    a = TimeAssumptions(assumed_mfu=0.5, nvlink_gb_s=1.0)
+    shared, dispatch = 12_288 * 64 / 0.5e12, 16_384 / 1e9
+    inp = _inputs(dp=2, ep=2, num_microbatches=1, recompute="full")
+    sec = plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds
+    # forward 6 and backward 6 + 6 (rerun) all-to-alls; 3 + 3 hidden shared-expert forwards
+    assert sec["all-to-all"] == pytest.approx(18 * dispatch - 6 * min(shared, dispatch), rel=1e-9)
