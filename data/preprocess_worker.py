@@ -153,20 +153,30 @@ def _flatten(seqs: list, dtype, eod: int | None) -> tuple[np.ndarray, np.ndarray
     return flat.astype(dtype, copy=False), lengths
 
 
+ENCODE_BATCH_CHARS = 1 << 20  # a fast tokenizer's batch holds ~100 bytes per token: keep it small
+
+
 def _encode_rows(tok, texts: list[str]) -> tuple[list, dict]:
-    """Encode a batch; if the batch call raises, encode row by row so that only the rows that
-    fail are lost. Returns the ids (None for a failed row) and {row: (reason, detail)}."""
-    try:
-        return tok.encode_batch(texts), {}
-    except Exception:
-        pass
-    ids, failed = [], {}
-    for j, t in enumerate(texts):
+    """Encode in batches of about ``ENCODE_BATCH_CHARS`` characters (the tokenizer's transient
+    memory stays bounded however large a unit is: a Parquet row group can be); where a batch call
+    raises, encode its rows one by one so that only the rows that fail are lost. Returns the ids
+    (None for a failed row) and {row: (reason, detail)}."""
+    ids, failed, start = [], {}, 0
+    while start < len(texts):
+        end, chars = start, 0
+        while end < len(texts) and (end == start or chars + len(texts[end]) <= ENCODE_BATCH_CHARS):
+            chars += len(texts[end])
+            end += 1
         try:
-            ids.append(tok.encode(t))
-        except Exception as e:
-            ids.append(None)
-            failed[j] = reject_reason(e, "tokenizer_error")
+            ids += tok.encode_batch(texts[start:end])
+        except Exception:
+            for j in range(start, end):
+                try:
+                    ids.append(tok.encode(texts[j]))
+                except Exception as e:
+                    ids.append(None)
+                    failed[j] = reject_reason(e, "tokenizer_error")
+        start = end
     return ids, failed
 
 
