@@ -199,3 +199,30 @@ def test_units_of_work_stay_near_chunk_mb_and_cover_the_file(tmp_path):
         assert sum(rows) == 4000, name
         if name == "t.arrow":
             assert max(rows) <= 400  # the 4,000-row batch is cut into zero-copy slices
+
+
+def test_encoding_in_small_batches_gives_the_same_ids_and_loses_only_failing_rows(monkeypatch):
+    """A large unit (a Parquet row group) is encoded a batch of characters at a time."""
+    from data import preprocess_worker as pw
+
+    class Tok(ByteTokenizer):
+        calls = []
+
+        def encode_batch(self, texts):
+            self.calls.append(len(texts))
+            if any("boom" in t for t in texts):
+                raise ValueError("boom")
+            return super().encode_batch(texts)
+
+        def encode(self, text):
+            if "boom" in text:
+                raise ValueError("boom")
+            return super().encode(text)
+
+    texts = [f"text {i}" * (i % 5 + 1) for i in range(40)]
+    texts[13] = "boom"
+    monkeypatch.setattr(pw, "ENCODE_BATCH_CHARS", 50)
+    ids, failed = pw._encode_rows(Tok(), texts)
+    assert max(Tok.calls) < 40 and len(Tok.calls) > 5  # many small batches
+    assert list(failed) == [13] and failed[13][0] == "tokenizer_error"
+    assert [x for j, x in enumerate(ids) if j != 13] == [ByteTokenizer().encode(t) for j, t in enumerate(texts) if j != 13]
