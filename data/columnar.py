@@ -106,7 +106,7 @@ def iter_units(path: str, chunk_bytes: int, columns: list[str]):
         yield {"path": path, "file_error": f"cannot read it as {_kind(path)} ({type(e).__name__}: {e})"}
         return
     held = held or {"path": path, "format": input_format(path), "parts": [], "n_bytes": 0}
-    held["n_bytes"] += size - sent  # footers and headers
+    held["n_bytes"] += max(0, size - sent)  # footers and headers
     yield held
 
 
@@ -217,7 +217,8 @@ def _batches(task: dict, columns: list[str], pa):
         groups = [w[1] for w, _, _ in task["parts"]]
         if not groups:
             return
-        yield from pf.iter_batches(batch_size=4096, row_groups=groups, columns=columns)
+        # one thread: the worker pool is the parallelism (pyarrow's own pool would oversubscribe)
+        yield from pf.iter_batches(batch_size=4096, row_groups=groups, columns=columns, use_threads=False)
         return
     with pa.memory_map(path) as src:
         if _is_arrow_file(path):

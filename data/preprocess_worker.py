@@ -230,6 +230,7 @@ def process_chunk(task) -> dict:
 
 
 def _file_error(task: dict, e: Exception) -> str:
-    if "format" in task:
-        return f"cannot read {describe_unit(task)} ({type(e).__name__}: {e})"
+    if "format" in task:  # the parent names the file
+        where = describe_unit(task).removeprefix(task["path"]).strip() or "it"
+        return f"cannot read {where} ({type(e).__name__}: {e})"
     return f"cannot read bytes {task['start']:,}-{task['end']:,}: {e}"
