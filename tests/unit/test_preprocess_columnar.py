@@ -226,3 +226,20 @@ def test_encoding_in_small_batches_gives_the_same_ids_and_loses_only_failing_row
     assert max(Tok.calls) < 40 and len(Tok.calls) > 5  # many small batches
     assert list(failed) == [13] and failed[13][0] == "tokenizer_error"
     assert [x for j, x in enumerate(ids) if j != 13] == [ByteTokenizer().encode(t) for j, t in enumerate(texts) if j != 13]
+
+
+def test_a_glob_over_parquet_and_earlier_outputs_reads_only_the_input(tmp_path, capsys):
+    """`--input 'dir/*'` beside an earlier run's outputs: the rejects file, datasets and sidecars
+    are left out (and said), the Parquet file is read; the outputs are published together."""
+    pq.write_table(pa.table({"text": ["one", "two", None]}), tmp_path / "a.parquet")
+    args = ["--input", str(tmp_path / "*"), "--output-prefix", str(tmp_path / "out"),
+            "--max-rejected-fraction", "1"]
+    assert main(args) == 0
+    first = (tmp_path / "out_text_document.bin").read_bytes()
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "left out 4 file(s) that preprocessing writes" in capsys.readouterr().err
+    assert (tmp_path / "out_text_document.bin").read_bytes() == first
+    meta = json.loads((tmp_path / "out_text_document.meta.json").read_text())
+    assert meta["unit"]["datasets"] == ["text"]
+    assert [json.loads(l)["row"] for l in (tmp_path / "out_rejects.jsonl").read_text().splitlines()] == [2]
