@@ -39,6 +39,11 @@ def _pa():
     return pyarrow
 
 
+def one_line(e: BaseException) -> str:
+    """``Type: message`` on one line (pyarrow's messages can span several)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
 def read_errors() -> tuple:
     """What reading a damaged or unreadable file raises (pyarrow's errors where it is installed)."""
     try:
@@ -61,7 +66,7 @@ def schema_names(path: str) -> list[str]:
                 return list(pa.ipc.open_file(src).schema.names)
             return list(pa.ipc.open_stream(src).schema.names)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: cannot read it as {_kind(path)} ({type(e).__name__}: {e}); "
+        raise ValueError(f"{path}: cannot read it as {_kind(path)} ({one_line(e)}); "
                          "repair or remove the file") from None
 
 
@@ -103,7 +108,7 @@ def iter_units(path: str, chunk_bytes: int, columns: list[str]):
     except (pa.ArrowException, OSError) as e:
         if held is not None:
             yield held
-        yield {"path": path, "file_error": f"cannot read it as {_kind(path)} ({type(e).__name__}: {e})"}
+        yield {"path": path, "file_error": f"cannot read it as {_kind(path)} ({one_line(e)})"}
         return
     held = held or {"path": path, "format": input_format(path), "parts": [], "n_bytes": 0}
     held["n_bytes"] += max(0, size - sent)  # footers and headers

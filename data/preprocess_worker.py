@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from data.chat import SURROGATE, RowError, encode_chat
-from data.columnar import BadValue, describe_unit, read_errors, read_unit, row_text, strip_nulls
+from data.columnar import (BadValue, describe_unit, one_line, read_errors, read_unit, row_text,
+                           strip_nulls)
 from data.indexed_dataset import token_dtype
 from data.tokenizers import build_tokenizer
 
@@ -232,5 +233,5 @@ def process_chunk(task) -> dict:
 def _file_error(task: dict, e: Exception) -> str:
     if "format" in task:  # the parent names the file
         where = describe_unit(task).removeprefix(task["path"]).strip() or "it"
-        return f"cannot read {where} ({type(e).__name__}: {e})"
+        return f"cannot read {where} ({one_line(e)})"
     return f"cannot read bytes {task['start']:,}-{task['end']:,}: {e}"
