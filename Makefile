@@ -31,7 +31,7 @@ test: install-test
 	$(PYTHON) -m pytest -q -n 2 --durations=15 tests
 
 quickstart: install-quickstart
-	bash examples/quickstart.sh $(QUICKSTART_DIR)
+	PYTHON=$(PYTHON) bash examples/quickstart.sh $(QUICKSTART_DIR)
 
 bench: install-test
 	$(PYTHON) benchmarks/bench_preprocess.py

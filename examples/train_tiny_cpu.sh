@@ -4,6 +4,7 @@
 # with the byte tokenizer; flags after ITERS are passed on to pretrain_step37.py and win over
 # the ones here (examples/quickstart.sh gives its tokenizer, --vocab-size and a validation split).
 #   bash examples/train_tiny_cpu.sh DATA_PREFIX OUT_DIR [ITERS [PRETRAIN_FLAGS...]]
+# (PYTHON: the interpreter to run, default python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:?usage: train_tiny_cpu.sh DATA_PREFIX OUT_DIR [ITERS [PRETRAIN_FLAGS...]]}
@@ -11,7 +12,7 @@ OUT=${2:?usage: train_tiny_cpu.sh DATA_PREFIX OUT_DIR [ITERS [PRETRAIN_FLAGS...]
 ITERS=${3:-300}
 shift $(( $# < 3 ? $# : 3 ))
 export OMP_NUM_THREADS=1
-python -m torch.distributed.run --nproc-per-node 4 --master-port "${MASTER_PORT:-29512}" \
+"${PYTHON:-python}" -m torch.distributed.run --nproc-per-node 4 --master-port "${MASTER_PORT:-29512}" \
     pretrain_step37.py \
     --model-preset tiny \
     --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 \

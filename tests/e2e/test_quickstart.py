@@ -24,6 +24,7 @@ def test_quickstart_trains_on_real_text_and_shows_its_loss_and_samples(tmp_path)
     from tests.e2e.test_training import free_port
 
     env["MASTER_PORT"] = str(free_port())
+    env["PYTHON"] = sys.executable  # as `make quickstart` passes the interpreter it installed into
     out = subprocess.run(["bash", "examples/quickstart.sh", str(tmp_path), "10"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
