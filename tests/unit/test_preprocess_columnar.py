@@ -243,3 +243,16 @@ def test_a_glob_over_parquet_and_earlier_outputs_reads_only_the_input(tmp_path, 
     meta = json.loads((tmp_path / "out_text_document.meta.json").read_text())
     assert meta["unit"]["datasets"] == ["text"]
     assert [json.loads(l)["row"] for l in (tmp_path / "out_rejects.jsonl").read_text().splitlines()] == [2]
+
+
+def test_a_dictionary_encoded_arrow_stream_is_read_in_order(tmp_path):
+    """Batches of a stream with dictionary-encoded columns need the dictionaries before them:
+    such a file's units are read from the stream's start, and give the same rows."""
+    texts = [f"label {i % 7} of row {i}" for i in range(600)]
+    table = pa.table({"text": pa.array(texts).dictionary_encode()})
+    write_arrow(tmp_path / "d.arrow", table, stream=True, batch_rows=50)
+    units = list(iter_units(str(tmp_path / "d.arrow"), 500, ["text"]))
+    assert len(units) > 3 and all(p[0][2] is None for u in units for p in u["parts"])
+    stats, _, _ = _run(tmp_path, "out", [tmp_path / "d.arrow"], chunk_mb=0.0005)
+    ds = IndexedDataset(tmp_path / "out" / "o_text_document")
+    assert stats.accepted == 600 and [ByteTokenizer().decode(ds[i]) for i in range(600)] == texts
