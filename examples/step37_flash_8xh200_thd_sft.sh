@@ -19,7 +19,7 @@
 # while the backward goes on. Full recompute (MTP depths included), the head's and each MTP
 # depth's loss a tile at a time. Predicted (not measured; no GPU has run this): 119.6 GB on each
 # GPU (21 GB to spare), 202 GB of host memory per rank (1.6 TB for the node), 15.7 s per step,
-# 2,084 tokens/s per GPU, MFU 19.1% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
+# 2,086 tokens/s per GPU, MFU 19.1% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
 # PCIe 35 GB/s, host memory 52 GB/s per rank; docs/memory.md says why not 20%).
 # Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>

@@ -63,6 +63,7 @@ class PlanInputs:
     optimizer_in_backward: bool = False   # matrices step in the backward; their gradients freed at once
     device_gb: float = 141.0
     pipeline_layout: str | None = None
+    moe_dispatcher: str = "alltoall"      # alltoall | allgather (the time model's overlap)
 
     def __post_init__(self):
         for name, allowed in (("sharding", ("none", "fsdp")), ("cpu_offload", OFFLOAD_MODES),

@@ -48,7 +48,7 @@ from functools import lru_cache
 from core.cli import option
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim.build import classify
-from core.optim.muon_split import ns_flops, owners
+from core.optim.muon_split import batches, ns_flops, owners
 from core.pipeline.simulate import plan_makespan
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
@@ -203,25 +203,25 @@ def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optim
     return out
 
 
+def _hook_order(s) -> tuple:
+    """Where a tensor's gradient becomes final in the backward: the MTP depths (last first),
+    then the decoder layers (last first), then the root unit."""
+    if s.block is None:
+        return (2, 0)
+    return (0, s.block) if s.block < 0 else (1, -s.block)
+
+
 def split_ns_flops(tensors: list, world: int, ns_steps: int, in_backward: bool) -> float:
-    """The busiest owner's Newton-Schulz FLOPs summed over the batches the code forms: one batch
-    of every matrix at the optimizer step; in the backward (hooks, last block first) a batch each
-    time the held matrices' FLOPs reach ``world`` times the largest's
-    (``core/optim/in_backward.InBackwardSteps._hold``), the rest at the backward's end."""
-    order = sorted(tensors, key=lambda s: -1 if s.block is None else s.block, reverse=True) \
-        if in_backward else tensors
-    batches, held = [], []
-    for s in order:
-        held.append(tuple(s.t.shape))
-        flops = [ns_flops(x) for x in held]
-        if in_backward and sum(flops) >= world * max(flops):
-            batches.append(held)
-            held = []
-    batches += [held] if held else []
+    """The busiest owner's Newton-Schulz FLOPs summed over the batches the code forms
+    (``core/optim/muon_split.batches``): over the matrices in parameter order at the optimizer
+    step, in the order their gradients become final in the backward (``InBackwardSteps``)."""
+    order = sorted(tensors, key=_hook_order) if in_backward else tensors
+    shapes = [tuple(s.t.shape) for s in order]
     total = 0.0
-    for shapes in batches:
-        own = owners(shapes, world)
-        total += max(sum(ns_flops(x, ns_steps) for x, o in zip(shapes, own) if o == r) for r in range(world))
+    for idx in batches(shapes, world):
+        batch = [shapes[j] for j in idx]
+        own = owners(batch, world)
+        total += max(sum(ns_flops(x, ns_steps) for x, o in zip(batch, own) if o == r) for r in range(world))
     return total
 
 
@@ -314,8 +314,10 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     if a2a:
         f.move("all-to-all", 2 * n_moe * a2a, bw["ep"])
         bk.move("all-to-all", 2 * (n_moe + n_redo) * a2a, bw["ep"])
-        # the shared expert's forward runs while the dispatch is in flight (AllToAllDispatcher)
-        hidden = min(_shared_flops(cfg, chunk) * T / eff, a2a / bw["ep"])
+        # the shared expert's forward runs while the dispatch is in flight (AllToAllDispatcher;
+        # the all-gather dispatcher runs it after its reduce-scatter)
+        shared = _shared_flops(cfg, chunk) if inp.moe_dispatcher == "alltoall" else 0.0
+        hidden = min(shared * T / eff, a2a / bw["ep"])
         f.seconds["all-to-all"] -= n_moe * hidden
         bk.seconds["all-to-all"] -= n_redo * hidden
     if chunk.stage < inp.pp * inp.vpp - 1:
@@ -354,11 +356,14 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
 
 
+NS_BYTES = 2  # Newton-Schulz runs in bf16: its rows travel in bf16 both ways (core/optim/muon_split.py)
+
+
 def _split_traffic(w: dict, world: int, bytes_per_s: float, step: _Ledger) -> None:
-    """Split Newton-Schulz's two all-to-alls: this rank's fp32 rows of each matrix to its owner,
-    the bf16 update's rows back (all but the 1/D it owns itself)."""
+    """Split Newton-Schulz's two all-to-alls: this rank's rows of each matrix to its owner, the
+    update's rows back (all but the 1/D it owns itself), in Newton-Schulz's dtype."""
     if world > 1 and w["split"]:
-        step.move("dp comm", (world - 1) / world * w["split"] * (MASTER + 2), bytes_per_s)
+        step.move("dp comm", (world - 1) / world * w["split"] * 2 * NS_BYTES, bytes_per_s)
 
 
 def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: float, step: _Ledger,

@@ -111,7 +111,9 @@ class HostMasters:
         if self.h2d is None:
             local(p).copy_(self.staged[p])
             return
-        with torch.cuda.stream(self.h2d):
+        # a worker thread's current device is 0 whatever the rank's: name it, or leaving the
+        # stream context would set (and create a context on) device 0
+        with torch.cuda.device(self.h2d.device), torch.cuda.stream(self.h2d):
             self.h2d.wait_event(used)
             local(p).copy_(self.staged[p], non_blocking=True)
 

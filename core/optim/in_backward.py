@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from core.distributed.grads import local, owns
-from core.optim.muon_split import ns_flops, splittable
+from core.optim.muon_split import closes_batch, splittable
 from core.parallel_state import ParallelState, local_device
 
 
@@ -82,8 +82,7 @@ class InBackwardSteps:
         key = id(p.device_mesh.get_group())
         batch = self.held.setdefault(key, [])
         batch.append((p, group))
-        flops = [ns_flops(q.shape) for q, _ in batch]
-        if sum(flops) >= p.device_mesh.size() * max(flops):
+        if closes_batch([tuple(q.shape) for q, _ in batch], p.device_mesh.size()):
             self._flush(key)
 
     def _flush(self, key) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from core.optim.masters import NO_MASTERS
-from core.optim.muon_split import local_experts, split_orthogonalise, splittable
+from core.optim.muon_split import batches, local_experts, split_orthogonalise, splittable
 from core.parallel_state import local_device
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -172,10 +172,15 @@ class Muon(Optimizer):
                 by_mesh.setdefault(id(p.device_mesh.get_group()), []).append(p)
             else:
                 kept[p] = self.update(p, group, guard)
-        for batch in by_mesh.values():
-            grads = [_on_compute_device(self._gradient(p, group)) for p in batch]
-            for p, u in zip(batch, split_orthogonalise(grads, self._ns(group), group["ns_dtype"])):
-                kept[p] = self._apply(p, group, u, guard)
+        for held in by_mesh.values():
+            world = held[0].device_mesh.size()
+            for idx in batches([tuple(p.shape) for p in held], world):
+                batch = [held[j] for j in idx]
+                grads = [_on_compute_device(self._gradient(p, group)) for p in batch]
+                updates = split_orthogonalise(grads, self._ns(group), group["ns_dtype"])
+                del grads
+                for p, u in zip(batch, updates):
+                    kept[p] = self._apply(p, group, u, guard)
         return [kept[p] for p in params]
 
     @torch.no_grad()

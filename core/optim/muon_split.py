@@ -7,7 +7,10 @@ mesh is dealt out to owners (greedy by Newton-Schulz FLOPs, the same on every ra
 all-to-all takes each rank's rows of a matrix to its owner, the owner orthogonalises it whole, a
 second all-to-all brings every rank its rows of the update. Each rank runs about 1/D of the
 Newton-Schulz FLOPs, receives about 1/D of what an all-gather would bring it, and gets the bits
-the replicated computation gives (the owner computes on the same whole matrix).
+the replicated computation gives (the owner computes on the same whole matrix; the rows travel
+already cast to Newton-Schulz's dtype, its first operation). Batches are cut where their FLOPs
+reach D times their largest matrix's (``batches``), which deals them out evenly and bounds the
+buffers a batch holds.
 
 Expert stacks ``[E, out, in]`` sharded on dim 0 hold whole experts on each rank: they are
 orthogonalised where they are, with no communication at all (``local_experts``).
@@ -47,6 +50,25 @@ def owners(shapes: list, world: int) -> list[int]:
     return out
 
 
+def closes_batch(shapes: list, world: int) -> bool:
+    """Whether matrices of these shapes make a batch: their Newton-Schulz FLOPs reach ``world``
+    times the largest's, so owners can be dealt about as much work each as the largest matrix."""
+    flops = [ns_flops(s) for s in shapes]
+    return bool(flops) and sum(flops) >= world * max(flops)
+
+
+def batches(shapes: list, world: int) -> list[list[int]]:
+    """Indices of ``shapes`` in consecutive batches, each closed as soon as it ``closes_batch``
+    (the last one may be short)."""
+    out, held = [], []
+    for j in range(len(shapes)):
+        held.append(j)
+        if closes_batch([shapes[i] for i in held], world):
+            out.append(held)
+            held = []
+    return out + ([held] if held else [])
+
+
 def splittable(p) -> bool:
     """A 2-D matrix sharded by rows over more than one rank of a 1-D mesh."""
     return (isinstance(p, DTensor) and p.dim() == 2 and p.device_mesh.ndim == 1
@@ -60,8 +82,10 @@ def local_experts(p) -> bool:
 
 
 def split_orthogonalise(grads: list, orthogonalise, dtype: torch.dtype) -> list[torch.Tensor]:
-    """``orthogonalise`` (returning ``dtype``) of each whole matrix of ``grads`` (fp32 DTensors on
-    one 1-D mesh, rows sharded, local parts on the compute device), this rank's rows of each result."""
+    """``orthogonalise`` of each whole matrix of ``grads`` (fp32 DTensors on one 1-D mesh, rows
+    sharded, local parts on the compute device), this rank's rows of each result. ``dtype``: the
+    one ``orthogonalise`` computes in and returns (it must start by casting its input to it): the
+    rows travel in it both ways."""
     mesh = grads[0].device_mesh
     world, me, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     shapes = [tuple(g.shape) for g in grads]
@@ -72,12 +96,15 @@ def split_orthogonalise(grads: list, orthogonalise, dtype: torch.dtype) -> list[
     device = grads[0].to_local().device
 
     # 1. every rank's rows of a matrix to its owner
-    by_dest = [[g.to_local().reshape(-1) for j, g in enumerate(grads) if own[j] == r] for r in range(world)]
-    send = torch.cat([x for part in by_dest for x in part]) if grads else torch.empty(0, device=device)
+    # Newton-Schulz starts by casting to its dtype: cast the rows before they travel (same bits)
+    by_dest = [[g.to_local().reshape(-1).to(dtype) for j, g in enumerate(grads) if own[j] == r]
+               for r in range(world)]
+    send = torch.cat([x for part in by_dest for x in part])
+    in_splits = [sum(x.numel() for x in part) for part in by_dest]
+    del by_dest
     out_splits = [sum(rows[j][s] * cols[j] for j in mine) for s in range(world)]
     recv = send.new_empty(sum(out_splits))
-    dist.all_to_all_single(recv, send, out_splits, [sum(x.numel() for x in part) for part in by_dest],
-                           group=group)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
 
     # 2. the owner orthogonalises each of its matrices whole
     blocks = [[] for _ in mine]

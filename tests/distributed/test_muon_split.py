@@ -73,3 +73,15 @@ def test_owners_are_balanced_and_deterministic():
     loads = [sum(ns_flops(s) for s, o in zip(shapes, own) if o == r) for r in range(8)]
     assert max(loads) / (sum(loads) / 8) < 1.1  # the largest matrix is 1/8 of the even share here
     assert row_counts(10, 4) == [3, 3, 3, 1] and row_counts(2, 3) == [1, 1, 0] and row_counts(9, 4) == [3, 3, 3, 0]
+
+
+def test_batches_close_when_the_work_deals_out_evenly():
+    """A batch closes as soon as its FLOPs reach D x its largest matrix's; the rest is one short
+    batch; indices stay in order."""
+    from core.optim.muon_split import batches, closes_batch
+
+    small, big = (64, 64), (128, 128)  # big = 8 x small's FLOPs
+    assert batches([small] * 5, 4) == [[0, 1, 2, 3], [4]]
+    assert batches([big] + [small] * 24, 4) == [[*range(0, 25)]]  # 8 + 24 = 32 = 4 x 8
+    assert batches([big, small], 4) == [[0, 1]] and not closes_batch([big, small], 4)
+    assert not closes_batch([], 4) and closes_batch([small], 1)
