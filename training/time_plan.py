@@ -256,6 +256,7 @@ class _Ledger:
     bytes: dict = field(default_factory=lambda: {HD: 0.0, NV: 0.0})
     behind_backward: float = 0.0  # seconds of host work that runs while the backward does (host masters)
     tail: float = 0.0             # ... of it that cannot start before the backward's end (its last block's)
+    own_stream: float = 0.0       # GPU seconds of in-backward optimizer steps on their own stream
 
     def move(self, key: str, nbytes: float, bytes_per_s: float, link: str = NV) -> None:
         self.seconds[key] += nbytes / bytes_per_s
@@ -350,10 +351,20 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
         if not w["matrix"]:
             continue
         momentum = inp.optimizer == "dion" or inp.muon_momentum > 0  # a buffer read and written
-        step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory + w["flops"] / eff
+        step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory
+        _orthogonalise(w, inp, eff, step)
         _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
+
+
+def _orthogonalise(w: dict, inp: PlanInputs, eff: float, step: _Ledger) -> None:
+    """Newton-Schulz (or Dion's power iteration) on the GPU; with ``optimizer_in_backward`` on
+    the steps' own stream (``core/optim/in_backward.py``), booked in ``own_stream`` too: what of
+    it fits in the time the backward waits for its all-to-alls is hidden (``plan_time``)."""
+    step.seconds["optimizer"] += w["flops"] / eff
+    if inp.optimizer_in_backward:
+        step.own_stream += w["flops"] / eff
 
 
 NS_BYTES = 2  # Newton-Schulz runs in bf16: its rows travel in bf16 both ways (core/optim/muon_split.py)
@@ -376,7 +387,7 @@ def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: 
     cannot start before the backward ends), counted one after the other; the AdamW parameters'
     fp32 gradients (4 bytes) to the host, their AdamW (28 bytes + 2 for the new weight) after the
     clip, and their new bf16 weights back (2 bytes)."""
-    step.seconds["optimizer"] += w["flops"] / eff
+    _orthogonalise(w, inp, eff, step)
     matrix_s = w["matrix"] * (4 / pcie + 12 / host)
     step.bytes[HD] += 4 * w["matrix"]
     if inp.optimizer_in_backward:
@@ -433,6 +444,9 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
         sec["idle"] = makespan - M * sum(f.total + bk.total for f, bk in passes)
         # host work that overlaps the backward: only what outlasts the rank's backward shows
         sec["optimizer"] += max(step.tail, step.behind_backward - M * sum(bk.total for _, bk in passes))
+        # in-backward steps on their own stream fill the backward's waits for all-to-alls (the
+        # compute stream's only idle time there); the rest competes with the compute for the GPU
+        sec["optimizer"] -= min(step.own_stream, M * sum(bk.seconds["all-to-all"] for _, bk in passes))
         ranks.append(RankTime(r, sec, moved))
     slowest = max(ranks, key=lambda x: x.total)
     step_s, world = slowest.total, inp.sizes.world
@@ -456,7 +470,8 @@ def format_time(st: StepTime) -> str:
     a = st.assumptions
     lines = [f"predicted step time in seconds (assumed: {a['assumed_mfu']:.0%} of {st.peak_tflops:g} "
              f"TFLOP/s, PCIe {a['pcie_gb_s']:g} GB/s, NVLink {a['nvlink_gb_s']:g} GB/s, host "
-             f"{a['host_gb_s']:g} GB/s; only host masters' host work overlaps the backward)",
+             f"{a['host_gb_s']:g} GB/s; overlapping the backward: host masters' host work, in-backward "
+             f"Newton-Schulz behind its all-to-alls)",
              f"{'rank':<6}" + "".join(f"{k:>13}" for k in BREAKDOWN) + f"{'step':>10}{'PCIe GB':>10}"]
     for r in st.ranks:
         lines.append(f"pp{r.pp_rank:<4}" + "".join(f"{r.seconds[k]:>13.2f}" for k in BREAKDOWN)

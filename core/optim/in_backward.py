@@ -14,6 +14,14 @@ known only after the backward could not change it. The AdamW groups (embeddings,
 routers) keep their gradients to the end of the backward and step after the global norm and the
 clip, as without this flag. Momentum > 0 with clipping would need the factor first: refused.
 
+Where the work runs (CUDA): on a stream of its own, after the work queued so far on the stream
+the hook is called on (autograd's for a parameter FSDP does not manage, FSDP's reduce-scatter
+stream for one it does), so Newton-Schulz is not in the backward's queue: its kernels fill the
+time the compute stream waits for an all-to-all, and FSDP's next reduce-scatter does not wait
+for them. The gradient is kept from reuse until that stream is done with it (``record_stream``);
+``end()`` makes the compute stream wait for it before anything reads a stepped weight or the
+step's norm. Without CUDA the same code runs in order.
+
 Non-finite values never reach the host: a matrix whose update is not finite (a NaN or inf in its
 gradient spreads through Newton-Schulz to the whole matrix, on every rank that holds rows of it)
 keeps its value, and the count of such matrices is a device tensor read with the step's metrics.
@@ -21,6 +29,8 @@ A non-finite loss is made a NaN gradient before the backward (``PipelineExecutor
 matrix keeps its value and the step is skipped as usual.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -47,6 +57,7 @@ class InBackwardSteps:
 
         self.active = True
         self.held: dict = {}  # mesh -> [(matrix, group)] waiting for their batch (muon_split)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the steps' own
 
     def begin(self, active: bool = True) -> None:
         """Before a step's backward; ``active=False`` (a step with no targets, to be skipped):
@@ -60,7 +71,7 @@ class InBackwardSteps:
         def step(p) -> None:
             if p.grad is None or not self.active:
                 return
-            with torch.no_grad():
+            with torch.no_grad(), self._own_stream(p.grad):
                 if counted:
                     g = local(p.grad)
                     self.sq.add_(torch.linalg.vector_norm(g, dtype=torch.float64).to(self.sq.device) ** 2)
@@ -69,6 +80,19 @@ class InBackwardSteps:
                     return
                 self._stepped(p, self.muon.update(p, group, guard=True))
         return step
+
+    @contextmanager
+    def _own_stream(self, grad=None):
+        """Run on the steps' stream, after what the calling stream has queued (``grad`` was
+        made there: it is not reused before this stream is done with it)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        if grad is not None:
+            local(grad).record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            yield
 
     def _stepped(self, p, kept) -> None:
         self.nonfinite.add_((~kept).to(self.nonfinite.device, torch.int64))
@@ -93,9 +117,13 @@ class InBackwardSteps:
                 self._stepped(q, kept)
 
     def end(self) -> None:
-        """After the step's backward: the matrices still held step now (same order on every rank)."""
-        for key in list(self.held):
-            self._flush(key)
+        """After the step's backward: the matrices still held step now (same order on every rank),
+        and the compute stream waits for every step before it reads a weight or the norm."""
+        with self._own_stream() if self.held else nullcontext():
+            for key in list(self.held):
+                self._flush(key)
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
 
 
 def check_in_backward(optimizer: str, momentum: float, clip: float, microbatches: int, dp: int,

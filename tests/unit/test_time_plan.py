@@ -166,3 +166,37 @@ def test_the_shared_expert_hides_behind_its_layers_dispatch_by_hand():
     # the all-gather dispatcher runs the shared expert after its collective: nothing hidden
     gather = _inputs(dp=2, ep=2, num_microbatches=1, recompute="full", moe_dispatcher="allgather")
     assert plan_time(TINY, gather, a, peak=1.0).ranks[0].seconds["all-to-all"] == pytest.approx(18 * dispatch, rel=1e-9)
+
+
+@pytest.mark.parametrize("nvlink_gb_s", [0.1, 1e6])
+def test_in_backward_newton_schulz_hides_behind_the_backwards_all_to_alls_by_hand(nvlink_gb_s):
+    """--optimizer-in-backward runs Newton-Schulz on a stream of its own (core/optim/
+    in_backward.py): it fills the time the backward waits for its all-to-alls, no more. DP 2 x
+    EP 2 with FSDP, full recompute, one micro-batch: the backward's 12 all-to-alls (6 of the
+    rerun's forward, 6 of the backward; each 16,384 bytes, see the test above) less the rerun's 3
+    hidden shared-expert forwards make the window; slow links (0.1 GB/s) hide all of Newton-Schulz,
+    fast ones (1e6 GB/s) only the window. Without the flag nothing is hidden (its split batches
+    follow parameter order instead of the hooks', hence the FLOPs of both orders)."""
+    from training.plan_shares import rank_shares
+    from training.time_plan import optimizer_work
+
+    eff = 0.5e12
+    a = TimeAssumptions(assumed_mfu=0.5, nvlink_gb_s=nvlink_gb_s)
+    shared, dispatch = 12_288 * 64 / eff, 16_384 / (nvlink_gb_s * 1e9)
+    window = 12 * dispatch - 3 * min(shared, dispatch)
+    chunk = rank_shares(TINY, 1, 1, 2, None, 64)[0][0]
+
+    def ns_seconds(in_backward):
+        work = optimizer_work(chunk, 2, 1, "muon", 5, 0.25, in_backward)
+        return (work["dense"]["flops"] + work["expert"]["flops"]) / eff
+
+    def optimizer_s(in_backward):
+        inp = _inputs(dp=2, ep=2, sharding="fsdp", optimizer="muon", muon_momentum=0.0, num_microbatches=1,
+                      recompute="full", optimizer_in_backward=in_backward)
+        return plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds["optimizer"]
+
+    hidden = min(ns_seconds(True), window)
+    assert hidden > 0 and (hidden == ns_seconds(True)) == (nvlink_gb_s == 0.1)
+    # sums of a few floats: equal to 1e-9 relative to the optimizer's seconds (rounding only)
+    assert optimizer_s(True) == pytest.approx(optimizer_s(False) + ns_seconds(True) - ns_seconds(False) - hidden,
+                                              rel=1e-9)
