@@ -1,0 +1,26 @@
+"""``apply_context_parallel``: the parallelize step that gives a chunk's attention modules and
+routers the CP group (``training/parallelize.py``)."""
+from __future__ import annotations
+
+from torch import nn
+
+from core.context_parallel.attention import ContextParallel
+from core.context_parallel.exchange import CPComm
+from core.moe.router import TopKRouter
+from core.transformer.attention import Attention
+
+
+def cp_comm(ps) -> CPComm:
+    """This rank's CP group (one per rank, shared by its chunks: every CP rank then counts the
+    same sequence of exchanges)."""
+    return CPComm(ps.group("cp"), ps.ranks("cp"), ps.cp_rank)
+
+
+def apply_context_parallel(chunk: nn.Module, comm: CPComm) -> None:
+    """Attention modules attend across the CP group; routers sum their load statistics over it
+    (the MoE auxiliary loss and the routing load are then the whole pack's)."""
+    for m in chunk.modules():
+        if isinstance(m, Attention):
+            m.context_parallel = ContextParallel(comm)
+        elif isinstance(m, TopKRouter):
+            m.stats_group = comm.group
