@@ -117,3 +117,35 @@ def test_mtp_shifts_stay_inside_documents():
     ins, tgt = mtp_shifts(tokens, labels, [0, 3, 5], [0, 4, 8], 2)
     assert ins.tolist() == [[2, 3, 0, 0, 5, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0]]
     assert tgt.tolist() == [[3, -100, -100, -100, -100, -100, -100, -100], [-100] * 8]
+
+
+def test_the_validation_loader_gives_each_cp_rank_its_shard_of_the_same_batches(tmp_path):
+    """training/eval_data.validation_loader at CP2: both CP ranks' micro-batches unshard to the
+    CP1 loader's (same packs: both pad documents to 4) and their targets add up to its count."""
+    from types import SimpleNamespace
+
+    from core.parallel_state import ParallelSizes
+    from data.indexed_dataset import IndexedDatasetWriter
+    from train_args import parse
+    from training.eval_data import validation_loader
+
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "v_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(40):
+            w.add(rng.integers(0, 256, rng.integers(5, 60)))
+    args = parse(["--data-path", prefix, "--model-preset", "tiny", "--seq-length", "128", "--split", "50,50,0",
+                  "--document-pad-multiple", "4", "--data-cache-path", str(tmp_path)])
+
+    def loader(cp, rank):
+        ps = SimpleNamespace(sizes=ParallelSizes(cp, cp=cp), cp_rank=rank, dp_rank=0)
+        return validation_loader(args, PAD, ps, mtp_depths=1)
+
+    whole, shards = loader(1, 0), [loader(2, r) for r in range(2)]
+    for m in range(3):
+        ref, parts = whole.micro_batch(m), [s.micro_batch(m) for s in shards]
+        pad = ref.packed_seq_params.host_boundaries()[1]
+        assert all(p.packed_seq_params.cp.rank == r for r, p in enumerate(parts))
+        for name in ("tokens", "labels", "position_ids"):
+            assert torch.equal(unshard([getattr(p, name) for p in parts], pad, 2), getattr(ref, name)), name
+        assert sum(int(p.num_target_tokens) for p in parts) == int(ref.num_target_tokens)
