@@ -65,3 +65,51 @@ def test_errors_name_the_flag():
         ParallelSizes(2, cp=0).validate()
     with pytest.raises(ValueError, match="--tensor-model-parallel-size must be 1"):
         ParallelSizes(2, tp=2).validate()
+
+
+def test_cp_wires_every_family_built_on_core_attention_and_refuses_a_block_without_it():
+    """apply_context_parallel reaches the generic decoder's attention modules and routers in
+    both built-in families; a block that attends some other way is refused by the flag's name."""
+    from torch import nn
+
+    from core.context_parallel.apply import apply_context_parallel
+    from core.context_parallel.exchange import CPComm
+    from core.moe.router import TopKRouter
+    from core.transformer.attention import Attention
+    from models.registry import spec_for_preset
+
+    comm = CPComm(object(), [0, 1], 0)  # a stand-in group: nothing is sent here
+    for preset in ("tiny", "qwen3-moe-tiny"):
+        spec = spec_for_preset(preset)
+        chunk = spec.build(spec.preset(preset))
+        apply_context_parallel(chunk, comm)
+        attn = [m for m in chunk.modules() if isinstance(m, Attention)]
+        routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+        assert attn and all(m.context_parallel.comm is comm for m in attn), preset
+        assert routers and all(m.stats_group is comm.group for m in routers), preset
+
+    class Custom(nn.Module):
+        def blocks(self):
+            return [(0, nn.Linear(2, 2))]
+
+    with pytest.raises(ValueError, match="--context-parallel-size 2: block 0 of Custom has no"):
+        apply_context_parallel(Custom(), comm)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--compile"], "--compile with --context-parallel-size > 1 is not supported"),
+    (["--attention-backend", "flex"], "--attention-backend flex does not support --context-parallel-size > 1"),
+    (["--document-pad-multiple", "6"], "--document-pad-multiple 6 must be a multiple of 2 x --context-parallel-size"),
+    (["--seq-length", "130"], "--seq-length 130 must be a multiple of the document pad multiple 4"),
+    # dense gradients have replicas on the CP ranks even at DP 1: what DP > 1 needs, CP > 1 needs
+    (["--optimizer", "muon", "--muon-momentum", "0", "--optimizer-in-backward"],
+     "--optimizer-in-backward with dense replicas"),
+    (["--bf16", "--cpu-offload", "masters"], "--cpu-offload masters with dense replicas"),
+])
+def test_cp_flag_errors_name_the_flag(flags, message):
+    from train_args import parse, validate
+
+    args = parse(["--data-path", "unused", "--model-preset", "tiny", "--seq-length", "128", "--global-batch-size", "1",
+                  "--context-parallel-size", "2", *flags])
+    with pytest.raises(ValueError, match=message):
+        validate(args, world=2, check_files=False)
