@@ -453,14 +453,15 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
         if M != 1:
             raise ValueError(f"--cpu-offload masters needs one micro-batch per rank and step, got {M}: set "
                              "--global-batch-size to --micro-batch-size x data-parallel size")
-        if sizes.dp > 1 and args.memory.data_parallel_sharding != "fsdp":
-            raise ValueError("--cpu-offload masters at data-parallel size > 1 needs --data-parallel-sharding fsdp")
+        if sizes.dp * sizes.cp > 1 and args.memory.data_parallel_sharding != "fsdp":
+            raise ValueError("--cpu-offload masters with dense replicas (data-parallel x context-parallel size "
+                             "> 1) needs --data-parallel-sharding fsdp")
     if args.memory.optimizer_in_backward:
         from core.optim.in_backward import check_in_backward
 
         o, mem = args.optim, args.memory
-        check_in_backward(o.optimizer, o.muon_momentum, o.clip_grad, M, sizes.dp, mem.data_parallel_sharding,
-                          mem.cpu_offload)
+        check_in_backward(o.optimizer, o.muon_momentum, o.clip_grad, M, sizes.dp * sizes.cp,  # dense replicas
+                          mem.data_parallel_sharding, mem.cpu_offload)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)

@@ -113,8 +113,9 @@ def check_in_backward(optimizer: str, momentum: float, clip: float, microbatches
         raise ValueError(f"--optimizer-in-backward needs one micro-batch per rank and step, got {microbatches}: "
                          "set --global-batch-size to --micro-batch-size x data-parallel size")
     if dp > 1 and sharding != "fsdp":
-        raise ValueError("--optimizer-in-backward at data-parallel size > 1 needs --data-parallel-sharding "
-                         "fsdp: each unit's gradients are reduced when its backward ends, then stepped")
+        raise ValueError("--optimizer-in-backward with dense replicas (data-parallel x context-parallel size "
+                         "> 1) needs --data-parallel-sharding fsdp: each unit's gradients are reduced when its "
+                         "backward ends, then stepped")
     if cpu_offload not in ("none", "masters"):
         raise ValueError(f"--optimizer-in-backward with --cpu-offload {cpu_offload} is not supported "
                          "(--cpu-offload masters is: its host updates overlap the backward)")
