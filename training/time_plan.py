@@ -15,6 +15,13 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
   a shared expert's forward runs while its layer's dispatch is in flight (the code overlaps
   them), hiding up to the dispatch's time;
 - p2p: one ``[T, hidden]`` message per stage boundary each way;
+- context parallelism (``cp`` ranks per pack): every per-token cost above is the rank's
+  ``T / cp`` tokens' (a causal document's work splits evenly: ``core/context_parallel/shard.py``),
+  and each attention layer moves K/V over the CP group (``core/context_parallel/costs.py``): a
+  full layer's all-gather (``(cp - 1) / cp`` of ``T`` rows of K and V) in the forward, the
+  reduce-scatter of their gradients in the backward and the gather again when recomputed; a
+  sliding layer's halo (at most ``2 (window - 1)`` rows) the same three times. Not overlapped
+  with the attention (the code gathers the whole K/V before its call);
 - weights gathered per pass (FSDP without gather-once): the offloaded fp32 shards host to
   device (4 bytes per shard parameter) and the all-gather of the compute copies, for the forward
   and again for the backward;
@@ -46,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from core.cli import option
+from core.context_parallel.costs import exchange_bytes
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim.build import classify
 from core.optim.muon_split import ns_flops, owners
@@ -94,7 +102,7 @@ def peak_tflops(flag: float | None) -> float:
     return flag or device_peak_tflops() or DEFAULT_PEAK
 
 
-BREAKDOWN = ("compute", "all-to-all", "p2p", "host-device", "dp comm", "optimizer", "idle")
+BREAKDOWN = ("compute", "all-to-all", "p2p", "cp comm", "host-device", "dp comm", "optimizer", "idle")
 
 
 @dataclass
@@ -241,8 +249,9 @@ def _crosses(sizes, rank: int, kind: str, gpus_per_node: int) -> bool:
 def _bandwidths(inp: PlanInputs, a: TimeAssumptions, pp_rank: int) -> dict:
     s = inp.sizes
     rank = s.rank_of(dp=0, pp=pp_rank)
+    kinds = ("dp", "ep", "expert_dp", "pp", "embedding") + (("cp", "dp_cp") if s.cp > 1 else ())
     return {k: (a.network_gb_s if _crosses(s, rank, k, a.gpus_per_node) else a.nvlink_gb_s) * 1e9
-            for k in ("dp", "ep", "expert_dp", "pp", "embedding")}
+            for k in kinds}
 
 
 HD, NV = "host-device", "nvlink/network"  # the links bytes are counted on
@@ -266,7 +275,12 @@ class _Ledger:
         return sum(self.seconds.values())
 
 
-GROUP = {"dense": "dp", "expert": "expert_dp"}  # where each kind's shards and replicas live
+GROUP = {"dense": "dp", "expert": "expert_dp"}  # where each kind's shards and replicas live (cp 1)
+
+
+def _group(kind: str, inp: PlanInputs) -> str:
+    """The group of ``kind``'s shards and replicas: dense ones span DP x CP."""
+    return "dp_cp" if kind == "dense" and inp.cp > 1 else GROUP[kind]
 
 
 def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pcie: float, host: float,
@@ -283,14 +297,14 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
         ledger.move("host-device", h2d, pcie, HD)
         for k in KINDS:
             if pl.managed[k]:
-                ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[GROUP[k]])
+                ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[_group(k, inp)])
     ledger = bk if pl.sync_every_microbatch else step
     ledger.move("host-device", h2d, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
     if pl.sync_every_microbatch:  # FSDP's `grad += new` on the host, on the backward's thread
         bk.seconds["host-device"] += 3 * h2d / host
     for k in KINDS:
         if pl.managed[k]:
-            ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
+            ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[_group(k, inp)])
 
 
 def _shared_flops(cfg, chunk: ChunkShare) -> float:
@@ -304,10 +318,10 @@ def _shared_flops(cfg, chunk: ChunkShare) -> float:
 def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
                   bw: dict) -> tuple[_Ledger, _Ledger]:
     """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
-    T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
+    T, b, H = inp.local_tokens, inp.act_bytes, cfg.hidden_size
     f, bk = _Ledger(), _Ledger()
     fwd_f, redo_f = _stage_flops(cfg, chunk, inp)
-    f.seconds["compute"] = fwd_f * T / eff
+    f.seconds["compute"] = fwd_f * T / eff  # T: this rank's CP shard
     bk.seconds["compute"] = (2 * fwd_f + redo_f) * T / eff
     n_moe, n_redo = _moe_layers(cfg, chunk, inp)
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep  # dispatch or combine
@@ -318,6 +332,10 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
         hidden = min(_shared_flops(cfg, chunk) * T / eff, a2a / bw["ep"])
         f.seconds["all-to-all"] -= n_moe * hidden
         bk.seconds["all-to-all"] -= n_redo * hidden
+    if inp.cp > 1:
+        fwd_kv, redo_kv = _cp_exchanges(cfg, chunk, inp)
+        f.move("cp comm", fwd_kv, bw["cp"])
+        bk.move("cp comm", fwd_kv + redo_kv, bw["cp"])
     if chunk.stage < inp.pp * inp.vpp - 1:
         f.move("p2p", T * H * b, bw["pp"])
     if chunk.stage > 0:
@@ -325,21 +343,34 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     return f, bk
 
 
+def _cp_exchanges(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
+    """K/V bytes the chunk's attention layers receive over the CP group in one micro-batch's
+    forward (the backward's gradient exchanges move as many), and those its recompute repeats."""
+    shapes, T, b = shapes_of(cfg), inp.tokens, inp.act_bytes
+    n = inp.recompute_num_layers or len(chunk.layers)
+    moved = [(exchange_bytes(shapes.blocks[i].attention, T, inp.cp, b), inp.recompute != "none" and k < n)
+             for k, i in enumerate(chunk.layers)]
+    if chunk.last:
+        redo = inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers))
+        moved += [(exchange_bytes(x.attention, T, inp.cp, b), redo) for x in shapes.extra]
+    return float(sum(x for x, _ in moved)), float(sum(x for x, r in moved if r))
+
+
 def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
                         bw: dict, eff: float, step: _Ledger) -> None:
     """All-reduce of gradients FSDP does not shard, the tied embedding's, and the optimizer."""
-    replicas = {"dense": inp.sizes.dp, "expert": inp.sizes.expert_dp}
+    replicas = {"dense": inp.sizes.dp * inp.sizes.cp, "expert": inp.sizes.expert_dp}
     work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
                           inp.muon_ns_steps, inp.dion_rank_fraction, inp.optimizer_in_backward)
     pcie, host, hbm = a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, a.hbm_gb_s * 1e9
     for k in KINDS:
         g, w = replicas[k], work[k]
         if pl.shard_world[k] == 1 and g > 1:  # sync_gradients sums whole fp32 gradients
-            step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[GROUP[k]])
+            step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[_group(k, inp)])
         if inp.pp > 1 and w["tied"]:  # first and last stage sum the embedding's gradient
             step.move("dp comm", w["tied"] * MASTER, bw["embedding"])
         if pl.host_masters:
-            _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
+            _split_traffic(w, pl.shard_world[k], bw[_group(k, inp)], step)
             _host_masters_step(w, inp, pcie, host, eff, step,
                                len({x.block for x in chunk.tensors if x.block is not None}))
             continue
@@ -349,7 +380,7 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
             continue
         momentum = inp.optimizer == "dion" or inp.muon_momentum > 0  # a buffer read and written
         step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory + w["flops"] / eff
-        _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
+        _split_traffic(w, pl.shard_world[k], bw[_group(k, inp)], step)
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
 

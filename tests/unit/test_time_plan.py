@@ -45,7 +45,7 @@ def test_one_rank_step_is_compute_plus_the_optimizer_by_hand():
     assert sec["compute"] == pytest.approx(compute, rel=1e-12) == pytest.approx(4.8648192e-4, rel=1e-12)
     assert sec["optimizer"] == pytest.approx(optimizer, rel=1e-12)
     assert {k: v for k, v in sec.items() if k not in ("compute", "optimizer")} == \
-        {"all-to-all": 0.0, "p2p": 0.0, "host-device": 0.0, "dp comm": 0.0, "idle": 0.0}
+        {"all-to-all": 0.0, "p2p": 0.0, "cp comm": 0.0, "host-device": 0.0, "dp comm": 0.0, "idle": 0.0}
     assert st.step_s == pytest.approx(compute + optimizer, rel=1e-12)
     assert st.tokens_per_s_per_gpu == pytest.approx(2 * 64 / (compute + optimizer), rel=1e-12)
     model_flops = 3 * TINY_FWD_FLOPS_PER_TOKEN * 64 * 2 / 1e12
@@ -159,3 +159,19 @@ def test_the_shared_expert_hides_behind_its_layers_dispatch_by_hand():
     sec = plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds
     # forward 6 and backward 6 + 6 (rerun) all-to-alls; 3 + 3 hidden shared-expert forwards
     assert sec["all-to-all"] == pytest.approx(18 * dispatch - 6 * min(shared, dispatch), rel=1e-9)
+
+
+def test_cp2_halves_compute_and_moves_kv_over_the_cp_group_by_hand():
+    """CP2 on two ranks, the hand count above: compute is each rank's 32 tokens (half of one
+    rank's 4.8648192e-4 s, exactly: the causal work splits evenly). K/V rows are 2 KV heads x 16
+    x 2 (K and V) x 4 bytes = 256 bytes; a full layer receives the other rank's 32 rows (8,192
+    bytes), a sliding one (window 8, chunks of 16) at most the busiest rank's halo of 7 + 7 rows
+    (3,584 bytes); 2 full and 4 sliding layers (2 MTP depths) -> 30,720 bytes per forward, as
+    many per backward, 2 micro-batches: 122,880 bytes at 150 GB/s = 8.192e-7 s."""
+    a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
+    sec = plan_time(TINY, _inputs(cp=2), a, peak=1.0).ranks[0].seconds
+    assert sec["compute"] == pytest.approx(4.8648192e-4 / 2, rel=1e-12)
+    assert sec["cp comm"] == pytest.approx(122_880 / 150e9, rel=1e-12)
+    assert plan_time(TINY, _inputs(), a, peak=1.0).ranks[0].seconds["cp comm"] == 0.0
+    full = plan_time(TINY, _inputs(cp=2, recompute="full"), a, peak=1.0).ranks[0].seconds
+    assert full["cp comm"] == pytest.approx(1.5 * 122_880 / 150e9, rel=1e-12)  # the recompute gathers again
