@@ -82,7 +82,8 @@ def main(argv=None) -> int:
             _abort(e, timeout)
         raise
     s = layout.sizes
-    trainer.log.info(f"layout: world {world} = pp {s.pp} x dp {s.dp} (ep {s.ep}, expert-dp {s.expert_dp}), "
+    cp = f" x cp {s.cp}" if s.cp > 1 else ""
+    trainer.log.info(f"layout: world {world} = pp {s.pp} x dp {s.dp}{cp} (ep {s.ep}, expert-dp {s.expert_dp}), "
                      f"{s.vpp} virtual stage(s), {layout.num_microbatches} micro-batches per rank per "
                      f"iteration; {trainer.groups_summary}; {threads} host thread(s) per rank")
     try:

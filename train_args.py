@@ -100,11 +100,16 @@ class DataArgs:
     tokenizer_type: str = option("byte", "tokenizer the data was made with (for the pad id)",
                                  choices=TOKENIZER_TYPES)
     tokenizer_model: str = option(None, "its model file or directory")
+    document_pad_multiple: int = option(None, "pad every document to a multiple of this in the pack plan "
+                                              "and the micro-batches (default: 2 x --context-parallel-size, "
+                                              "1 without CP); give a CP run's value to a run at another CP "
+                                              "size to resume on the same packs")
     data_cache_path: str = option(None, "directory for pack plans and dataset statistics (default: "
                                         "beside each dataset, or $XDG_CACHE_HOME/step37-trainer "
                                         "when the dataset's directory is read-only)")
 
     def __post_init__(self):
+        require(self, document_pad_multiple=AT_LEAST_1)
         for name in ("seq_length", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -114,6 +119,10 @@ class DataArgs:
             raise ValueError(f"--split {self.split!r}: expected three weights like 98,1,1 with a "
                              "positive train weight")
 
+    def pad_multiple(self, cp: int) -> int:
+        """What documents are padded to: ``--document-pad-multiple``, else 2 x cp (1 at cp 1)."""
+        return self.document_pad_multiple or (2 * cp if cp > 1 else 1)
+
     @property
     def train_fraction(self) -> float:
         w = [float(x) for x in self.split.split(",")]
@@ -122,12 +131,16 @@ class DataArgs:
 
 @dataclass
 class ParallelArgs:
-    """Parallelism: pipeline (with virtual stages) and expert parallel sizes; DP is the rest."""
+    """Parallelism: pipeline (with virtual stages), expert and context parallel sizes; DP is the rest."""
 
     pipeline_model_parallel_size: int = option(1, "pipeline stages")
     virtual_pipeline_model_parallel_size: int = option(1, "model chunks per pipeline rank "
                                                           "(interleaved 1F1B)")
-    expert_model_parallel_size: int = option(1, "ranks that split the experts (carved out of DP)")
+    expert_model_parallel_size: int = option(1, "ranks that split the experts (carved out of DP x CP)")
+    context_parallel_size: int = option(1, "ranks that split each pack (long sequences): every document "
+                                           "padded to a multiple of 2 x CP and cut into 2 x CP chunks, "
+                                           "rank r holding chunks r and 2CP-1-r; full-attention layers "
+                                           "all-gather K/V, sliding ones exchange a halo of window - 1 keys")
     pipeline_layout: str = option(None, "layers per virtual stage, e.g. 14,14,14,3 (default: the "
                                         "split that minimises the slowest stage's FLOPs, counting "
                                         "the head and MTP depths on the last stage)")
@@ -424,8 +437,9 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     spec, cfg = model_spec_and_config(args)
     p, d = args.parallel, args.data
     sizes = ParallelSizes(world, pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
-                          vpp=p.virtual_pipeline_model_parallel_size)
+                          vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size)
     sizes.validate(cfg.num_layers, cfg.num_experts)
+    _check_context_parallel(args, sizes.cp)
     stage_layers(cfg, sizes.pp * sizes.vpp, p.pipeline_layout, d.seq_length)
     per_step = d.micro_batch_size * sizes.dp
     if d.global_batch_size % per_step:
@@ -439,14 +453,15 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
         if M != 1:
             raise ValueError(f"--cpu-offload masters needs one micro-batch per rank and step, got {M}: set "
                              "--global-batch-size to --micro-batch-size x data-parallel size")
-        if sizes.dp > 1 and args.memory.data_parallel_sharding != "fsdp":
-            raise ValueError("--cpu-offload masters at data-parallel size > 1 needs --data-parallel-sharding fsdp")
+        if sizes.dp * sizes.cp > 1 and args.memory.data_parallel_sharding != "fsdp":
+            raise ValueError("--cpu-offload masters with dense replicas (data-parallel x context-parallel size "
+                             "> 1) needs --data-parallel-sharding fsdp")
     if args.memory.optimizer_in_backward:
         from core.optim.in_backward import check_in_backward
 
         o, mem = args.optim, args.memory
-        check_in_backward(o.optimizer, o.muon_momentum, o.clip_grad, M, sizes.dp, mem.data_parallel_sharding,
-                          mem.cpu_offload)
+        check_in_backward(o.optimizer, o.muon_momentum, o.clip_grad, M, sizes.dp * sizes.cp,  # dense replicas
+                          mem.data_parallel_sharding, mem.cpu_offload)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
@@ -464,6 +479,26 @@ def evaluates(args) -> bool:
     """Whether the run evaluates: --eval-iters > 0 and validation data to read."""
     w = validation_weights(args)
     return args.eval.eval_iters > 0 and (w is None or w[1] > 0)
+
+
+def _check_context_parallel(args, cp: int) -> None:
+    """The document padding and, at cp > 1, what context parallelism does not compose with."""
+    d, m = args.data, args.model
+    pad = d.pad_multiple(cp)
+    if pad % (2 * cp if cp > 1 else 1):
+        raise ValueError(f"--document-pad-multiple {pad} must be a multiple of 2 x --context-parallel-size "
+                         f"= {2 * cp}")
+    if d.seq_length % pad:
+        raise ValueError(f"--seq-length {d.seq_length} must be a multiple of the document pad multiple {pad} "
+                         f"({'--document-pad-multiple' if d.document_pad_multiple else '2 x --context-parallel-size'})")
+    if cp == 1:
+        return
+    if m.compile:
+        raise ValueError("--compile with --context-parallel-size > 1 is not supported: the K/V exchanges are "
+                         "host-planned collectives inside each attention layer")
+    if m.attention_backend not in ("auto", "sdpa", "varlen"):
+        raise ValueError(f"--attention-backend {m.attention_backend} does not support --context-parallel-size > 1: "
+                         "use auto (varlen on CUDA, sdpa on CPU)")
 
 
 def _check_against_model(args, cfg) -> None:

@@ -5,6 +5,10 @@ the real document boundaries; ``cu_seqlens_padded`` the same boundaries after ea
 padded to a multiple of ``pad_multiple`` and the pack's trailing pad folded into its last
 document, so ``cu_seqlens_padded[-1] == T`` always. Attention never crosses a boundary.
 
+Under context parallelism a micro-batch is one CP rank's shard: the boundaries are the shard's
+(``core/context_parallel/shard.py``) and ``cp`` holds the whole pack's, with what was computed
+on the whole pack before it was cut.
+
 The same boundaries also travel as host integers (``host_cu_seqlens``, ``host_cu_seqlens_padded``),
 taken from the loader's CPU tensors and kept when the tensors move to the GPU, so code that
 needs a length on the host (kernel arguments, loop bounds) never reads device memory.
@@ -24,6 +28,7 @@ class PackedSeqParams:
     qkv_format: str = "thd"
     host_cu_seqlens: tuple | None = None         # cu_seqlens as Python ints (from the loader)
     host_cu_seqlens_padded: tuple | None = None  # cu_seqlens_padded as Python ints
+    cp: object = None  # context parallelism: this rank's core.context_parallel.shard.CPShard
 
     def __post_init__(self) -> None:
         for name in ("cu_seqlens", "cu_seqlens_padded"):
@@ -50,4 +55,5 @@ class PackedSeqParams:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedSeqParams":
         return PackedSeqParams(self.cu_seqlens.to(device, non_blocking=non_blocking),
                                self.cu_seqlens_padded.to(device, non_blocking=non_blocking),
-                               self.max_seqlen, self.qkv_format, *self.host_boundaries())
+                               self.max_seqlen, self.qkv_format, *self.host_boundaries(),
+                               cp=None if self.cp is None else self.cp.to(device, non_blocking))

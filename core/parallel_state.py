@@ -1,14 +1,24 @@
 """Rank layout and process groups, built once and passed explicitly (no module globals).
 
-Layout order ``tp-cp-ep-dp-pp``, leftmost varying fastest (as Megatron): expert parallelism is
-carved out of data parallelism, ``dp = ep * expert_dp``, so with ``world = tp*cp*dp*pp``::
+Layout order ``tp-cp-ep-dp-pp``, leftmost varying fastest (as Megatron), ``world =
+tp*cp*dp*pp``::
 
-    rank = tp_r + tp * (cp_r + cp * (ep_r + ep * (edp_r + edp * pp_r)))
+    rank = tp_r + tp * (cp_r + cp * (dp_r + dp * pp_r))
 
-Groups: ``pp`` (a pipeline), ``dp`` (dense-gradient replicas, EP ranks included), ``ep``
-(ranks that split the experts), ``expert_dp`` (replicas of one expert shard), and ``embedding``
-(first and last pipeline stage, which both hold the embedding when the last stage runs MTP).
-tp and cp must be 1 for now; their sizes are accepted so the layout does not change later.
+Expert parallelism is carved out of data x context parallelism (as Megatron): within one
+(tp, pp) slice the ``dp * cp`` ranks, numbered ``j = cp_r + cp * dp_r``, split as
+``ep_r = j % ep``, ``expert_dp_r = j // ep``, so ``dp * cp = ep * expert_dp``. At cp 1 that is
+the old ``dp = ep * expert_dp``; at CP8 x EP8 on 8 ranks (dp 1) the EP group is the CP group.
+Each CP rank holds a different part of every pack, so an expert shard sees its EP group's tokens
+whichever CP rank they come from, and its gradient sums over the ``expert_dp`` ranks, which span
+CP ranks too.
+
+Groups: ``pp`` (a pipeline), ``dp`` (data-parallel ranks: different packs), ``cp`` (ranks that
+split one pack), ``dp_cp`` (dense-gradient replicas: dp x cp, EP ranks included; the ``dp``
+group itself at cp 1), ``ep`` (ranks that split the experts), ``expert_dp`` (replicas of one
+expert shard), and ``embedding`` (first and last pipeline stage, which both hold the embedding
+when the last stage runs MTP). tp must be 1 for now; its size is accepted so the layout does
+not change later.
 """
 from __future__ import annotations
 
@@ -39,24 +49,28 @@ class ParallelSizes:
 
     @property
     def expert_dp(self) -> int:
-        return self.dp // self.ep
+        return self.dp * self.cp // self.ep
 
     def validate(self, num_layers: int | None = None, num_experts: int | None = None) -> None:
         """Raise ``ValueError`` naming the flag, before any process group exists."""
         for name, v in (("world size", self.world), ("--pipeline-model-parallel-size", self.pp),
                         ("--expert-model-parallel-size", self.ep),
-                        ("--virtual-pipeline-model-parallel-size", self.vpp)):
+                        ("--virtual-pipeline-model-parallel-size", self.vpp),
+                        ("--context-parallel-size", self.cp)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if self.tp != 1 or self.cp != 1:
-            raise ValueError("tensor and context parallelism are not implemented yet: "
-                             "--tensor-model-parallel-size and --context-parallel-size must be 1")
+        if self.tp != 1:
+            raise ValueError("tensor parallelism is not implemented yet: "
+                             "--tensor-model-parallel-size must be 1")
         if self.world % (self.tp * self.cp * self.pp):
             raise ValueError(f"world size {self.world} is not divisible by tp*cp*pp = "
-                             f"{self.tp * self.cp * self.pp} (--pipeline-model-parallel-size {self.pp})")
-        if self.dp % self.ep:
-            raise ValueError(f"--expert-model-parallel-size {self.ep} must divide the data-parallel "
-                             f"size {self.dp} (world {self.world} / pp {self.pp}): EP is carved out of DP")
+                             f"{self.tp * self.cp * self.pp} (--pipeline-model-parallel-size {self.pp}, "
+                             f"--context-parallel-size {self.cp})")
+        if (self.dp * self.cp) % self.ep:
+            where = "data-parallel" if self.cp == 1 else "data-parallel x context-parallel"
+            raise ValueError(f"--expert-model-parallel-size {self.ep} must divide the {where} "
+                             f"size {self.dp * self.cp} (world {self.world} / pp {self.pp}): EP is "
+                             f"carved out of {'DP' if self.cp == 1 else 'DP x CP'}")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError("--virtual-pipeline-model-parallel-size > 1 needs "
                              "--pipeline-model-parallel-size > 1")
@@ -77,24 +91,37 @@ class ParallelSizes:
         rest //= self.cp
         dp_r = rest % self.dp
         pp_r = rest // self.dp
-        return {"tp": tp_r, "cp": cp_r, "dp": dp_r, "ep": dp_r % self.ep,
-                "expert_dp": dp_r // self.ep, "pp": pp_r}
+        j = cp_r + self.cp * dp_r  # place among the dp x cp ranks of this (tp, pp): EP is carved from them
+        return {"tp": tp_r, "cp": cp_r, "dp": dp_r, "ep": j % self.ep,
+                "expert_dp": j // self.ep, "pp": pp_r}
 
     def rank_of(self, tp=0, cp=0, dp=0, pp=0) -> int:
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
+    def _rank_of_j(self, tp: int, j: int, pp: int) -> int:
+        """Global rank of the ``j``-th of the dp x cp ranks of slice (tp, pp)."""
+        return self.rank_of(tp, j % self.cp, j // self.cp, pp)
+
     def group_ranks(self) -> dict[str, list[list[int]]]:
-        """Every group of every kind, as lists of global ranks (same order on every rank)."""
+        """Every group of every kind, as lists of global ranks (same order on every rank). The
+        ``cp`` and ``dp_cp`` kinds exist only at cp > 1 (``dp_cp`` is the ``dp`` group at cp 1)."""
         out: dict[str, list[list[int]]] = {"pp": [], "dp": [], "ep": [], "expert_dp": [], "embedding": []}
+        if self.cp > 1:
+            out.update(cp=[], dp_cp=[])
         for tp in range(self.tp):
-            for cp in range(self.cp):
-                for pp in range(self.pp):
+            for pp in range(self.pp):
+                for cp in range(self.cp):
                     out["dp"].append([self.rank_of(tp, cp, d, pp) for d in range(self.dp)])
-                    for edp in range(self.expert_dp):
-                        out["ep"].append([self.rank_of(tp, cp, edp * self.ep + e, pp) for e in range(self.ep)])
-                    for e in range(self.ep):
-                        out["expert_dp"].append([self.rank_of(tp, cp, edp * self.ep + e, pp)
-                                                 for edp in range(self.expert_dp)])
+                if self.cp > 1:
+                    for d in range(self.dp):
+                        out["cp"].append([self.rank_of(tp, c, d, pp) for c in range(self.cp)])
+                    out["dp_cp"].append([self._rank_of_j(tp, j, pp) for j in range(self.dp * self.cp)])
+                for edp in range(self.expert_dp):
+                    out["ep"].append([self._rank_of_j(tp, edp * self.ep + e, pp) for e in range(self.ep)])
+                for e in range(self.ep):
+                    out["expert_dp"].append([self._rank_of_j(tp, edp * self.ep + e, pp)
+                                             for edp in range(self.expert_dp)])
+            for cp in range(self.cp):
                 for d in range(self.dp):
                     ranks = [self.rank_of(tp, cp, d, p) for p in range(self.pp)]
                     out["pp"].append(ranks)
@@ -143,11 +170,14 @@ class ParallelState:
     def _coord(self, kind: str) -> int:
         return self.sizes.coords(self.rank)[kind]
 
+    def _kind(self, kind: str) -> str:
+        return "dp" if kind == "dp_cp" and self.sizes.cp == 1 else kind
+
     def group(self, kind: str):
-        return self.groups.get(kind, (None, [self.rank]))[0]
+        return self.groups.get(self._kind(kind), (None, [self.rank]))[0]
 
     def ranks(self, kind: str) -> list[int]:
-        return self.groups.get(kind, (None, [self.rank]))[1]
+        return self.groups.get(self._kind(kind), (None, [self.rank]))[1]
 
     @property
     def pp_rank(self) -> int:
@@ -156,6 +186,10 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return self._coord("dp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self._coord("cp")
 
     @property
     def ep_rank(self) -> int:

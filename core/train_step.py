@@ -119,19 +119,21 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
 
 def _global_counts(batches: list, ps: ParallelState, flops_of) -> tuple[int, int, float]:
     """Target and real-token counts and model FLOPs of the step over all DP ranks, from the
-    host-side batches (one all-reduce of host values)."""
+    host-side batches (one all-reduce of host values; under context parallelism each batch is
+    a shard, summed over DP x CP)."""
     counts = torch.tensor([sum(int(b.num_target_tokens) for b in batches),
                            sum(int(b.packed_seq_params.cu_seqlens[-1]) for b in batches),
                            sum(flops_of(b) for b in batches) if flops_of else 0.0], dtype=torch.float64)
-    if ps.sizes.dp > 1:
-        dist.all_reduce(counts, group=ps.group("dp"))
+    if ps.sizes.dp * ps.sizes.cp > 1:
+        dist.all_reduce(counts, group=ps.group("dp_cp"))
     return int(counts[0]), int(counts[1]), float(counts[2])
 
 
 def _reduce_expert_load(load: dict, ps: ParallelState) -> dict:
     """Tokens per expert of every MoE layer of this rank's chunks, summed over the step's
     micro-batches (by the executor) and over the DP ranks here, in one flat all-reduce. Every
-    DP rank of a stage holds the same layers, so the flat buffers line up."""
+    DP rank of a stage holds the same layers, so the flat buffers line up. (Under context
+    parallelism the routers already summed each pack's load over the CP group.)"""
     if not load:
         return {}
     keys = sorted(load)

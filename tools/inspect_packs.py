@@ -2,7 +2,11 @@
 """Inspect how a dataset packs: packs, fill, documents per pack, lost tokens, length histogram.
 
     python tools/inspect_packs.py --data-path out/corpus_text_document --seq-length 8192 \\
-        [--long-docs split] [--seed 0] [--plot packs.png]
+        [--long-docs split] [--seed 0] [--context-parallel-size N | --document-pad-multiple P] \\
+        [--plot packs.png]
+
+With context parallelism every document is padded to a multiple of 2 x N (as training pads it):
+the plan is then made on padded lengths, and a line shows the padding and the packs it adds.
 
 The plan is the same one training uses, cached the same way: beside the dataset, in
 --data-cache-path when given, or in the user cache when the dataset's directory is read-only.
@@ -42,14 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="pack shuffle seed (default: 0)")
     ap.add_argument("--plot", metavar="PNG", help="also draw the length and fill histograms (matplotlib)")
     ap.add_argument("--data-cache-path", help="directory for the cached plan (as in training)")
+    ap.add_argument("--context-parallel-size", type=int, default=1,
+                    help="pad every document to a multiple of 2 x this, as training does (default: 1, no padding)")
+    ap.add_argument("--document-pad-multiple", type=int, default=None,
+                    help="pad every document to a multiple of this instead (as the training flag)")
     args = ap.parse_args(argv)
+    pad = args.document_pad_multiple or (2 * args.context_parallel_size if args.context_parallel_size > 1 else 1)
+    if pad < 1 or args.seq_length % pad:
+        print(f"inspect_packs: error: --seq-length {args.seq_length} must be a multiple of the document pad "
+              f"multiple {pad}", file=sys.stderr)
+        return 2
     try:
         ds = IndexedDataset(args.data_path)
     except ValueError as e:
         print(f"inspect_packs: error: {e}", file=sys.stderr)
         return 1
     lengths = ds.lengths.astype(np.int64)
-    plan = cached_plan(lengths, args.seq_length, args.data_path, long_docs=args.long_docs, seed=args.seed,
+    padded = (lengths + pad - 1) // pad * pad  # what training plans with (data/loader.open_source)
+    plan = cached_plan(padded, args.seq_length, args.data_path, long_docs=args.long_docs, seed=args.seed,
                        cache_path=args.data_cache_path)
     per_pack = np.diff(plan.pack_offsets)
     fills = plan.pack_tokens() / args.seq_length
@@ -62,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"long docs    --long-docs {args.long_docs}: split {plan.split_docs:,}, truncated "
           f"{plan.truncated_docs:,} ({plan.truncated_tokens:,} tokens), dropped {plan.dropped_docs:,} "
           f"({plan.dropped_tokens:,} tokens); empty documents skipped {plan.empty_docs:,}")
+    if pad > 1:
+        bare = cached_plan(lengths, args.seq_length, args.data_path, long_docs=args.long_docs, seed=args.seed,
+                           cache_path=args.data_cache_path)
+        added = int((padded - lengths).sum())
+        print(f"cp padding   documents padded to a multiple of {pad}: +{added:,} pad tokens "
+              f"({100 * added / max(1, ds.num_tokens):.2f}% of the real ones); {plan.num_packs:,} packs "
+              f"against {bare.num_packs:,} unpadded (fill counts the padding as used)")
     print("document lengths:")
     print("\n".join(histogram_lines(lengths[lengths > 0])))
     if args.plot:

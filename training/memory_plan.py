@@ -21,6 +21,14 @@ accumulates *unsharded, in fp32, on the device*, whatever the offload mode: it o
 (possibly host) shard at the synchronising backward. ``cpu_offload="optimizer"`` syncs on every
 backward instead, so only one unit's unsharded gradient is alive at a time. CPU offload keeps
 the offloaded shards, their gradients and optimizer state in host memory.
+
+Context parallelism (``cp`` ranks split each pack, ``core/context_parallel/``): every rank's
+activations, p2p and all-to-all buffers are those of its ``T / cp`` tokens; dense replicas (and
+FSDP's dense shards) span DP x CP, expert shards expert-DP = DP x CP / EP. On top, each attention
+layer that is not recomputed keeps its key buffer for the backward (``cp K/V``:
+``core/context_parallel/costs.py``: ``(1 + 1/2cp) T`` rows of K and V on full layers, ``T / cp``
+plus a halo of up to ``2 (window - 1)`` on sliding ones), with one full layer's all-gathered
+``T`` rows alive while its buffer is cut from them.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from core.activations import block_bytes, extra_block_bytes, head_bytes
+from core.context_parallel.costs import gathered_bytes, key_buffer_bytes
 from core.optim.build import classify
 from core.parallel_state import ParallelSizes
 from core.transformer.block import recomputes_extra_blocks
@@ -46,6 +55,7 @@ class PlanInputs:
     vpp: int = 1
     ep: int = 1
     dp: int = 1
+    cp: int = 1                     # context-parallel ranks per pack (DP is the rest)
     sharding: str = "none"          # none | fsdp
     fsdp_gather_once: bool = False  # keep every layer of the stage gathered for the whole step
     cpu_offload: str = "none"       # none | all | experts | optimizer
@@ -78,6 +88,9 @@ class PlanInputs:
             raise ValueError("--cpu-offload masters needs --bf16")
         if self.store_param_remainders and not self.bf16:
             raise ValueError("--store-param-remainders needs --bf16")
+        if self.cp > 1 and self.seq_length % (2 * self.cp):
+            raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
+                             f"= {2 * self.cp}")
 
     @property
     def bf16_params(self) -> bool:
@@ -92,12 +105,17 @@ class PlanInputs:
 
     @property
     def sizes(self) -> ParallelSizes:
-        return ParallelSizes(self.pp * self.dp, pp=self.pp, ep=self.ep, vpp=self.vpp)
+        return ParallelSizes(self.pp * self.dp * self.cp, pp=self.pp, ep=self.ep, vpp=self.vpp, cp=self.cp)
 
     @property
     def tokens(self) -> int:
         """Tokens per micro-batch (T)."""
         return self.seq_length * self.micro_batch_size
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of a micro-batch on one rank: its CP shard, ``T / cp``."""
+        return self.tokens // self.cp
 
     @property
     def act_bytes(self) -> int:
@@ -121,6 +139,8 @@ class Placement:
 
 
 KINDS = ("dense", "expert")
+COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
+           "cp K/V", "p2p buffers", "all-to-all buffers", "gathered layers")  # device columns
 
 
 def placement(inp: PlanInputs) -> Placement:
@@ -130,7 +150,7 @@ def placement(inp: PlanInputs) -> Placement:
     ``bf16``; ``cpu_offload="optimizer"`` offloads every unit, gathers once per step and
     reduces on every backward."""
     s = inp.sizes
-    shard = inp.sharding == "fsdp" and s.dp > 1
+    shard = inp.sharding == "fsdp" and s.dp * s.cp > 1  # dense replicas: dp x cp
     # bf16-stored parameters at one micro-batch need no one-rank mesh (apply_fsdp one_rank_meshes)
     one_rank = inp.bf16 and not (inp.bf16_params and inp.num_microbatches == 1)
     fsdp_offload = inp.cpu_offload not in ("none", "masters")
@@ -138,7 +158,7 @@ def placement(inp: PlanInputs) -> Placement:
     expert_managed = (s.expert_dp > 1 or fsdp_offload or one_rank) if shard else any_fsdp
     managed = {"dense": any_fsdp, "expert": expert_managed}
     offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": fsdp_offload}
-    world = {"dense": s.dp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
+    world = {"dense": s.dp * s.cp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
     per_mb = shard and not inp.fsdp_gather_once and inp.cpu_offload != "optimizer"
     return Placement(world, managed, {k: managed[k] and offload[k] for k in KINDS}, per_mb,
                      inp.cpu_offload == "optimizer", inp.cpu_offload == "masters")
@@ -227,17 +247,25 @@ def _managed_blocks(chunk: ChunkShare, pl: Placement) -> dict:
     return out
 
 
+def _plain_blocks(chunk: ChunkShare, pl: Placement) -> dict:
+    """Parameters per block that FSDP does not manage (experts left out of it, or everything)."""
+    out: dict = {}
+    for s in chunk.tensors:
+        if not pl.managed["expert" if s.expert else "dense"]:
+            out[s.block] = out.get(s.block, 0) + s.t.numel()
+    return out
+
+
 def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
                 pl: Placement | None = None) -> RankMemory:
     """One rank's plan from its chunks' shares (``plan_shares.rank_shares``)."""
     pl = pl or placement(inp)
     facts = schedule_facts(inp.pp, inp.vpp, inp.num_microbatches)
-    T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
+    T, b, H = inp.local_tokens, inp.act_bytes, cfg.hidden_size
     r = RankMemory(pp_rank, ep_rank)
-    dev = dict.fromkeys(("parameters", "gradients", "unsharded grads", "optimizer", "activations",
-                         "recompute working set", "p2p buffers", "all-to-all buffers", "gathered layers"), 0)
+    dev = dict.fromkeys(COLUMNS, 0)
     host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
-    managed_numel, managed_fp32, managed_dev_grads, largest_block, per_step_gather = 0, 0, 0, 0, 0
+    managed_numel, managed_fp32, managed_dev_grads, largest_block, per_step_gather, cp_pool = 0, 0, 0, 0, 0, 0
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         for kind in KINDS:
@@ -263,8 +291,13 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         per_step_gather += blocks.get(ROOT, 0)  # FSDP2 keeps the root gathered forward to backward
         dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
         dev["recompute working set"] = max(dev["recompute working set"], _recompute_working_set(cfg, chunk, T, b, inp))
+        kept, pool = _cp_key_buffers(cfg, chunk, inp)
+        dev["cp K/V"] += kept
+        cp_pool = max(cp_pool, pool)
     # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
-    dev["activations"] = dev["activations"] * facts.peak_in_flight[pp_rank] // len(chunks)
+    for key in ("activations", "cp K/V"):
+        dev[key] = dev[key] * facts.peak_in_flight[pp_rank] // len(chunks)
+    dev["cp K/V"] += cp_pool
     if managed_numel:
         if pl.gather_per_microbatch:
             dev["gathered layers"] = (2 * largest_block + per_step_gather) * b
@@ -276,8 +309,12 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         else:  # one unit's gradient at a time: autograd's (compute dtype), FSDP's fp32 for the reduce
             largest = max(largest_block, per_step_gather)
             dev["unsharded grads"] = largest * (b + MASTER if b < MASTER else MASTER)
-    elif inp.optimizer_in_backward:  # plain parameters: one block's gradients before its hooks free them
-        dev["unsharded grads"] = max(n for c in chunks for k, n in block_numel(c).items() if k is not ROOT) * b
+    if inp.optimizer_in_backward:
+        # parameters FSDP does not manage keep their gradients until their hooks step them on the
+        # steps' own stream (core/optim/in_backward.py), which runs behind the backward: the block
+        # it is stepping and the block the backward is making
+        plain = [n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT]
+        dev["unsharded grads"] += 2 * max(plain, default=0) * b
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
         dev["all-to-all buffers"] = 4 * T * cfg.num_experts_per_tok * H * b
@@ -308,12 +345,33 @@ def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
         return 0
     shapes = shapes_of(cfg)
     n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
+    kv = lambda i: key_buffer_bytes(shapes.block(i).attention, inp.tokens, inp.cp, b)  # gathered again
     sets = [block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
-            for i in chunk.layers[:n]]
+            + kv(int(i)) for i in chunk.layers[:n]]
     if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
         sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, inp.recompute)
-                 for k in range(len(shapes.extra))]
+                 + kv(-1 - k) for k in range(len(shapes.extra))]
     return max(sets, default=0)
+
+
+def _cp_key_buffers(cfg, chunk, inp: PlanInputs) -> tuple[int, int]:
+    """Context parallelism: the key buffers the chunk's attention layers keep for one
+    micro-batch (layers whose recompute mode is "none"; a recomputed layer gathers again in its
+    backward, counted in its working set), and the largest all-gathered pool of a full layer
+    (transient, once per rank)."""
+    if inp.cp == 1:
+        return 0, 0
+    shapes, T, b = shapes_of(cfg), inp.tokens, inp.act_bytes
+    n = len(chunk.layers) if inp.recompute_num_layers <= 0 else inp.recompute_num_layers
+    kept = sum(key_buffer_bytes(shapes.block(int(i)).attention, T, inp.cp, b)
+               for k, i in enumerate(chunk.layers) if inp.recompute == "none" or k >= n)
+    blocks = [shapes.block(int(i)) for i in chunk.layers]
+    if chunk.last:
+        extra_kept = inp.recompute == "none" or not recomputes_extra_blocks(inp.recompute_num_layers,
+                                                                            len(chunk.layers))
+        kept += sum(key_buffer_bytes(s.attention, T, inp.cp, b) for s in shapes.extra) if extra_kept else 0
+        blocks += list(shapes.extra)
+    return kept, max((gathered_bytes(s.attention, T, inp.cp, b) for s in blocks), default=0)
 
 
 def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
@@ -336,9 +394,8 @@ def as_dict(ranks: list[RankMemory]) -> list[dict]:
 
 
 def format_table(ranks: list[RankMemory], inp: PlanInputs) -> str:
-    cols = ["parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
-            "p2p buffers", "all-to-all buffers", "gathered layers"]
-    short = ["params", "grads", "unshard", "optim", "activ", "recomp", "p2p", "a2a", "gathered"]
+    cols = list(COLUMNS)
+    short = ["params", "grads", "unshard", "optim", "activ", "recomp", "cp K/V", "p2p", "a2a", "gathered"]
     head = f"{'rank':<10}{'params #':>14}" + "".join(f"{s:>10}" for s in short) + \
         f"{'device':>10}{'host':>10}  fits {inp.device_gb:g} GB"
     lines = ["all sizes in GB (1e9 bytes); device columns unless noted; device is the peak (sharded "

@@ -8,16 +8,19 @@ place that does it, in this order (each step needs the one before it):
 2. expert parallelism (``core.moe.parallel.apply_expert_parallel``): MoE layers route through the
    all-to-all (or all-gather) dispatcher over the EP group, so the experts see only their own
    tokens;
-3. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
+3. context parallelism (``core.context_parallel.apply``): attention modules attend across the
+   CP group (all-gathered K/V on full layers, a halo on sliding ones) and routers sum their load
+   statistics over it; the data are the loader's shards (``data/cp_shard.py``);
+4. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
    by their forward;
-4. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``), still on meta (with
+5. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``), still on meta (with
    ``--store-param-remainders`` the parameters are bf16 already, ``core/optim/masters.py``): each unit's
    parameters become DTensor shards (dense over DP, experts over expert-DP). ``--bf16``
    without sharding still goes through FSDP2, on one-rank meshes, for its mixed precision:
    bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers; then
    ``--compile`` (``core/compile.py``): the blocks' ``forward`` methods, so FSDP's hooks stay
    outside the graphs (and it sees which blocks hold FSDP units of their own);
-5. materialisation (``training/startup.py``): storage for this rank's shards only, on its device
+6. materialisation (``training/startup.py``): storage for this rank's shards only, on its device
    (offloaded shards in host memory), in fp32 (the master weights; or bf16 plus a 16-bit
    remainder per parameter, the same fp32 master bit for bit); then each tensor written
    once: ``--load-hf`` streamed into the shards row block by row block through the family's
@@ -33,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from core.compile import apply_compile
+from core.context_parallel.apply import apply_context_parallel, cp_comm
 from core.distributed.fsdp import apply_fsdp
 from core.flops import balanced_layout
 from core.moe.parallel import apply_expert_parallel
@@ -57,11 +61,14 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     host = mem.cpu_offload == "masters"
     # one master storage for the rank: bf16 + remainder, or fp32 in host memory
     masters = RemainderMasters() if mem.store_param_remainders else HostMasters() if host else None
+    comm = cp_comm(ps) if ps.sizes.cp > 1 else None
     for chunk in chunks:
         if masters is not None:  # bf16 parameters; their fp32 masters come at materialisation
             to_bf16_storage(chunk)
         if ps.sizes.ep > 1:
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
+        if comm is not None:
+            apply_context_parallel(chunk, comm)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
         apply_fsdp(chunk, ps, "none" if host else mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
                    shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16,

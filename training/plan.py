@@ -6,6 +6,7 @@ the world size with the same two models (``training/plan_search.py``)."""
 from __future__ import annotations
 
 import json
+import math
 
 from training.memory_plan import GB, PlanInputs, as_dict, format_table, plan
 from training.time_plan import TimeAssumptions, format_time, peak_tflops, plan_time, summary
@@ -17,16 +18,18 @@ DEFAULT_DEVICE_GB = 141.0  # H200
 
 def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAULT_DEVICE_GB) -> PlanInputs:
     """The planner's view of the training flags (``layout``: the validated sizes; without it,
-    the flags' own pipeline and EP sizes at DP 1, for the search to replace)."""
+    the flags' own pipeline, EP and CP sizes at the fewest DP ranks they allow, for the search to
+    replace)."""
     o, m, p = args.optim, args.memory, args.parallel
     if layout is not None:
         s, M = layout.sizes, layout.num_microbatches
-        pp, vpp, ep, dp = s.pp, s.vpp, s.ep, s.dp
+        pp, vpp, ep, dp, cp = s.pp, s.vpp, s.ep, s.dp, s.cp
     else:
-        pp, vpp, ep, dp = (p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
-                           p.expert_model_parallel_size, p.expert_model_parallel_size)
+        pp, vpp, ep, cp = (p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+                           p.expert_model_parallel_size, p.context_parallel_size)
+        dp = ep // math.gcd(ep, cp)  # the fewest DP ranks that EP can be carved out of (with CP)
         M = 1
-    return PlanInputs(pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=m.data_parallel_sharding,
+    return PlanInputs(pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, sharding=m.data_parallel_sharding,
                       cpu_offload=m.cpu_offload, fsdp_gather_once=m.fsdp_gather_once,
                       recompute=m.recompute_granularity, recompute_num_layers=m.recompute_num_layers,
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
@@ -43,7 +46,7 @@ def every_rank(ranks: list, layout: RunLayout) -> list[dict]:
     out = []
     for rank in range(layout.sizes.world):
         c = layout.sizes.coords(rank)
-        out.append({"rank": rank, "dp_rank": c["dp"], "expert_dp_rank": c["expert_dp"],
+        out.append({"rank": rank, "dp_rank": c["dp"], "cp_rank": c["cp"], "expert_dp_rank": c["expert_dp"],
                     **by_coords[(c["pp"], c["ep"])]})
     return out
 
@@ -62,7 +65,8 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
         print(json.dumps({"world_size": s.world, "inputs": vars(inp), "ranks": every_rank(ranks, layout),
                           "time": time_dict(st)}, indent=2))
         return 0
-    print(f"world {s.world} = pp {s.pp} x dp {s.dp} (ep {s.ep}, expert-dp {s.expert_dp}), "
+    cp = f" x cp {s.cp}" if s.cp > 1 else ""
+    print(f"world {s.world} = pp {s.pp} x dp {s.dp}{cp} (ep {s.ep}, expert-dp {s.expert_dp}), "
           f"{layout.num_microbatches} micro-batches per pipeline; nothing allocated")
     print(format_table(ranks, inp))
     if s.expert_dp > 1:

@@ -1,4 +1,5 @@
-"""Search layouts for a world size: every pipeline size, virtual stages, EP size, memory mode
+"""Search layouts for a world size: every pipeline size, virtual stages, context-parallel size
+(for long sequences: shards of at least ``CP_MIN_TOKENS`` tokens), EP size, memory mode
 (sharding, CPU offload, gather-once), recompute and micro-batch size, planned for memory and
 predicted step time, those that fit ranked fastest first.
 
@@ -23,6 +24,9 @@ MEMORY_MODES = (("none", "none", False), ("fsdp", "none", False), ("fsdp", "none
                 ("fsdp", "masters", False), ("fsdp", "masters", True))
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# context parallelism is searched where each rank still holds this many tokens of a pack: below
+# that the K/V exchanges cost more than the activations they save (8K packs never search CP)
+CP_MIN_TOKENS = 8192
 # (--store-param-remainders, --optimizer-in-backward): with --bf16, and the latter with Muon at
 # momentum 0 and one micro-batch per rank and step
 MASTER_MODES = ((False, False), (True, False), (False, True), (True, True))
@@ -34,6 +38,7 @@ class Row:
     vpp: int
     ep: int
     dp: int
+    cp: int
     sharding: str
     cpu_offload: str
     gather_once: bool
@@ -54,6 +59,8 @@ class Row:
     def flags(self) -> str:
         """The training flags that select this layout."""
         out = [f"--pipeline-model-parallel-size {self.pp}", f"--expert-model-parallel-size {self.ep}"]
+        if self.cp > 1:
+            out.append(f"--context-parallel-size {self.cp}")
         if self.vpp > 1:
             out.append(f"--virtual-pipeline-model-parallel-size {self.vpp}")
         out.append(f"--data-parallel-sharding {self.sharding}")
@@ -73,17 +80,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def cp_sizes(world_per_stage: int, seq_length: int) -> list[int]:
+    """CP sizes to search: 1, and those dividing the ranks of a stage whose shards (an even
+    number of chunks per document) keep at least ``CP_MIN_TOKENS`` tokens."""
+    return [c for c in _divisors(world_per_stage)
+            if c == 1 or (seq_length % (2 * c) == 0 and seq_length // c >= CP_MIN_TOKENS)]
+
+
 def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
-    """Every distinct layout: modes that would run identically are listed once (at DP 1 nothing
-    shards, so fsdp without offload is plain, and offload puts units on one-rank meshes that
-    are always gathered once per step)."""
+    """Every distinct layout: modes that would run identically are listed once (with one dense
+    replica nothing shards, so fsdp without offload is plain, and offload puts units on one-rank
+    meshes that are always gathered once per step)."""
     out = []
-    for pp in _divisors(world):
-        dp = world // pp
+    for pp, cp in ((p, c) for p in _divisors(world) for c in cp_sizes(world // p, base.seq_length)):
+        dp = world // (pp * cp)
         for vpp in ((1, 2) if pp > 1 else (1,)):
             if cfg.num_layers < pp * vpp:
                 continue
-            for ep in (e for e in _divisors(dp) if (cfg.num_experts % e == 0 if cfg.num_experts else e == 1)):
+            for ep in (e for e in _divisors(dp * cp) if (cfg.num_experts % e == 0 if cfg.num_experts else e == 1)):
                 for mbs in MICRO_BATCH_SIZES:
                     if global_batch_size % (mbs * dp):
                         continue
@@ -91,11 +105,11 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                     if vpp > 1 and M % pp:
                         continue
                     for sharding, offload, once in MEMORY_MODES:
-                        if dp == 1 and sharding == "fsdp" and (offload in ("none", "masters") or once):
+                        if dp * cp == 1 and sharding == "fsdp" and (offload in ("none", "masters") or once):
                             continue
-                        for rem, inb in _master_modes(base, M, dp, sharding, offload):
+                        for rem, inb in _master_modes(base, M, dp * cp, sharding, offload):
                             for rc in RECOMPUTE:
-                                out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=sharding,
+                                out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, sharding=sharding,
                                                    cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
                                                    recompute_num_layers=0, micro_batch_size=mbs,
                                                    num_microbatches=M, pipeline_layout=None,
@@ -105,7 +119,7 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
 
 def _master_modes(base: PlanInputs, M: int, dp: int, sharding: str, offload: str) -> list:
     """The (remainders, optimizer in backward) pairs the flags and this layout allow
-    (``core/optim/in_backward.check_in_backward``)."""
+    (``core/optim/in_backward.check_in_backward``; ``dp``: dense replicas, DP x CP)."""
     out = []
     for rem, inb in MASTER_MODES:
         if offload == "masters" and (rem or not base.bf16 or M != 1 or (dp > 1 and sharding != "fsdp")):
@@ -131,7 +145,7 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
     device = max(r.device_total for r in ranks) / GB
     host = max(nodes.values()) / GB
     fits = device <= inp.device_gb and (host_gb <= 0 or host <= host_gb)
-    return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
+    return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
                inp.recompute, inp.store_param_remainders, inp.optimizer_in_backward,
                inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
@@ -152,7 +166,7 @@ def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
     return sorted(rows, key=lambda r: (not r.fits, -round(r.tokens_per_s_per_gpu, 6), r.device_gb))
 
 
-HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}  {'sharding':<9}{'offload':<10}{'once':<5}"
+HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}{'cp':>4}  {'sharding':<9}{'offload':<10}{'once':<5}"
         f"{'recompute':<10}{'masters':<8}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
         f"{'step_s':>8}{'tokens/s/GPU':>13}{'MFU':>7}{'idle':>7}")
 
@@ -160,7 +174,7 @@ HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}  {'sharding':<9}{'offlo
 def format_rows(rows: list[Row], top: int) -> str:
     lines = [HEAD]
     for i, r in enumerate(rows[:top], 1):
-        lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}  {r.sharding:<9}{r.cpu_offload:<10}"
+        lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}{r.cp:>4}  {r.sharding:<9}{r.cpu_offload:<10}"
                      f"{'yes' if r.gather_once else 'no':<5}{r.recompute:<10}{_masters(r):<8}{r.micro_batch_size:>4}"
                      f"{r.num_microbatches:>4}{r.device_gb:>8.1f}{r.host_gb_per_node:>13.0f}"
                      f"{'yes' if r.weights_per_microbatch else 'no':>11}{r.step_s:>8.1f}"

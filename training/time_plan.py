@@ -15,6 +15,13 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
   a shared expert's forward runs while its layer's dispatch is in flight (the code overlaps
   them), hiding up to the dispatch's time;
 - p2p: one ``[T, hidden]`` message per stage boundary each way;
+- context parallelism (``cp`` ranks per pack): every per-token cost above is the rank's
+  ``T / cp`` tokens' (a causal document's work splits evenly: ``core/context_parallel/shard.py``),
+  and each attention layer moves K/V over the CP group (``core/context_parallel/costs.py``): a
+  full layer's all-gather (``(cp - 1) / cp`` of ``T`` rows of K and V) in the forward, the
+  reduce-scatter of their gradients in the backward and the gather again when recomputed; a
+  sliding layer's halo (at most ``2 (window - 1)`` rows) the same three times. Not overlapped
+  with the attention (the code gathers the whole K/V before its call);
 - weights gathered per pass (FSDP without gather-once): the offloaded fp32 shards host to
   device (4 bytes per shard parameter) and the all-gather of the compute copies, for the forward
   and again for the backward;
@@ -30,12 +37,15 @@ by one owner each, in the batches the code forms: the busiest owner's FLOPs and 
 all-to-alls; offloaded ones travel host to device and back), Dion's power iteration likewise;
 ``cpu_offload="masters"``: the host's updates and their copies.
 
-One overlap is counted, because the code has it: under ``cpu_offload="masters"`` with
+Three overlaps are counted, because the code has them: under ``cpu_offload="masters"`` with
 ``optimizer_in_backward`` the host's work on Muon's matrices (updates to the host, master
 updates on worker threads, new weights back) runs while the backward does, and only what
-outlasts the backward (at least the last block's share) adds to the step. Nothing else overlaps
-(conservative: FSDP prefetch, copy engines and the shared expert do overlap some of it on a
-GPU). The step is the pipeline's makespan under these per-stage costs (bubble
+outlasts the backward (at least the last block's share) adds to the step; with
+``optimizer_in_backward`` Newton-Schulz runs on a stream of its own and fills the compute
+stream's waits for the backward's all-to-alls, as far as it is queued before them
+(``hidden_newton_schulz``); the shared expert's forward runs while its layer's dispatch is in
+flight (the all-to-all dispatcher). Nothing else overlaps (conservative: FSDP prefetch and copy
+engines do overlap some of it on a GPU). The step is the pipeline's makespan under these per-stage costs (bubble
 and stage imbalance included, from ``core.pipeline.simulate``) plus the slowest rank's
 once-per-step work.
 """
@@ -46,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from core.cli import option
+from core.context_parallel.costs import exchange_bytes
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim.build import classify
 from core.optim.muon_split import batches, ns_flops, owners
@@ -94,7 +105,7 @@ def peak_tflops(flag: float | None) -> float:
     return flag or device_peak_tflops() or DEFAULT_PEAK
 
 
-BREAKDOWN = ("compute", "all-to-all", "p2p", "host-device", "dp comm", "optimizer", "idle")
+BREAKDOWN = ("compute", "all-to-all", "p2p", "cp comm", "host-device", "dp comm", "optimizer", "idle")
 
 
 @dataclass
@@ -204,11 +215,16 @@ def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optim
 
 
 def _hook_order(s) -> tuple:
-    """Where a tensor's gradient becomes final in the backward: the MTP depths (last first),
-    then the decoder layers (last first), then the root unit."""
-    if s.block is None:
+    """Where a tensor's gradient becomes final in the backward: ``_block_order`` of its block."""
+    return _block_order(s.block)
+
+
+def _block_order(block) -> tuple:
+    """The backward's order of blocks: the MTP depths (last first), then the decoder layers
+    (last first), then the root unit."""
+    if block is None:
         return (2, 0)
-    return (0, s.block) if s.block < 0 else (1, -s.block)
+    return (0, block) if block < 0 else (1, -block)
 
 
 def split_ns_flops(tensors: list, world: int, ns_steps: int, in_backward: bool) -> float:
@@ -241,8 +257,9 @@ def _crosses(sizes, rank: int, kind: str, gpus_per_node: int) -> bool:
 def _bandwidths(inp: PlanInputs, a: TimeAssumptions, pp_rank: int) -> dict:
     s = inp.sizes
     rank = s.rank_of(dp=0, pp=pp_rank)
+    kinds = ("dp", "ep", "expert_dp", "pp", "embedding") + (("cp", "dp_cp") if s.cp > 1 else ())
     return {k: (a.network_gb_s if _crosses(s, rank, k, a.gpus_per_node) else a.nvlink_gb_s) * 1e9
-            for k in ("dp", "ep", "expert_dp", "pp", "embedding")}
+            for k in kinds}
 
 
 HD, NV = "host-device", "nvlink/network"  # the links bytes are counted on
@@ -256,7 +273,7 @@ class _Ledger:
     bytes: dict = field(default_factory=lambda: {HD: 0.0, NV: 0.0})
     behind_backward: float = 0.0  # seconds of host work that runs while the backward does (host masters)
     tail: float = 0.0             # ... of it that cannot start before the backward's end (its last block's)
-    own_stream: float = 0.0       # GPU seconds of in-backward optimizer steps on their own stream
+    hidden_ns: float = 0.0        # in-backward Newton-Schulz in the backward's all-to-all waits
 
     def move(self, key: str, nbytes: float, bytes_per_s: float, link: str = NV) -> None:
         self.seconds[key] += nbytes / bytes_per_s
@@ -267,7 +284,12 @@ class _Ledger:
         return sum(self.seconds.values())
 
 
-GROUP = {"dense": "dp", "expert": "expert_dp"}  # where each kind's shards and replicas live
+GROUP = {"dense": "dp", "expert": "expert_dp"}  # where each kind's shards and replicas live (cp 1)
+
+
+def _group(kind: str, inp: PlanInputs) -> str:
+    """The group of ``kind``'s shards and replicas: dense ones span DP x CP."""
+    return "dp_cp" if kind == "dense" and inp.cp > 1 else GROUP[kind]
 
 
 def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pcie: float, host: float,
@@ -284,14 +306,14 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
         ledger.move("host-device", h2d, pcie, HD)
         for k in KINDS:
             if pl.managed[k]:
-                ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[GROUP[k]])
+                ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[_group(k, inp)])
     ledger = bk if pl.sync_every_microbatch else step
     ledger.move("host-device", h2d, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
     if pl.sync_every_microbatch:  # FSDP's `grad += new` on the host, on the backward's thread
         bk.seconds["host-device"] += 3 * h2d / host
     for k in KINDS:
         if pl.managed[k]:
-            ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
+            ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[_group(k, inp)])
 
 
 def _shared_flops(cfg, chunk: ChunkShare) -> float:
@@ -305,10 +327,10 @@ def _shared_flops(cfg, chunk: ChunkShare) -> float:
 def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
                   bw: dict) -> tuple[_Ledger, _Ledger]:
     """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
-    T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
+    T, b, H = inp.local_tokens, inp.act_bytes, cfg.hidden_size
     f, bk = _Ledger(), _Ledger()
     fwd_f, redo_f = _stage_flops(cfg, chunk, inp)
-    f.seconds["compute"] = fwd_f * T / eff
+    f.seconds["compute"] = fwd_f * T / eff  # T: this rank's CP shard
     bk.seconds["compute"] = (2 * fwd_f + redo_f) * T / eff
     n_moe, n_redo = _moe_layers(cfg, chunk, inp)
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep  # dispatch or combine
@@ -321,6 +343,10 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
         hidden = min(shared * T / eff, a2a / bw["ep"])
         f.seconds["all-to-all"] -= n_moe * hidden
         bk.seconds["all-to-all"] -= n_redo * hidden
+    if inp.cp > 1:
+        fwd_kv, redo_kv = _cp_exchanges(cfg, chunk, inp)
+        f.move("cp comm", fwd_kv, bw["cp"])
+        bk.move("cp comm", fwd_kv + redo_kv, bw["cp"])
     if chunk.stage < inp.pp * inp.vpp - 1:
         f.move("p2p", T * H * b, bw["pp"])
     if chunk.stage > 0:
@@ -328,21 +354,34 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     return f, bk
 
 
+def _cp_exchanges(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
+    """K/V bytes the chunk's attention layers receive over the CP group in one micro-batch's
+    forward (the backward's gradient exchanges move as many), and those its recompute repeats."""
+    shapes, T, b = shapes_of(cfg), inp.tokens, inp.act_bytes
+    n = inp.recompute_num_layers or len(chunk.layers)
+    moved = [(exchange_bytes(shapes.blocks[i].attention, T, inp.cp, b), inp.recompute != "none" and k < n)
+             for k, i in enumerate(chunk.layers)]
+    if chunk.last:
+        redo = inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers))
+        moved += [(exchange_bytes(x.attention, T, inp.cp, b), redo) for x in shapes.extra]
+    return float(sum(x for x, _ in moved)), float(sum(x for x, r in moved if r))
+
+
 def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
                         bw: dict, eff: float, step: _Ledger) -> None:
     """All-reduce of gradients FSDP does not shard, the tied embedding's, and the optimizer."""
-    replicas = {"dense": inp.sizes.dp, "expert": inp.sizes.expert_dp}
+    replicas = {"dense": inp.sizes.dp * inp.sizes.cp, "expert": inp.sizes.expert_dp}
     work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
                           inp.muon_ns_steps, inp.dion_rank_fraction, inp.optimizer_in_backward)
     pcie, host, hbm = a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, a.hbm_gb_s * 1e9
     for k in KINDS:
         g, w = replicas[k], work[k]
         if pl.shard_world[k] == 1 and g > 1:  # sync_gradients sums whole fp32 gradients
-            step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[GROUP[k]])
+            step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[_group(k, inp)])
         if inp.pp > 1 and w["tied"]:  # first and last stage sum the embedding's gradient
             step.move("dp comm", w["tied"] * MASTER, bw["embedding"])
         if pl.host_masters:
-            _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
+            _split_traffic(w, pl.shard_world[k], bw[_group(k, inp)], step)
             _host_masters_step(w, inp, pcie, host, eff, step,
                                len({x.block for x in chunk.tensors if x.block is not None}))
             continue
@@ -353,18 +392,81 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
         momentum = inp.optimizer == "dion" or inp.muon_momentum > 0  # a buffer read and written
         step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory
         _orthogonalise(w, inp, eff, step)
-        _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
+        _split_traffic(w, pl.shard_world[k], bw[_group(k, inp)], step)
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
 
 
 def _orthogonalise(w: dict, inp: PlanInputs, eff: float, step: _Ledger) -> None:
-    """Newton-Schulz (or Dion's power iteration) on the GPU; with ``optimizer_in_backward`` on
-    the steps' own stream (``core/optim/in_backward.py``), booked in ``own_stream`` too: what of
-    it fits in the time the backward waits for its all-to-alls is hidden (``plan_time``)."""
+    """Newton-Schulz (or Dion's power iteration) on the GPU (what of it the in-backward steps'
+    own stream hides is taken off in ``rank_work``: ``hidden_newton_schulz``)."""
     step.seconds["optimizer"] += w["flops"] / eff
-    if inp.optimizer_in_backward:
-        step.own_stream += w["flops"] / eff
+
+
+def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement, eff: float, bw: dict) -> float:
+    """Seconds of in-backward Newton-Schulz (``core/optim/in_backward.py``: its own CUDA stream)
+    that fill the compute stream's waits for the backward's all-to-alls, walked block by block in
+    the order the backward reaches them, with a backlog: work queued can fill only later waits.
+    In an MoE block the rerun forward's dispatch and combine (less the shared expert hidden in
+    the dispatch) and the combine's backward come before its expert gradients are final, the
+    dispatch's backward after; matrices FSDP manages step after the block's reduce-scatter (in
+    the next block's waits), the others when their gradient is accumulated; a row-sharded batch
+    (``muon_split``) when its last matrix's hook closes it. Nothing after the last wait hides."""
+    if not inp.optimizer_in_backward or inp.optimizer != "muon":
+        return 0.0
+    T, H, b = inp.tokens, cfg.hidden_size, inp.act_bytes
+    a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep / bw["ep"]
+    shared = min(_shared_flops(cfg, chunk) * T / eff, a2a) if inp.moe_dispatcher == "alltoall" else 0.0
+    shapes = shapes_of(cfg)
+    n = inp.recompute_num_layers or len(chunk.layers)
+    redone = set(chunk.layers[:n]) if inp.recompute != "none" else set()
+    if chunk.last and shapes.extra and inp.recompute != "none" and \
+            recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        redone |= {-1 - k for k in range(len(shapes.extra))}
+
+    def moe(block):
+        if block is None:
+            return False
+        return (shapes.extra[-1 - block] if block < 0 else shapes.blocks[block]).ffn.moe
+
+    mid: dict = {}   # block -> seconds queued inside its backward
+    end: dict = {}   # block -> seconds queued after it (FSDP's post-reduce hooks)
+    split: dict = {k: [] for k in KINDS}
+    for s in sorted(chunk.tensors, key=_hook_order):
+        if classify(s.spec, s.t, inp.optimizer) != "matrix":
+            continue
+        kind = "expert" if s.expert else "dense"
+        world = pl.shard_world[kind]
+        if world > 1 and s.t.dim() == 2:
+            split[kind].append(s)
+            continue
+        flops = ns_flops(s.t.shape, inp.muon_ns_steps) / (world if s.t.dim() == 3 else 1)
+        book = end if pl.managed[kind] else mid
+        book[s.block] = book.get(s.block, 0.0) + flops / eff
+    for kind, tensors in split.items():
+        world = pl.shard_world[kind]
+        for idx in batches([tuple(x.t.shape) for x in tensors], world):
+            batch = [tuple(tensors[j].t.shape) for j in idx]
+            own = owners(batch, world)
+            busiest = max(sum(ns_flops(x, inp.muon_ns_steps) for x, o in zip(batch, own) if o == r)
+                          for r in range(world))
+            closing = tensors[idx[-1]].block
+            end[closing] = end.get(closing, 0.0) + busiest / eff
+    backlog = hidden = 0.0
+
+    def wait(seconds):
+        nonlocal backlog, hidden
+        took = min(backlog, seconds)
+        hidden, backlog = hidden + took, backlog - took
+
+    for block in sorted({s.block for s in chunk.tensors}, key=_block_order):
+        if moe(block) and a2a:
+            wait((2 * a2a - shared if block in redone else 0.0) + a2a)
+        backlog += mid.get(block, 0.0)
+        if moe(block) and a2a:
+            wait(a2a)
+        backlog += end.get(block, 0.0)
+    return hidden
 
 
 NS_BYTES = 2  # Newton-Schulz runs in bf16: its rows travel in bf16 both ways (core/optim/muon_split.py)
@@ -412,6 +514,7 @@ def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placem
         f, bk = _chunk_passes(cfg, chunk, inp, eff, bw)
         _weights_and_gradients(t, inp, pl, bw, a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, f, bk, step)
         _sync_and_optimizer(chunk, t, inp, a, pl, bw, eff, step)
+        step.hidden_ns += hidden_newton_schulz(cfg, chunk, inp, pl, eff, bw)
         passes.append((f, bk))
     return passes, step
 
@@ -444,9 +547,7 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
         sec["idle"] = makespan - M * sum(f.total + bk.total for f, bk in passes)
         # host work that overlaps the backward: only what outlasts the rank's backward shows
         sec["optimizer"] += max(step.tail, step.behind_backward - M * sum(bk.total for _, bk in passes))
-        # in-backward steps on their own stream fill the backward's waits for all-to-alls (the
-        # compute stream's only idle time there); the rest competes with the compute for the GPU
-        sec["optimizer"] -= min(step.own_stream, M * sum(bk.seconds["all-to-all"] for _, bk in passes))
+        sec["optimizer"] -= step.hidden_ns  # in-backward Newton-Schulz in the all-to-all waits
         ranks.append(RankTime(r, sec, moved))
     slowest = max(ranks, key=lambda x: x.total)
     step_s, world = slowest.total, inp.sizes.world

@@ -21,12 +21,12 @@ from core.optim.in_backward import InBackwardSteps
 from core.optim.lr_schedule import apply_lr, lr_multiplier
 from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
-from data.loader import THDLoader, open_source, parse_data_path
+from data.loader import open_source, parse_data_path
 from data.tokenizers import build_tokenizer
 from models.registry import shapes_of
 from train_args import RunLayout, aux_loss_coeff, evaluates
 from training.checkpoints import RunCheckpoints, schedule_record
-from training.eval_data import validation_loader
+from training.eval_data import make_loader, validation_loader
 from training.evaluate import evaluate
 from training.parallelize import parallelize, stage_layers
 
@@ -40,13 +40,16 @@ class Trainer:
         self.start_time = start_time or time.time()
         torch.manual_seed(s.seed)
         self.tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
-        sources = [(w, open_source(prefix, d.seq_length, d.long_docs, s.seed, train_fraction=d.train_fraction,
-                                   cache_dir=d.data_cache_path))
+        pad = d.pad_multiple(ps.sizes.cp)  # context parallelism packs with documents padded to 2 x cp
+        sources = [(w, open_source(prefix, d.seq_length, d.long_docs, s.seed, pad_multiple=pad,
+                                   train_fraction=d.train_fraction, cache_dir=d.data_cache_path))
                    for w, prefix in parse_data_path(d.data_path)]
         self.fill = sum(src.plan.fill for _, src in sources) / len(sources)
-        self.loader = THDLoader(sources, seq_length=d.seq_length, micro_batch_size=d.micro_batch_size,
-                                pad_id=self.tok.pad_id, dp_rank=ps.dp_rank, dp_size=ps.sizes.dp, seed=s.seed)
-        self.valid = validation_loader(args, self.tok.pad_id, ps.dp_rank, ps.sizes.dp) if evaluates(args) else None
+        self.loader = make_loader(sources, ps, self.cfg.num_mtp_layers, seq_length=d.seq_length,
+                                  micro_batch_size=d.micro_batch_size, pad_id=self.tok.pad_id, seed=s.seed,
+                                  pad_multiple=pad)
+        self.valid = validation_loader(args, self.tok.pad_id, ps, self.cfg.num_mtp_layers) \
+            if evaluates(args) else None
         # a checkpoint to resume fills every weight: no initialisation and no --load-hf read
         self.from_checkpoint = will_load(args.checkpoint)
         t0 = time.perf_counter()
@@ -63,9 +66,9 @@ class Trainer:
             aux_loss_coeff=aux_loss_coeff(a, self.cfg), clip_grad=a.optim.clip_grad,
             model_aux_experts=self.cfg.num_experts if self.spec.model_class.aux_scope == "model" else 0,
             router_bias_rate=a.model.moe_bias_update_rate,
-            flops_of=lambda b: training_flops(shapes, _doc_lengths(b)))
+            flops_of=lambda b: training_flops(shapes, _doc_lengths(b)) / ps.sizes.cp)
         self.peak_tflops = a.logging.peak_tflops or device_peak_tflops()
-        is_logger = ps.is_last_stage and ps.dp_rank == 0
+        is_logger = ps.is_last_stage and ps.dp_rank == 0 and ps.cp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
         self.ckpt = RunCheckpoints(args, self.log)
         self.log.info(self._startup_summary())
@@ -270,7 +273,10 @@ def _skip_reason(m, seq_length: int) -> str:
 
 
 def _doc_lengths(batch) -> list[int]:
-    cu, _ = batch.packed_seq_params.host_boundaries()
+    """The micro-batch's document lengths (of the whole pack under context parallelism: each CP
+    rank counts 1/cp of its FLOPs)."""
+    p = batch.packed_seq_params
+    cu = p.cp.cu_seqlens if p.cp is not None else p.host_boundaries()[0]
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 

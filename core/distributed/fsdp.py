@@ -70,12 +70,12 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
     pin = not resident
     if resident:  # masters, gradients and optimizer state on the host; compute copies stay
         cpu_offload, gather_once = "all", True
-    shard = shard and ps.sizes.dp > 1
+    shard = shard and ps.sizes.dp * ps.sizes.cp > 1  # dense replicas: dp x cp
     self_meshes = (bf16 and one_rank_meshes) or cpu_offload != "none"
     if not (shard or self_meshes):
         return False
     if shard:
-        dp_mesh = DeviceMesh.from_group(ps.group("dp"), device_type)
+        dp_mesh = DeviceMesh.from_group(ps.group("dp_cp"), device_type)
         if ps.sizes.expert_dp > 1:
             edp_mesh = DeviceMesh.from_group(ps.group("expert_dp"), device_type)
         elif self_meshes:  # experts whole on each EP rank: a one-rank mesh

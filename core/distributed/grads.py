@@ -1,13 +1,14 @@
 """Gradient synchronisation, global grad norm and clipping across pp, ep and dp.
 
 Each parameter's ``ParamSpec`` (declared by the model, ``core/model_api.py``) says where its
-replicas live: ``"dp"`` (dense: one copy per data-parallel rank, EP ranks included) or
-``"expert_dp"`` (an expert shard: one copy per expert-data-parallel rank). The loss is already
+replicas live: ``"dp"`` (dense: one copy per data-parallel and context-parallel rank, EP ranks
+included: the ``dp_cp`` group) or ``"expert_dp"`` (an expert shard: one copy per
+expert-data-parallel rank, which spans CP ranks too). The loss is already
 normalised by the global token count, so replicas' gradients are *summed*. A ``tied``
 parameter (e.g. the embedding that a last stage holds for MTP) has a copy on the first stage:
 their gradients are summed over the ``embedding`` group.
 
-The grad norm counts each distinct parameter once: dense ones on DP rank 0 of each stage,
+The grad norm counts each distinct parameter once: dense ones on DP and CP rank 0 of each stage,
 expert shards on expert-DP rank 0 of each (stage, EP rank), tied copies only on stage 0, then
 one all-reduce over the world.
 """
@@ -51,9 +52,9 @@ def sync_gradients(specs: list, pstate: ParallelState) -> None:
     for p, _ in specs:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    for kind in ("dp", "expert_dp"):
+    for kind, group in (("dp", "dp_cp"), ("expert_dp", "expert_dp")):
         _all_reduce_flat([local(p.grad) for p, spec in specs if spec.replicated_over == kind
-                          and not sharded(p)], pstate.group(kind))
+                          and not sharded(p)], pstate.group(group))
     if len(pstate.ranks("embedding")) > 1:
         _all_reduce_flat([local(p.grad) for p, spec in specs if spec.tied], pstate.group("embedding"))
 
@@ -66,7 +67,9 @@ def owns(p, spec, pstate: ParallelState) -> bool:
         return False  # the copy that is not on the first stage
     if sharded(p):
         return True  # a shard: every rank holds a different part
-    return pstate.dp_rank == 0 if spec.replicated_over == "dp" else pstate.expert_dp_rank == 0
+    if spec.replicated_over == "dp":
+        return pstate.dp_rank == 0 and pstate.cp_rank == 0
+    return pstate.expert_dp_rank == 0
 
 
 def grad_norm(specs: list, pstate: ParallelState, extra_sq: torch.Tensor | None = None) -> torch.Tensor:

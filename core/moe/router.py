@@ -9,11 +9,13 @@
 
 Logits in fp32 from the router's own weights (under ``--bf16`` the router is an fp32 FSDP unit).
 Padding tokens take part in the maths (their outputs are never read) but not in the load
-statistics or the auxiliary losses.
+statistics or the auxiliary losses. Under context parallelism the load statistics are the whole
+pack's (summed over the CP group, ``stats_group``), so the auxiliary loss is the pack's too.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,6 +26,7 @@ SCORES = ("sigmoid", "softmax")
 
 class TopKRouter(KeepFP32Buffers):
     fp32_buffers = ("e_score_correction_bias",)  # a balancing state: bf16 would round its steps away
+    stats_group = None  # context parallelism: the CP group, over which load statistics are summed
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, score: str = "sigmoid",
                  correction_bias: bool = True, renormalize: bool = True):
@@ -68,11 +71,18 @@ class TopKRouter(KeepFP32Buffers):
         keep = torch.ones(experts_TK.shape[0], **f32) if valid_T is None else valid_T.to(torch.float32)
         counts = torch.zeros(E, **f32).index_add(
             0, experts_TK.flatten(), keep.repeat_interleave(K))
-        n = keep.sum().clamp(min=1)
+        n = keep.sum()
+        if self.stats_group is not None:  # context parallel: the whole pack's counts (no gradient)
+            both = torch.cat([counts, n.reshape(1)])
+            dist.all_reduce(both, group=self.stats_group)
+            counts, n = both[:-1], both[-1]
+        n = n.clamp(min=1)
         probs = scores_TE if self.score == "softmax" else \
             scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=1e-20)
         prob_sum = (probs * keep[:, None]).sum(0)
-        # aux = E * sum_e f_e * P_e; f: share of routed slots, P: mean normalised score
+        # aux = E * sum_e f_e * P_e; f: share of routed slots, P: mean normalised score. Under
+        # CP, f and n are the pack's and prob_sum this shard's: the CP ranks' aux losses sum to
+        # the pack's, and each one's gradient is its shard's part of the pack's
         aux = E * (counts / (n * K) * (prob_sum / n)).sum()
         return {"tokens_per_expert": counts, "prob_sum": prob_sum, "num_valid": n, "aux_loss": aux}
 

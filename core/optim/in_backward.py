@@ -17,10 +17,15 @@ clip, as without this flag. Momentum > 0 with clipping would need the factor fir
 Where the work runs (CUDA): on a stream of its own, after the work queued so far on the stream
 the hook is called on (autograd's for a parameter FSDP does not manage, FSDP's reduce-scatter
 stream for one it does), so Newton-Schulz is not in the backward's queue: its kernels fill the
-time the compute stream waits for an all-to-all, and FSDP's next reduce-scatter does not wait
-for them. The gradient is kept from reuse until that stream is done with it (``record_stream``);
-``end()`` makes the compute stream wait for it before anything reads a stepped weight or the
-step's norm. Without CUDA the same code runs in order.
+time the compute stream waits for an all-to-all (``training/time_plan.hidden_newton_schulz``
+counts only the waits that come after the work is queued). A row-sharded batch's two
+all-to-alls go over FSDP's own data-parallel communicator, which runs its operations in issue
+order: FSDP's next reduce-scatter and all-gather wait for that batch's Newton-Schulz (as they
+did on the reduce-scatter stream; every rank issues them in the same order, so nothing
+deadlocks). The gradient is kept from reuse until that stream is done with it
+(``record_stream``), so about two blocks' gradients are alive (``training/memory_plan.py``
+books them); ``end()`` makes the compute stream wait for it before anything reads a stepped
+weight or the step's norm. Without CUDA the same code runs in order.
 
 Non-finite values never reach the host: a matrix whose update is not finite (a NaN or inf in its
 gradient spreads through Newton-Schulz to the whole matrix, on every rank that holds rows of it)
@@ -88,7 +93,7 @@ class InBackwardSteps:
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         if grad is not None:
             local(grad).record_stream(self.stream)
         with torch.cuda.stream(self.stream):
@@ -123,7 +128,7 @@ class InBackwardSteps:
             for key in list(self.held):
                 self._flush(key)
         if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 def check_in_backward(optimizer: str, momentum: float, clip: float, microbatches: int, dp: int,
@@ -140,8 +145,9 @@ def check_in_backward(optimizer: str, momentum: float, clip: float, microbatches
         raise ValueError(f"--optimizer-in-backward needs one micro-batch per rank and step, got {microbatches}: "
                          "set --global-batch-size to --micro-batch-size x data-parallel size")
     if dp > 1 and sharding != "fsdp":
-        raise ValueError("--optimizer-in-backward at data-parallel size > 1 needs --data-parallel-sharding "
-                         "fsdp: each unit's gradients are reduced when its backward ends, then stepped")
+        raise ValueError("--optimizer-in-backward with dense replicas (data-parallel x context-parallel size "
+                         "> 1) needs --data-parallel-sharding fsdp: each unit's gradients are reduced when its "
+                         "backward ends, then stepped")
     if cpu_offload not in ("none", "masters"):
         raise ValueError(f"--optimizer-in-backward with --cpu-offload {cpu_offload} is not supported "
                          "(--cpu-offload masters is: its host updates overlap the backward)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.context_parallel.attention import cp_attention
 from core.transformer.attention_backends import BACKENDS, DocLayout, resolve_backend
 from core.transformer.attention_op import compiled_attention
 from core.transformer.norm import RMSNorm
@@ -14,6 +15,8 @@ from core.transformer.rotary import apply_rotary
 
 
 class Attention(nn.Module):
+    context_parallel = None  # core.context_parallel.ContextParallel, set by apply_context_parallel
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  window: int | None, softmax_scale: float, eps: float, backend: str = "auto",
                  gate: bool = False, qk_norm: bool = True, norm_offset: bool = True, bias: bool = False):
@@ -39,7 +42,9 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         backend = resolve_backend(self.backend, q.device)
-        if torch.compiler.is_compiling():  # inside a compiled layer: boundaries as tensors
+        if self.context_parallel is not None or layout.params.cp is not None:  # a CP shard
+            o_THD = cp_attention(self.context_parallel, q, k, v, layout, self.window, self.scale, backend)
+        elif torch.compiler.is_compiling():  # inside a compiled layer: boundaries as tensors
             o_THD = compiled_attention(q, k, v, layout, self.window, self.scale, backend)
         else:
             o_THD = BACKENDS[backend](q, k, v, layout, self.window, self.scale)

@@ -72,7 +72,10 @@ class DocLayout:
         return starts + (cu[1:] - cu[:-1])[doc]
 
     def valid_mask(self, device) -> torch.Tensor:
-        """True on real tokens, False on padding (``[T]`` bool), vectorised on ``device``."""
+        """True on real tokens, False on padding (``[T]`` bool), vectorised on ``device``; a
+        context-parallel shard's comes with it (computed on the whole pack)."""
+        if self.params.cp is not None:
+            return self.params.cp.valid.to(device)
         return torch.arange(self.total, device=device) < self.real_end(device)
 
 

@@ -113,11 +113,18 @@ class Step37Model(DecoderLM):
     def extra_losses(self, out, stats, h, tokens, labels, ropes, layout, valid) -> None:
         if getattr(self, "mtp", None) is None:
             return
-        nxt, ok = _next_in_document(layout, tokens.device)
+        cp = layout.params.cp  # a context-parallel shard: the shifts were made on the whole pack
+        if cp is not None and (cp.mtp_inputs is None or cp.mtp_inputs.shape[0] < len(self.mtp)):
+            raise ValueError(f"the context-parallel shard carries no shifted inputs for {len(self.mtp)} MTP "
+                             "depths: shard it with mtp_depths=num_mtp_layers (data/cp_shard.py)")
+        nxt, ok = _next_in_document(layout, tokens.device) if cp is None else (None, None)
         shifted_tokens, shifted_labels = tokens, labels
         for k, depth in enumerate(self.mtp.values(), start=1):
-            shifted_tokens = torch.where(ok, shifted_tokens[nxt], torch.zeros_like(tokens))
-            shifted_labels = torch.where(ok, shifted_labels[nxt], torch.full_like(labels, IGNORE_INDEX))
+            if cp is not None:
+                shifted_tokens, shifted_labels = cp.mtp_inputs[k - 1], cp.mtp_labels[k - 1]
+            else:
+                shifted_tokens = torch.where(ok, shifted_tokens[nxt], torch.zeros_like(tokens))
+                shifted_labels = torch.where(ok, shifted_labels[nxt], torch.full_like(labels, IGNORE_INDEX))
             h, loss, n, s = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid, shifted_labels)
             stats += [s] if s is not None else []
             out.mtp_loss_sums.append(loss)

@@ -11,8 +11,10 @@ from core.pipeline.nccl_replay import replay
 from core.pipeline.p2p import max_live_buffers, plan_all
 from core.pipeline.schedules import build_schedule
 from core.pipeline.simulate import simulate
+from core.transformer.attention import Attention
 from core.train_step import StepSettings, train_step
 from data.indexed_dataset import InMemoryDataset
+from data.cp_shard import shard_batch
 from data.packing import plan_packs
 from data.thd import build_thd_batch
 from models import registry
@@ -23,8 +25,9 @@ SEQ = 48          # tokens per micro-batch (one pack)
 MTP_SCALE = 0.3
 
 
-def micro_batches(dp: int, M: int, vocab: int, seed: int = 0):
-    """batches[d][m]: each a full THD pack of random documents (several per pack)."""
+def micro_batches(dp: int, M: int, vocab: int, seed: int = 0, pad_multiple: int = 1):
+    """batches[d][m]: each a full THD pack of random documents (several per pack; each padded to
+    ``pad_multiple``, as context parallelism packs them)."""
     out = []
     for d in range(dp):
         row = []
@@ -32,8 +35,10 @@ def micro_batches(dp: int, M: int, vocab: int, seed: int = 0):
             rng = np.random.default_rng([seed, d, m])
             lengths = rng.integers(2, 20, 8)
             docs = [rng.integers(0, vocab, n) for n in lengths]
-            plan = plan_packs(lengths, SEQ, seed=0)
-            row.append(build_thd_batch([plan.pack(0)], InMemoryDataset(docs), SEQ, pad_id=0))
+            plan = plan_packs(-(-lengths // pad_multiple) * pad_multiple, SEQ, seed=0)
+            segs = np.array(plan.pack(0))
+            segs[:, 2] = lengths[segs[:, 0]]  # planned on padded lengths; the segments are real
+            row.append(build_thd_batch([segs], InMemoryDataset(docs), SEQ, pad_id=0, pad_multiple=pad_multiple))
         out.append(row)
     return out
 
@@ -130,8 +135,15 @@ def check_pipeline_comm(m, ps, M: int, cfg) -> None:
     assert m.peak_held_bytes <= bound, f"rank {ps.rank} held {m.peak_held_bytes} bytes > bound {bound}"
 
 
+def cp_traces(chunks) -> list:
+    """The halo exchanges recorded by this rank's CP group (one ``CPComm`` per rank)."""
+    comms = {id(m.context_parallel.comm): m.context_parallel.comm for c in chunks for m in c.modules()
+             if getattr(m, "context_parallel", None) is not None}
+    return [b for comm in comms.values() for b in comm.trace]
+
+
 def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0, router_bias=None,
-                 bias_rate=0.0, M=None, flags=(), family="step37"):
+                 bias_rate=0.0, M=None, flags=(), family="step37", cp=1):
     """One ``train_step`` (clipped SGD with momentum) of the layout against one process: loss,
     grad norm, clipped gradients, parameters after the update, MoE load statistics. (Not AdamW:
     its first update is ~lr * sign(g), which turns 1e-7-relative noise in near-zero entries into
@@ -139,10 +151,10 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
     another order (~1e-7 relative), so 1e-5 leaves 100x margin and still catches a dropped or
     doubled term."""
     cfg = tiny_config(family)
-    sizes = ParallelSizes(world, pp=pp, ep=ep, vpp=vpp)
+    sizes = ParallelSizes(world, pp=pp, ep=ep, vpp=vpp, cp=cp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     M = M or max(2, pp)
-    batches = micro_batches(sizes.dp, M, cfg.vocab_size)
+    batches = micro_batches(sizes.dp, M, cfg.vocab_size, pad_multiple=2 * cp if cp > 1 else 1)
     ref_model, ref_loss, loads = reference(cfg, batches, aux_coeff, router_bias)
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
     ref_init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
@@ -155,10 +167,23 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
             assert torch.equal(p.detach(), want[rows]), f"init differs: {name}"
     params = [p for c in chunks for p in c.parameters()]
     clip = 0.5 * float(ref_norm)
-    m = train_step(chunks, ps, torch.optim.SGD(params, lr=0.5, momentum=0.9), batches[ps.dp_rank],
+    mine = batches[ps.dp_rank] if cp == 1 else \
+        [shard_batch(b, cp, ps.cp_rank, cfg.num_mtp_layers) for b in batches[ps.dp_rank]]
+    if cp > 1:
+        for c in chunks:
+            for mod in c.modules():
+                if getattr(mod, "context_parallel", None) is not None:
+                    mod.context_parallel.comm.trace = []
+    m = train_step(chunks, ps, torch.optim.SGD(params, lr=0.5, momentum=0.9), mine,
                    settings(cfg, aux_loss_coeff=aux_coeff, clip_grad=clip, router_bias_rate=bias_rate))
 
     check_pipeline_comm(m, ps, M, cfg)
+    if cp > 1:  # the halo exchanges, as issued, under NCCL's rules (their own communicator)
+        traces = [None] * world
+        dist.all_gather_object(traces, cp_traces(chunks))
+        sliding = any(m.window is not None for c in chunks for m in c.modules() if isinstance(m, Attention))
+        if rank == 0:  # a family without sliding layers exchanges no halo (all-gathers only)
+            assert replay(dict(enumerate(traces))).operations > 0 or not sliding
     n = sum(int(b.num_target_tokens) for row in batches for b in row)
     assert m.num_targets == n and abs(m.loss - ref_loss) <= 1e-5 * abs(ref_loss), (m.loss, ref_loss)
     assert abs(m.grad_norm - float(ref_norm)) <= 1e-5 * float(ref_norm), (m.grad_norm, float(ref_norm))

@@ -65,7 +65,16 @@ def test_inspect_packs_cli(tmp_path):
                           str(tmp_path / "s_text_document"), "--seq-length", "1024",
                           "--long-docs", "truncate"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "--long-docs truncate" in out.stdout and "tokens lost" in out.stdout
+    assert "--long-docs truncate" in out.stdout and "tokens lost" in out.stdout and "cp padding" not in out.stdout
+    cp = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path", str(tmp_path / "s_text_document"),
+                         "--seq-length", "1024", "--long-docs", "truncate", "--context-parallel-size", "4"],
+                        cwd=ROOT, capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    assert "cp padding   documents padded to a multiple of 8: +" in cp.stdout, cp.stdout
+    odd = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path", str(tmp_path / "s_text_document"),
+                          "--seq-length", "1020", "--context-parallel-size", "4"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert odd.returncode == 2 and "--seq-length 1020 must be a multiple of the document pad multiple 8" in odd.stderr
     bad = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path",
                           str(tmp_path / "nope"), "--seq-length", "8"], cwd=ROOT,
                          capture_output=True, text=True)

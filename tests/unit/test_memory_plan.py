@@ -189,3 +189,22 @@ def test_fsdp_gradients_parameters_and_optimizer_bytes_are_exact(tmp_path):
     from tests.distributed.harness import run_ranks
 
     run_ranks(2, _fsdp_cases, tmpdir=str(tmp_path), timeout=240)
+
+
+def test_cp2_keeps_its_shards_activations_and_the_key_buffers_by_hand():
+    """CP2 (tiny model, 64 tokens, fp32): a rank's activations are those of 32 tokens at CP1;
+    on top (cp K/V) each full layer keeps its key buffer of (1 + 1/4) x 64 = 80 rows of K and V
+    (256 bytes a row) and each sliding layer (2, and 2 MTP depths) its 32 rows and a halo of at
+    most 14: 2 x 20,480 + 4 x 11,776 = 88,064 bytes, plus one full layer's gathered 64 rows
+    (16,384) while its buffer is cut from them. Full recompute keeps no key buffer."""
+    from models.step37 import Step37Config
+
+    cfg = Step37Config.preset("tiny")
+    base = dict(pp=1, dp=1, seq_length=64, num_microbatches=2, optimizer="adamw")
+    cp2 = plan(cfg, PlanInputs(cp=2, **base))[0]
+    half = plan(cfg, PlanInputs(**{**base, "seq_length": 32}))[0]
+    assert cp2.device["activations"] == half.device["activations"]
+    assert cp2.device["cp K/V"] == 88_064 + 16_384 and half.device["cp K/V"] == 0
+    assert plan(cfg, PlanInputs(cp=2, recompute="full", **base))[0].device["cp K/V"] == 16_384
+    with pytest.raises(ValueError, match="--seq-length 66 must be a multiple of 2 x --context-parallel-size = 8"):
+        PlanInputs(cp=4, **{**base, "seq_length": 66})

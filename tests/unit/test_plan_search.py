@@ -73,3 +73,18 @@ def test_search_covers_the_layouts_and_ranks_only_what_fits():
     for r in rows:
         assert r.weights_per_microbatch == (r.cpu_offload in ("all", "experts") and r.dp > 1
                                             and not r.gather_once)
+
+
+def test_search_adds_cp_sizes_only_for_long_sequences():
+    """At 8K every candidate is CP1 (the test above); at 128K on 8 GPUs CP 2, 4 and 8 join (shards
+    of 64K, 32K and 16K tokens, at least CP_MIN_TOKENS), EP carved out of DP x CP, and a row's
+    flags name its CP size."""
+    from training.plan_search import cp_sizes
+
+    assert cp_sizes(8, 8192) == [1] and cp_sizes(8, 131072) == [1, 2, 4, 8] and cp_sizes(4, 16384) == [1, 2]
+    cfg = Step37Config.preset("step37-flash")
+    base = PlanInputs(seq_length=131072, optimizer="muon", muon_momentum=0.0, bf16=True)
+    todo = candidates(cfg, 8, base, 8)
+    assert {c.cp for c in todo} == {1, 2, 4, 8}
+    assert {(c.pp, c.ep) for c in todo if c.cp == 8} == {(1, e) for e in (1, 2, 4, 8)}  # dp 1: EP from CP
+    assert all(c.pp * c.dp * c.cp == 8 and (c.dp * c.cp) % c.ep == 0 for c in todo)

@@ -45,7 +45,7 @@ def test_one_rank_step_is_compute_plus_the_optimizer_by_hand():
     assert sec["compute"] == pytest.approx(compute, rel=1e-12) == pytest.approx(4.8648192e-4, rel=1e-12)
     assert sec["optimizer"] == pytest.approx(optimizer, rel=1e-12)
     assert {k: v for k, v in sec.items() if k not in ("compute", "optimizer")} == \
-        {"all-to-all": 0.0, "p2p": 0.0, "host-device": 0.0, "dp comm": 0.0, "idle": 0.0}
+        {"all-to-all": 0.0, "p2p": 0.0, "cp comm": 0.0, "host-device": 0.0, "dp comm": 0.0, "idle": 0.0}
     assert st.step_s == pytest.approx(compute + optimizer, rel=1e-12)
     assert st.tokens_per_s_per_gpu == pytest.approx(2 * 64 / (compute + optimizer), rel=1e-12)
     model_flops = 3 * TINY_FWD_FLOPS_PER_TOKEN * 64 * 2 / 1e12
@@ -169,21 +169,25 @@ def test_the_shared_expert_hides_behind_its_layers_dispatch_by_hand():
 
 
 @pytest.mark.parametrize("nvlink_gb_s", [0.1, 1e6])
-def test_in_backward_newton_schulz_hides_behind_the_backwards_all_to_alls_by_hand(nvlink_gb_s):
+def test_in_backward_newton_schulz_fills_the_backwards_all_to_all_waits_by_hand(nvlink_gb_s):
     """--optimizer-in-backward runs Newton-Schulz on a stream of its own (core/optim/
-    in_backward.py): it fills the time the backward waits for its all-to-alls, no more. DP 2 x
-    EP 2 with FSDP, full recompute, one micro-batch: the backward's 12 all-to-alls (6 of the
-    rerun's forward, 6 of the backward; each 16,384 bytes, see the test above) less the rerun's 3
-    hidden shared-expert forwards make the window; slow links (0.1 GB/s) hide all of Newton-Schulz,
-    fast ones (1e6 GB/s) only the window. Without the flag nothing is hidden (its split batches
-    follow parameter order instead of the hooks', hence the FLOPs of both orders)."""
+    in_backward.py): it fills the compute stream's waits for the backward's all-to-alls, but only
+    with work queued before them. DP 2 x EP 2 with FSDP, full recompute, one micro-batch; the
+    backward reaches the MTP depths (dense), layers 3, 2, 1 (MoE) and 0 (dense). Each MoE layer
+    waits for its rerun's dispatch and combine (less the shared expert hidden in the dispatch),
+    its combine's backward, then (its expert stacks' Newton-Schulz queued) its dispatch's
+    backward. Fast links (1e6 GB/s): every one of those 9 waits is filled. Slow links (0.1
+    GB/s): everything hides but what is queued after layer 1's dispatch backward: the dense
+    batches FSDP's hooks close at layer 1's end, at layer 0 and at the root (muon_split's batches
+    in hook order, their busiest owner's FLOPs). Without the flag nothing hides (its split
+    batches follow parameter order instead of the hooks', hence the FLOPs of both orders)."""
+    from core.optim.build import classify
+    from core.optim.muon_split import batches, ns_flops, owners
     from training.plan_shares import rank_shares
-    from training.time_plan import optimizer_work
+    from training.time_plan import _hook_order, optimizer_work
 
     eff = 0.5e12
     a = TimeAssumptions(assumed_mfu=0.5, nvlink_gb_s=nvlink_gb_s)
-    shared, dispatch = 12_288 * 64 / eff, 16_384 / (nvlink_gb_s * 1e9)
-    window = 12 * dispatch - 3 * min(shared, dispatch)
     chunk = rank_shares(TINY, 1, 1, 2, None, 64)[0][0]
 
     def ns_seconds(in_backward):
@@ -195,8 +199,35 @@ def test_in_backward_newton_schulz_hides_behind_the_backwards_all_to_alls_by_han
                       recompute="full", optimizer_in_backward=in_backward)
         return plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds["optimizer"]
 
-    hidden = min(ns_seconds(True), window)
-    assert hidden > 0 and (hidden == ns_seconds(True)) == (nvlink_gb_s == 0.1)
+    if nvlink_gb_s == 1e6:
+        hidden = 9 * 16_384 / (nvlink_gb_s * 1e9)
+    else:
+        dense = [s for s in sorted(chunk.tensors, key=_hook_order)
+                 if classify(s.spec, s.t, "muon") == "matrix" and not s.expert]
+        late = 0.0
+        for idx in batches([tuple(s.t.shape) for s in dense], 2):
+            if dense[idx[-1]].block in (1, 0, None):
+                shapes = [tuple(dense[j].t.shape) for j in idx]
+                own = owners(shapes, 2)
+                late += max(sum(ns_flops(x, 5) for x, o in zip(shapes, own) if o == r) for r in range(2)) / eff
+        hidden = ns_seconds(True) - late
+        assert 0 < late < ns_seconds(True)
     # sums of a few floats: equal to 1e-9 relative to the optimizer's seconds (rounding only)
     assert optimizer_s(True) == pytest.approx(optimizer_s(False) + ns_seconds(True) - ns_seconds(False) - hidden,
                                               rel=1e-9)
+
+
+def test_cp2_halves_compute_and_moves_kv_over_the_cp_group_by_hand():
+    """CP2 on two ranks, the hand count above: compute is each rank's 32 tokens (half of one
+    rank's 4.8648192e-4 s, exactly: the causal work splits evenly). K/V rows are 2 KV heads x 16
+    x 2 (K and V) x 4 bytes = 256 bytes; a full layer receives the other rank's 32 rows (8,192
+    bytes), a sliding one (window 8, chunks of 16) at most the busiest rank's halo of 7 + 7 rows
+    (3,584 bytes); 2 full and 4 sliding layers (2 MTP depths) -> 30,720 bytes per forward, as
+    many per backward, 2 micro-batches: 122,880 bytes at 150 GB/s = 8.192e-7 s."""
+    a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
+    sec = plan_time(TINY, _inputs(cp=2), a, peak=1.0).ranks[0].seconds
+    assert sec["compute"] == pytest.approx(4.8648192e-4 / 2, rel=1e-12)
+    assert sec["cp comm"] == pytest.approx(122_880 / 150e9, rel=1e-12)
+    assert plan_time(TINY, _inputs(), a, peak=1.0).ranks[0].seconds["cp comm"] == 0.0
+    full = plan_time(TINY, _inputs(cp=2, recompute="full"), a, peak=1.0).ranks[0].seconds
+    assert full["cp comm"] == pytest.approx(1.5 * 122_880 / 150e9, rel=1e-12)  # the recompute gathers again

@@ -1,0 +1,138 @@
+"""Context-parallel attention on a CP rank's shard: exact against the unsharded layer.
+
+``ContextParallel`` is what ``apply_context_parallel`` gives every attention module; called with
+the layer's local ``q [T/N, Hq, D]``, ``k``/``v [T/N, Hkv, D]`` and the micro-batch's layout
+(whose ``params.cp`` is this rank's ``CPShard``), it
+
+1. builds (once per micro-batch and window, on the host, ``plan.py``) which keys each local
+   chunk needs: its document's prefix (full attention) or its halo of ``window - 1`` keys;
+2. moves K/V: an all-gather over the CP group (full) or the halo exchange (sliding,
+   ``exchange.py``);
+3. runs one attention call over the segments (query chunk, its keys), causal aligned to the end
+   of the keys: torch's flash ``varlen_attn`` with ``cu_seqlens_q != cu_seqlens_k`` on CUDA
+   (bf16), or the sdpa reference per segment (CPU, any dtype);
+4. zeroes the outputs of padding rows (as the unsharded sdpa backend returns them), so no
+   gradient flows from padding queries into real keys.
+
+Only the index tensors derived from host metadata travel to the device (pinned, asynchronous);
+nothing reads the device. ``--compile`` is refused with CP (the exchanges are host-planned
+collectives inside the layer).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from core.context_parallel.exchange import CPComm, halo_exchange
+from core.context_parallel.plan import SegmentPlan, full_plan, halo_plan
+from core.distributed.collectives import all_gather
+from core.transformer.attention_backends import _varlen_kernel
+
+CP_BACKENDS = ("sdpa", "varlen")  # what --attention-backend may resolve to under CP
+QUERY_BLOCK = 512  # CPU reference: queries per masked sdpa call on full layers (bounds the mask)
+
+
+def _to_device(a: np.ndarray, device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # no host wait on the GPU's queue
+    return t.to(device)
+
+
+class DevicePlan:
+    """A ``SegmentPlan`` with its index tensors on the device (int64 rows, int32 boundaries)."""
+
+    def __init__(self, plan: SegmentPlan, device):
+        self.host = plan
+        self.key_index = _to_device(plan.key_index, device)
+        self.cu_q = _to_device(np.asarray(plan.cu_q, dtype=np.int32), device)
+        self.cu_k = _to_device(np.asarray(plan.cu_k, dtype=np.int32), device)
+        self.send = {s: _to_device(idx, device) for s, idx in plan.send.items()}
+        self.recv = dict(plan.recv)
+
+
+def _band(nq: int, q0: int, k0: int, nk: int, window: int | None, device) -> torch.Tensor:
+    """Mask of queries at key-aligned positions ``q0..q0+nq-1`` over keys ``k0..k0+nk-1``."""
+    d = (torch.arange(q0, q0 + nq, device=device)[:, None] - torch.arange(k0, k0 + nk, device=device)[None, :])
+    return (d >= 0) & (d < window) if window is not None else d >= 0
+
+
+def sdpa_segments(q, k, v, plan: SegmentPlan, window: int | None, scale: float) -> torch.Tensor:
+    """The reference: per segment, blocks of queries against the keys they can see (masked
+    sdpa), memory O(block x keys)."""
+    out = torch.zeros_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    block = window or QUERY_BLOCK
+    for qs, qe, ks, ke in zip(plan.cu_q[:-1], plan.cu_q[1:], plan.cu_k[:-1], plan.cu_k[1:]):
+        shift = (ke - ks) - (qe - qs)  # query i sits at key position shift + i
+        for a in range(0, qe - qs, block):
+            b = min(a + block, qe - qs)
+            lo = max(0, shift + a - window + 1) if window is not None else 0
+            hi = shift + b
+            qd = q[qs + a:qs + b].transpose(0, 1)
+            kd, vd = (t[ks + lo:ks + hi].transpose(0, 1) for t in (k, v))
+            mask = _band(b - a, shift + a, lo, hi - lo, window, q.device)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[qs + a:qs + b] = o.transpose(0, 1)
+    return out
+
+
+def varlen_segments(q, k, v, plan: DevicePlan, window: int | None, scale: float) -> torch.Tensor:
+    """One flash ``varlen_attn`` call: query and key boundaries differ, causal bottom-right."""
+    return _varlen_kernel()(q, k, v, plan.cu_q, plan.cu_k, plan.host.max_q, plan.host.max_k, scale=scale,
+                            window_size=(window - 1, 0) if window is not None else (-1, 0),
+                            enable_gqa=q.shape[1] != k.shape[1])
+
+
+class ContextParallel:
+    """Attention over the CP group (see the module docstring)."""
+
+    def __init__(self, comm: CPComm):
+        self.comm = comm
+
+    def plan(self, shard, window: int | None, device) -> DevicePlan:
+        key = ("full" if window is None else window, str(device))
+        if key not in shard.plans:
+            host = full_plan(shard) if window is None else halo_plan(shard, window)
+            shard.plans[key] = DevicePlan(host, device)
+        return shard.plans[key]
+
+    def __call__(self, q, k, v, layout, window: int | None, scale: float, backend: str) -> torch.Tensor:
+        shard = layout.params.cp
+        check_shard(self, shard, backend)
+        plan = self.plan(shard, window, q.device)
+        Hkv = k.shape[1]
+        kv = torch.cat([k, v], dim=1)  # one exchange for both: [T/N, 2 Hkv, D]
+        pool = all_gather(kv, self.comm.group) if window is None else \
+            halo_exchange(kv, plan.send, plan.recv, self.comm)
+        keys = pool.index_select(0, plan.key_index)
+        kb, vb = keys[:, :Hkv], keys[:, Hkv:]
+        if backend == "varlen":
+            o = varlen_segments(q, kb.contiguous(), vb.contiguous(), plan, window, scale)
+        else:
+            o = sdpa_segments(q, kb, vb, plan.host, window, scale)
+        return o * shard.valid.to(o.dtype)[:, None, None]
+
+
+def check_shard(cp: ContextParallel | None, shard, backend: str) -> None:
+    """``ValueError`` when the micro-batch and the model disagree about context parallelism."""
+    if cp is None:
+        raise ValueError("this micro-batch is a context-parallel shard but the model was not "
+                         "parallelized with --context-parallel-size (training/parallelize.py)")
+    if shard is None:
+        raise ValueError(f"--context-parallel-size {cp.comm.size}: the micro-batch is not sharded; "
+                         "load it with data.cp_shard (CPShardLoader / shard_batch)")
+    if shard.size != cp.comm.size or shard.rank != cp.comm.rank:
+        raise ValueError(f"the micro-batch is CP rank {shard.rank} of {shard.size}'s shard, but this "
+                         f"is CP rank {cp.comm.rank} of --context-parallel-size {cp.comm.size}")
+    if backend not in CP_BACKENDS:
+        raise ValueError(f"--attention-backend {backend} does not support --context-parallel-size > 1: "
+                         "use auto (varlen on CUDA, sdpa on CPU)")
+
+
+def cp_attention(cp: ContextParallel | None, q, k, v, layout, window, scale, backend) -> torch.Tensor:
+    """What an attention module calls when it has a CP group or gets a CP shard."""
+    if cp is None:
+        check_shard(None, layout.params.cp, backend)
+    return cp(q, k, v, layout, window, scale, backend)
