@@ -102,6 +102,30 @@ def test_qwen3_recipe_runs_the_search_top_row(tmp_path):
     assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
 
 
+def test_long_context_recipe_runs_the_search_top_row(tmp_path):
+    """examples/step37_flash_8xh200_128k_cp_sft.sh: its layout flags (context parallel 4 among
+    them) are the search's fastest fitting layout at 131,072 tokens and 2 packs per step."""
+    from train_args import build_parser, sections
+    from training.plan import plan_inputs
+    from training.plan_search import search
+
+    hf = tmp_path / "Step-3.7-Flash"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(Step37Config.preset("step37-flash").to_hf()))
+    flags = recipe_flags(str(hf), os.path.join(ROOT, "examples", "step37_flash_8xh200_128k_cp_sft.sh"))
+    parser = build_parser(require_data=False)
+    args = sections(parser.parse_args(flags), parser)
+    top = search(Step37Config.from_hf(str(hf)), 8, plan_inputs(args), args.data.global_batch_size,
+                 progress=False, host_gb=2000)[0]
+    assert top.fits and top.device_gb <= 141 - 10
+    wanted = top.flags().split()
+    assert "--context-parallel-size" in wanted
+    pairs = dict(zip(wanted[::2], wanted[1::2]))
+    for flag in (f for f in wanted if f.startswith("--")):
+        assert flag in flags, (flag, flags)
+    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
+
+
 @pytest.mark.parametrize("gpu, device_gb", [("H200", 141), ("H100", 80)])
 def test_two_node_recipe_plans_16_ranks_that_fit(gpu, device_gb):
     """examples/step37_flash_2node_thd_sft.sh: torchrun over two nodes by c10d rendezvous, and the
