@@ -1,7 +1,9 @@
 """Routed experts with weights stacked ``[E, out, in]`` (the published layout), run as one
 grouped GEMM over tokens sorted by expert (``torch.nn.functional.grouped_mm``) or, where that is
-unavailable or the shapes are not 16-byte aligned, a loop over the experts' segments. The forward
-is identical whether the E experts are all of them (EP = 1) or this rank's share."""
+unavailable, the shapes are not 16-byte aligned or the inputs are fp32 on CUDA (grouped_mm's CUDA
+kernel takes bf16; its fallback for other dtypes reads the offsets on the host per call), a loop
+over the experts' segments whose sizes are read on the host once per layer. The forward is
+identical whether the E experts are all of them (EP = 1) or this rank's share."""
 from __future__ import annotations
 
 import torch
@@ -19,12 +21,14 @@ def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _segment_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool) -> torch.Tensor:
+def _segment_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool,
+                    sizes: list | None = None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x`` times ``w[e]``: one grouped GEMM, or a loop over the
-    segments (which reads the segment sizes on the host)."""
+    segments, whose sizes (``sizes``, else read from ``offs`` on the host) it needs as ints."""
     if grouped:
         return F.grouped_mm(x_NI, w_EIO, offs=offs)
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    if sizes is None:
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     chunks = torch.split(x_NI, sizes)
     return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)], dim=0) if chunks else \
         x_NI.new_zeros(0, w_EIO.shape[-1])
@@ -80,14 +84,15 @@ def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
 
 
 def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor,
-                  use_grouped: bool) -> torch.Tensor:
-    """Row block ``e`` of ``x`` (``counts[e]`` rows, in expert order) times ``w[e].T``."""
+                  use_grouped: bool, sizes: list | None = None) -> torch.Tensor:
+    """Row block ``e`` of ``x`` (``counts[e]`` rows, in expert order) times ``w[e].T``;
+    ``sizes``: the counts as host ints, for the loop (read once per layer by the caller)."""
     # offloaded (FSDP CPU offload) weights come to the compute device here, differentiably
     w_EOI = w_EOI.to(x_NI.device)
     offs = torch.cumsum(counts_E, 0).to(torch.int32)
     if torch.compiler.is_compiling() and not (use_grouped and x_NI.dtype == torch.bfloat16):
         return _expert_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped)
-    out = _segment_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped)
+    out = _segment_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped, sizes)
     return _contiguous_grad(out) if use_grouped else out
 
 
@@ -105,6 +110,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """``x`` rows sorted by expert, ``counts[e]`` of them for expert ``e``."""
         grouped = self.use_grouped_mm and _grouped_mm_ok(x_NH, *self.gate_proj.shape[1:])
-        gate = expert_linear(x_NH, self.gate_proj, counts_E, grouped)
-        up = expert_linear(x_NH, self.up_proj, counts_E, grouped)
-        return expert_linear(clamped_swiglu(gate, up, self.limit), self.down_proj, counts_E, grouped)
+        sizes = None
+        if not grouped and not torch.compiler.is_compiling():
+            # the loop's segment sizes, read once for the layer's three projections (fp32 on
+            # CUDA: one device sync per MoE layer; --bf16 takes grouped_mm, which reads nothing)
+            sizes = counts_E.tolist()
+        gate = expert_linear(x_NH, self.gate_proj, counts_E, grouped, sizes)
+        up = expert_linear(x_NH, self.up_proj, counts_E, grouped, sizes)
+        return expert_linear(clamped_swiglu(gate, up, self.limit), self.down_proj, counts_E, grouped, sizes)

@@ -134,3 +134,20 @@ def test_combine_gradients_and_one_rounding_in_bf16():
     assert torch.autograd.gradcheck(lambda y, w: _Combine.apply(y, w, state.order), (y, w))
     y16, w32 = y.detach().bfloat16(), w.detach().float()
     assert torch.equal(unpermute(y16, w32, state), unpermute(y16.float(), w32, state).bfloat16())
+
+
+def test_the_per_expert_loop_reads_its_sizes_once_per_layer():
+    """fp32 experts on CUDA run the loop (grouped_mm's CUDA kernel wants bf16): its segment
+    sizes are one host read (a device sync there) per MoE layer forward, not one per projection;
+    the backward reads nothing."""
+    from tests.host_reads import HostReads
+
+    torch.manual_seed(3)
+    ex = GroupedExperts(3, 16, 8)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p)
+    ex.use_grouped_mm = False
+    x, counts = torch.randn(7, 16, requires_grad=True), torch.tensor([2, 5, 0])
+    with HostReads() as h:
+        ex(x, counts).sum().backward()
+    assert [what for what, _ in h.reads] == ["tolist"], h.reads
