@@ -151,3 +151,35 @@ def test_the_per_expert_loop_reads_its_sizes_once_per_layer():
     with HostReads() as h:
         ex(x, counts).sum().backward()
     assert [what for what, _ in h.reads] == ["tolist"], h.reads
+
+
+def test_all_gather_dispatch_reads_one_count_and_sums_its_experts(monkeypatch):
+    """EP rank 0 of 2, both ranks with the same tokens (collectives faked in process): the
+    output is both copies' contributions of rank 0's experts, and the forward + backward reads
+    one value on the host (the rows its experts get), not ``nonzero`` and ``bincount``."""
+    import core.distributed.collectives as coll
+    from core.moe.dispatch import AllGatherDispatcher, LocalDispatcher
+    from tests.host_reads import HostReads
+
+    monkeypatch.setattr(coll, "all_gather", lambda x, group: torch.cat([x, x]))
+    monkeypatch.setattr(coll, "all_gather_into", lambda out, x, group: out.copy_(torch.cat([x, x])))
+    monkeypatch.setattr(coll, "reduce_scatter", lambda x, group: x[: x.shape[0] // 2] + x[x.shape[0] // 2:])
+    torch.manual_seed(4)
+    E, H = 4, 16
+    mine, every = GroupedExperts(E // 2, H, 8), GroupedExperts(E, H, 8)
+    for p in mine.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():  # the reference: rank 0's experts, then two that add nothing
+        for a, b in zip(mine.parameters(), every.parameters()):
+            b.zero_()[: E // 2].copy_(a)
+    x = torch.randn(6, H, requires_grad=True)
+    experts = torch.tensor([[0, 2], [1, 0], [3, 2], [0, 1], [2, 3], [1, 3]])
+    weights = torch.rand(6, 2)
+    with HostReads() as h:
+        out, _ = AllGatherDispatcher(None, 2, 0, E)(x, weights, experts, mine)
+        out.sum().backward()
+    assert [what for what, _ in h.reads] == ["aten._local_scalar_dense.default"], h.reads
+    ref, _ = LocalDispatcher()(x, weights, experts, every)
+    # fp32: the same products, summed in another order (index_add vs the fp32 combine) and
+    # doubled: a few roundings, < 1e-6 relative; 1e-5 leaves 10x
+    assert_close_rel(out, 2 * ref, rel=1e-5)
