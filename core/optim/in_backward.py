@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from core.distributed.grads import local, owns
+from core.distributed.grads import local, owns, square_norm
 from core.parallel_state import ParallelState, local_device
 
 
@@ -60,7 +60,7 @@ class InBackwardSteps:
             with torch.no_grad():
                 if counted:
                     g = local(p.grad)
-                    self.sq.add_(torch.linalg.vector_norm(g, dtype=torch.float64).to(self.sq.device) ** 2)
+                    self.sq.add_(square_norm(g).to(self.sq.device))  # no fp64 copy of the matrix
                 kept = self.muon.update(p, group, guard=True)
                 self.nonfinite.add_((~kept).to(self.nonfinite.device, torch.int64))
             p.grad = None
