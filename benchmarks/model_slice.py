@@ -117,6 +117,21 @@ FAMILIES = {
 }
 
 
+def hf_missing(fam: FamilySlice) -> str | None:
+    """Why transformers' side of ``fam`` cannot run here (``None``: it can). transformers is
+    optional at run time: the lent GPU's image has transformers 5.17, which has no ``step3p7``."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(fam.hf_module) is not None:
+            return None
+        import transformers
+        have = f"transformers {transformers.__version__} has no {fam.hf_module}"
+    except ModuleNotFoundError:
+        have = "transformers is not installed"
+    return f"{have}: {fam.hf_name} skipped"
+
+
 def family_slice(cfg) -> FamilySlice:
     family = registry.spec_of(cfg).family
     if family not in FAMILIES:

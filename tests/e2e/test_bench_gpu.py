@@ -110,3 +110,30 @@ def test_gpu_check_table_when_pytest_left_no_report(tmp_path):
     assert re.search(r"^tests/gpu +failed \(no JUnit report: FileNotFoundError\) +300\.0$", out.stdout, re.M)
     assert re.search(r"^benchmarks/bench_gpu\.py +failed \(timed out after 180 s\) +180\.0$", out.stdout, re.M)
     assert out.stdout.splitlines()[-1] == "gpu_check: 0 passed, 2 failed, 0 skipped in 480 s"
+
+
+def test_without_the_family_in_transformers_ours_is_still_timed(monkeypatch, tmp_path, capsys):
+    """transformers 5.17 (the lent H200's) has no step3p7: the benchmark must not die on the
+    import; it skips the check and transformers' row, says why, and times ours."""
+    from benchmarks import bench_gpu, model_slice
+
+    def fake_find_spec(name, *a):
+        if name == "transformers.models.step3p7":
+            return None
+        return real(name, *a)
+
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+    monkeypatch.setattr(model_slice, "_step37_hf", lambda cfg, device: pytest.fail("transformers' side was built"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # in process: leave pytest's threads
+    path = tmp_path / "bench.json"
+    rc = bench_gpu.main(["--tiny", "--seq-length", "128", "--iters", "1", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert re.search(r"^check skipped: transformers \S+ has no transformers\.models\.step3p7: transformers "
+                     r"Step3p7 skipped; ours is timed alone", out, re.M), out
+    res = json.loads(path.read_text())
+    assert [r["name"] for r in res["rows"]] == ["ours (THD)"] and res["rows"][0]["ms"] > 0
+    assert res["skipped"] and "step3p7" in res["skipped"][0]
+    assert out.strip().splitlines()[-1].startswith("bench_gpu: CPU; check skipped (transformers ")
