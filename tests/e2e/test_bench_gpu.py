@@ -125,7 +125,12 @@ def test_without_the_family_in_transformers_ours_is_still_timed(monkeypatch, tmp
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
-    monkeypatch.setattr(model_slice, "_step37_hf", lambda cfg, device: pytest.fail("transformers' side was built"))
+    import dataclasses
+
+    def no_hf(cfg, device):
+        raise ImportError("cannot import name 'Step3p7TextConfig' from 'transformers'")
+
+    monkeypatch.setitem(model_slice.FAMILIES, "step37", dataclasses.replace(model_slice.FAMILIES["step37"], hf=no_hf))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # in process: leave pytest's threads
     path = tmp_path / "bench.json"
     rc = bench_gpu.main(["--tiny", "--seq-length", "128", "--iters", "1", "--json", str(path)])
