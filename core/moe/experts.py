@@ -21,12 +21,16 @@ def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
+# torch's grouped GEMM: public as F.grouped_mm in newer releases, torch._grouped_mm before
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def _segment_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool,
                     sizes: list | None = None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x`` times ``w[e]``: one grouped GEMM, or a loop over the
     segments, whose sizes (``sizes``, else read from ``offs`` on the host) it needs as ints."""
     if grouped:
-        return F.grouped_mm(x_NI, w_EIO, offs=offs)
+        return _GROUPED_MM(x_NI, w_EIO, offs=offs)
     if sizes is None:
         sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     chunks = torch.split(x_NI, sizes)
@@ -76,7 +80,7 @@ _expert_matmul.register_autograd(_expert_matmul_grad, setup_context=_expert_matm
 
 
 def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
-    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+    if _GROUPED_MM is None or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
