@@ -41,10 +41,14 @@ class _Combine(torch.autograd.Function):
         y_TKH = torch.empty_like(y_NH).index_copy_(0, order, y_NH).view(T, K, -1)  # token order
         f32 = torch.promote_types(y_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
         acc = torch.zeros(T, y_NH.shape[1], dtype=f32, device=y_NH.device)
+        compiling = torch.compiler.is_compiling()
         for k in range(K):
-            acc.addcmul_(y_TKH[:, k].to(f32), w_TK[:, k, None].to(f32))
+            if compiling:  # torch 2.11 compiles an in-place update of the output to wrong gradients
+                acc = torch.addcmul(acc, y_TKH[:, k].to(f32), w_TK[:, k, None].to(f32))
+            else:
+                acc.addcmul_(y_TKH[:, k].to(f32), w_TK[:, k, None].to(f32))
         ctx.save_for_backward(y_TKH, w_TK, order)
-        return acc.to(y_NH.dtype)
+        return acc if acc.dtype == y_NH.dtype else acc.to(y_NH.dtype)  # acc itself, not .to's alias
 
     @staticmethod
     def backward(ctx, g_TH):

@@ -55,9 +55,21 @@ def _(x_NI, w_EIO, offs, grouped):
 @torch.library.custom_op("moe::expert_matmul_backward", mutates_args=())
 def _expert_matmul_backward(g_NO: torch.Tensor, x_NI: torch.Tensor, w_EIO: torch.Tensor,
                             offs: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # torch.func: plain autograd is switched off inside a custom op's implementation
-    _, vjp = torch.func.vjp(lambda x, w: _segment_matmul(x, w, offs, grouped), x_NI, w_EIO)
-    return vjp(g_NO.contiguous())
+    """``dx = g w^T`` and, per expert, ``dw_e = x_e^T g_e`` (zero for an expert with no row),
+    written out rather than through ``torch.func.vjp`` (whose wrapped tensors opcheck's modes
+    cannot read), so that ``dw`` has the layout of ``w``, as the fake says."""
+    g_NO = g_NO.contiguous()
+    if grouped:
+        dx = _GROUPED_MM(g_NO, w_EIO.transpose(-2, -1), offs=offs)
+        dw_EOI = _GROUPED_MM(g_NO.transpose(0, 1), x_NI, offs=offs)
+    else:
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+        gs, xs = torch.split(g_NO, sizes), torch.split(x_NI, sizes)
+        dx = torch.cat([g @ w_EIO[e].T for e, g in enumerate(gs)]) if gs else torch.zeros_like(x_NI)
+        dw_EOI = torch.stack([g.T @ x for g, x in zip(gs, xs)]) if gs else \
+            torch.zeros_like(w_EIO.transpose(-2, -1))
+    dw = dw_EOI.transpose(-2, -1)
+    return dx, (dw if dw.stride() == w_EIO.stride() else torch.empty_like(w_EIO).copy_(dw))
 
 
 @_expert_matmul_backward.register_fake

@@ -183,3 +183,26 @@ def test_all_gather_dispatch_reads_one_count_and_sums_its_experts(monkeypatch):
     # fp32: the same products, summed in another order (index_add vs the fp32 combine) and
     # doubled: a few roundings, < 1e-6 relative; 1e-5 leaves 10x
     assert_close_rel(out, 2 * ref, rel=1e-5)
+
+
+def test_the_opaque_expert_backward_is_autograd_with_the_fakes_layout():
+    """The custom op compiled fp32 experts use: its backward (written out, not torch.func, which
+    torch 2.11's grouped_mm does not run under) equals autograd through the eager forward
+    (exactly: the same per-expert products), gives an expert with no row a zero dW, and returns
+    ``dw`` in the layout its fake promises (opcheck compares real and fake strides)."""
+    from core.moe.experts import _expert_matmul_backward, _segment_matmul
+
+    torch.manual_seed(2)
+    counts = torch.tensor([3, 0, 7, 0, 2])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(12, 16, requires_grad=True)
+    w_EIO = torch.randn(5, 24, 16).transpose(-2, -1).requires_grad_()  # the stacked [E, out, in], viewed
+    g = torch.randn(12, 24)
+    for grouped in (True, False):
+        x.grad = w_EIO.grad = None
+        _segment_matmul(x, w_EIO, offs, grouped).backward(g)
+        dx, dw = _expert_matmul_backward(g, x.detach(), w_EIO.detach(), offs, grouped)
+        assert torch.equal(dx, x.grad) and torch.equal(dw, w_EIO.grad)
+        assert dw.stride() == w_EIO.stride()
+        assert dw[1].abs().sum() == 0 and dw[3].abs().sum() == 0
+        torch.library.opcheck(_expert_matmul_backward, (g, x.detach(), w_EIO.detach(), offs, grouped))
