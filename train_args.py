@@ -50,6 +50,8 @@ class ModelArgs:
     model_module: str = option(None, "import this Python module first: it registers another model family "
                                      "(models.registry.register), so this script trains it unchanged")
     load_hf: str = option(None, "initialise from this Hugging Face checkpoint directory")
+    vocab_size: int = option(None, "embedding and head rows (default: the preset's or config's); e.g. "
+                                   "the tiny preset with a tokenizer trained for it")
     attention_backend: str = option("auto", "attention kernel: auto is varlen (flash over cu_seqlens) on "
                                             "CUDA with --bf16, sdpa (per document) otherwise (CPU, or "
                                             "fp32: flash takes 16-bit inputs only)", choices=ATTENTION_BACKENDS)
@@ -70,7 +72,9 @@ class ModelArgs:
 
     def __post_init__(self):
         require(self, mtp_loss_scale=NON_NEGATIVE, moe_aux_loss_coeff=NON_NEGATIVE,
-                moe_bias_update_rate=NON_NEGATIVE)
+                moe_bias_update_rate=NON_NEGATIVE, vocab_size=AT_LEAST_1)
+        if self.vocab_size is not None and self.load_hf:
+            raise ValueError("--vocab-size cannot change the vocabulary of --load-hf's weights")
         registry.import_model_module(self.model_module)
         if self.hf_config is None and self.model_preset not in registry.preset_names():
             raise ValueError(f"--model-preset {self.model_preset!r}: expected one of "
@@ -400,7 +404,9 @@ def model_spec_and_config(args):
     """``(ModelSpec, config)``: from ``--hf-config`` (or ``--load-hf``'s config.json) by its
     model_type, else from ``--model-preset``."""
     m = args.model
-    return registry.resolve(m.model_preset, m.hf_config or m.load_hf, attention_backend=m.attention_backend)
+    vocab = {"vocab_size": m.vocab_size} if m.vocab_size is not None else {}
+    return registry.resolve(m.model_preset, m.hf_config or m.load_hf, attention_backend=m.attention_backend,
+                            **vocab)
 
 
 def model_config(args):

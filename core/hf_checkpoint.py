@@ -251,6 +251,9 @@ def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: 
     kept = tuple(getattr(adapter, "kept_prefixes", ()))
     ignored = tuple(getattr(adapter, "ignored_suffixes", ()))
     used = _used(ckpt, found) | {m[1] for m in misshaped} | {w[1] for w in wrong_dtype}
+    whole = getattr(model, "whole_on_meta", lambda: None)()
+    if whole is not None:  # a pipeline stage: the other stages' tensors are not unexpected
+        used |= _used(ckpt, plan_load(whole, ckpt)[0])
     unexpected = sorted(k for k in ckpt.file_of if k not in used and not (kept and k.startswith(kept))
                         and not (ignored and k.endswith(ignored)))
     dtypes = Counter(ckpt.dtype(src.first()) if not src.per_expert else ckpt.dtype(

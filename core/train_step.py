@@ -78,6 +78,8 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
                                 nan_on_nonfinite_loss=in_backward is not None)
     schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))
     stats = executor.run(schedule, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
+    if in_backward is not None:
+        in_backward.end()  # matrices held for a balanced split of Newton-Schulz step now
 
     sync_gradients(params, ps)
     norm = grad_norm(params, ps, in_backward.sq if in_backward is not None else None)

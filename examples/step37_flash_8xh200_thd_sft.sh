@@ -14,12 +14,13 @@
 # on the GPU (each rank's 36 of the 288 experts whole, the dense weights FSDP-sharded over the 8
 # ranks and gathered once per step); the fp32 masters and AdamW's state live in host memory.
 # --optimizer-in-backward: each matrix's Newton-Schulz runs on the GPU as soon as its gradient is
-# final, its bf16 update goes to the host on a copy stream and host threads update the master
-# while the backward goes on; the new bf16 weights come back once per step. Full recompute (MTP
-# depths included), the head's and each MTP depth's loss a tile at a time. Predicted (not
-# measured; no GPU has run this): 119.6 GB on each GPU (21 GB to spare), 202 GB of host memory
-# per rank (1.6 TB for the node), 18.3 s per step, 1,789 tokens/s per GPU, MFU 16.4% (assumed:
-# 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s, host memory 52 GB/s per rank).
+# final (a dense matrix by one of the 8 ranks, core/optim/muon_split.py), its bf16 update goes to
+# the host on a copy stream, host threads update the master and copy the new bf16 weight back
+# while the backward goes on. Full recompute (MTP depths included), the head's and each MTP
+# depth's loss a tile at a time. Predicted (not measured; no GPU has run this): 119.6 GB on each
+# GPU (21 GB to spare), 202 GB of host memory per rank (1.6 TB for the node), 15.7 s per step,
+# 2,084 tokens/s per GPU, MFU 19.1% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
+# PCIe 35 GB/s, host memory 52 GB/s per rank; docs/memory.md says why not 20%).
 # Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
 #

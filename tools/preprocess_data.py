@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Tokenize JSONL text or chat data into Megatron-compatible indexed datasets.
+"""Tokenize text or chat data (JSONL, Parquet, Arrow, datasets.save_to_disk folders) into
+Megatron-compatible indexed datasets.
 
 Text:  python tools/preprocess_data.py --input data.jsonl --output-prefix out/corpus \\
            --tokenizer-type huggingface --tokenizer-model ./tokenizer --append-eod --workers 8
        -> out/corpus_text_document.{bin,idx}
-Chat:  python tools/preprocess_data.py --input chats.jsonl --output-prefix out/sft --chat
+Chat:  python tools/preprocess_data.py --input 'sft/*.parquet' --output-prefix out/sft --chat
        -> out/sft_text_document.{bin,idx} and out/sft_loss_mask_document.{bin,idx} (uint8,
           1 on assistant tokens), aligned token for token.
 
-Every rejected row goes to PREFIX_rejects.jsonl with its file, line number, reason and original
-text; rows read always equal rows accepted plus rows rejected. The tool never reads its own
+Every rejected row goes to PREFIX_rejects.jsonl with its file, line number (JSONL) or row index
+(Parquet, Arrow), reason and original text; rows read always equal rows accepted plus rows
+rejected. A Parquet or Arrow input without a column the run reads stops it before any work. The tool never reads its own
 outputs (a glob's matches named like them are left out, and said) and reads a file given twice
 once. Outputs are published only when the run succeeds, all of a run's datasets together (a chat
 text never without its loss mask), and not at all when more than --max-rejected-fraction of the
@@ -40,14 +42,24 @@ from data.workers import WorkerDied, WorkerFailed  # noqa: E402
 class PreprocessConfig:
     """Input, tokenizer and output."""
 
-    input: list = option(help="JSONL input: files, globs or .gz files, read in the order given "
-                              "(globs sorted)", nargs="+")
+    input: list = option(help="inputs, read in the order given (globs sorted): JSONL files (.gz "
+                              "too), .parquet files, Arrow IPC files (.arrow, .feather) and "
+                              "datasets.save_to_disk folders", nargs="+")
     output_prefix: str = option(help="writes PREFIX_<key>_document.{bin,idx} and PREFIX_rejects.jsonl")
-    json_keys: list = option(["text"], "text keys to tokenize, one dataset each (a row missing any "
-                                       "of them is rejected)", nargs="+")
-    chat: str = option(None, "chat mode: the key holding the messages list (bare --chat means "
-                             "'messages'); adds PREFIX_loss_mask_document", nargs="?",
+    json_keys: list = option(["text"], "text keys (Parquet / Arrow: columns) to tokenize, one "
+                                       "dataset each (a row missing any of them is rejected)",
+                             nargs="+")
+    chat: str = option(None, "chat mode: the key (column) holding the messages list (bare --chat "
+                             "means 'messages'); adds PREFIX_loss_mask_document", nargs="?",
                        const="messages", metavar="KEY")
+    reasoning_loss: bool = option(True, "chat: an assistant message's reasoning_content (or "
+                                        "thinking), where the chat template renders it, is a "
+                                        "training target (default); --no-reasoning-loss makes it "
+                                        "context, loss mask 0")
+    mask_history: bool = option(False, "chat: only the last turn is a target (the assistant "
+                                       "messages after the last user message); earlier assistant "
+                                       "messages are context, loss mask 0 (default: every "
+                                       "assistant message is a target)")
     tokenizer_type: str = option("byte", "tokenizer kind", choices=TOKENIZER_TYPES)
     tokenizer_model: str = option(None, "Hugging Face tokenizer directory or tokenizer.json; "
                                         "SentencePiece .model file")

@@ -186,7 +186,7 @@ def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: Tim
     limit = f" and {host_gb:g} GB of host memory per node" if host_gb > 0 else ""
     print(f"{len(fitting)} of {len(rows)} layouts on {world} GPUs fit {device_gb:g} GB per GPU{limit}; "
           f"fastest first (predicted: {a.assumed_mfu:.0%} of {peak:g} TFLOP/s, PCIe {a.pcie_gb_s:g} GB/s, "
-          f"NVLink {a.nvlink_gb_s:g} GB/s, host {a.host_gb_s:g} GB/s, nothing overlapped)")
+          f"NVLink {a.nvlink_gb_s:g} GB/s, host {a.host_gb_s:g} GB/s; only host masters overlap the backward)")
     if not fitting:
         print(f"{prog}: no layout fits; the closest by device memory:")
         print(format_rows(sorted(rows, key=lambda r: r.device_gb), min(top, 5)))

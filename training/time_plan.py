@@ -12,6 +12,8 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
   its backward (one more head forward, recompute or not); at ``assumed_mfu`` of the peak;
 - all-to-all: each MoE layer dispatches and combines ``T x top_k x hidden`` activations, of
   which ``(ep - 1) / ep`` leave the rank, in forward, in backward, and again when recomputed;
+  a shared expert's forward runs while its layer's dispatch is in flight (the code overlaps
+  them), hiding up to the dispatch's time;
 - p2p: one ``[T, hidden]`` message per stage boundary each way;
 - weights gathered per pass (FSDP without gather-once): the offloaded fp32 shards host to
   device (4 bytes per shard parameter) and the all-gather of the compute copies, for the forward
@@ -23,12 +25,17 @@ Once per step and rank, after the pipeline: weights gathered once (gather-once, 
 meshes, ``optimizer`` offload), the gradient reduce-scatter (or all-reduce where FSDP does not
 shard) and the shards' device-to-host copy, the tied embedding's all-reduce, and the optimizer:
 AdamW at memory bandwidth (28 bytes per parameter: p, g, m, v read; p, m, v written) on the host
-for offloaded shards, Muon's Newton-Schulz on the GPU matrix by matrix (whole matrices: FSDP
-shards are all-gathered first; offloaded ones travel host to device and back), Dion's power
-iteration likewise.
+for offloaded shards, Muon's Newton-Schulz on the GPU matrix by matrix (row-sharded matrices
+by one owner each, in the batches the code forms: the busiest owner's FLOPs and the two
+all-to-alls; offloaded ones travel host to device and back), Dion's power iteration likewise;
+``cpu_offload="masters"``: the host's updates and their copies.
 
-Nothing overlaps (conservative: FSDP prefetch, copy engines and the shared expert do overlap
-some of it on a GPU). The step is the pipeline's makespan under these per-stage costs (bubble
+One overlap is counted, because the code has it: under ``cpu_offload="masters"`` with
+``optimizer_in_backward`` the host's work on Muon's matrices (updates to the host, master
+updates on worker threads, new weights back) runs while the backward does, and only what
+outlasts the backward (at least the last block's share) adds to the step. Nothing else overlaps
+(conservative: FSDP prefetch, copy engines and the shared expert do overlap some of it on a
+GPU). The step is the pipeline's makespan under these per-stage costs (bubble
 and stage imbalance included, from ``core.pipeline.simulate``) plus the slowest rank's
 once-per-step work.
 """
@@ -41,6 +48,7 @@ from functools import lru_cache
 from core.cli import option
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim.build import classify
+from core.optim.muon_split import ns_flops, owners
 from core.pipeline.simulate import plan_makespan
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
@@ -162,27 +170,59 @@ def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
 
 @lru_cache(maxsize=4096)
 def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str,
-                   ns_steps: int, dion_fraction: float) -> dict:
-    """Per kind: AdamW and matrix shard parameters, FLOPs of orthogonalising the whole
-    matrices (Newton-Schulz per iteration ``4 m^2 n + 2 m^3`` for m <= n; Dion ``8 m n r``),
-    and the tied parameters' shards."""
-    out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0} for k in KINDS}
+                   ns_steps: int, dion_fraction: float, in_backward: bool = False) -> dict:
+    """Per kind: AdamW and matrix shard parameters, this rank's FLOPs of orthogonalising (Newton-
+    Schulz per iteration ``4 m^2 n + 2 m^3`` for m <= n; Dion ``8 m n r``), the parameters of the
+    row-sharded matrices whose Newton-Schulz is split over their mesh (``split``), and the tied
+    parameters' shards. Muon under FSDP (``core/optim/muon_split.py``): a stack of whole experts
+    is orthogonalised where it is (1/D of the stack's FLOPs); row-sharded matrices are dealt out to
+    owners in batches, and a batch takes as long as its busiest owner (``split_ns_flops``)."""
+    out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0, "split": 0} for k in KINDS}
+    split: dict = {k: [] for k in KINDS}
     for s in chunk.tensors:
         kind = "expert" if s.expert else "dense"
-        shard = _shard_numel(s.t, expert_world if s.expert else dense_world)
+        world = expert_world if s.expert else dense_world
+        shard = _shard_numel(s.t, world)
         o = out[kind]
         o["tied"] += shard if s.spec.tied else 0
         if classify(s.spec, s.t, optimizer) != "matrix":
             o["adamw"] += shard
             continue
         o["matrix"] += shard
-        m, n = sorted(s.t.shape[-2:])
-        batch = s.t.numel() // (m * n)
-        if optimizer == "muon":
-            o["flops"] += batch * ns_steps * (4.0 * m * m * n + 2.0 * m ** 3)
-        else:
-            o["flops"] += batch * 8.0 * m * n * max(1, math.ceil(dion_fraction * m))
+        if optimizer != "muon":
+            m, n = sorted(s.t.shape[-2:])
+            o["flops"] += s.t.numel() // (m * n) * 8.0 * m * n * max(1, math.ceil(dion_fraction * m))
+        elif world > 1 and s.t.dim() == 2:
+            split[kind].append(s)
+            o["split"] += shard
+        else:  # whole matrices here, or whole experts of a row-sharded stack
+            o["flops"] += ns_flops(s.t.shape, ns_steps) / (world if s.t.dim() == 3 else 1)
+    for kind, tensors in split.items():
+        world = expert_world if kind == "expert" else dense_world
+        out[kind]["flops"] += split_ns_flops(tensors, world, ns_steps, in_backward)
     return out
+
+
+def split_ns_flops(tensors: list, world: int, ns_steps: int, in_backward: bool) -> float:
+    """The busiest owner's Newton-Schulz FLOPs summed over the batches the code forms: one batch
+    of every matrix at the optimizer step; in the backward (hooks, last block first) a batch each
+    time the held matrices' FLOPs reach ``world`` times the largest's
+    (``core/optim/in_backward.InBackwardSteps._hold``), the rest at the backward's end."""
+    order = sorted(tensors, key=lambda s: -1 if s.block is None else s.block, reverse=True) \
+        if in_backward else tensors
+    batches, held = [], []
+    for s in order:
+        held.append(tuple(s.t.shape))
+        flops = [ns_flops(x) for x in held]
+        if in_backward and sum(flops) >= world * max(flops):
+            batches.append(held)
+            held = []
+    batches += [held] if held else []
+    total = 0.0
+    for shapes in batches:
+        own = owners(shapes, world)
+        total += max(sum(ns_flops(x, ns_steps) for x, o in zip(shapes, own) if o == r) for r in range(world))
+    return total
 
 
 @lru_cache(maxsize=64)
@@ -215,6 +255,7 @@ class _Ledger:
     seconds: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
     bytes: dict = field(default_factory=lambda: {HD: 0.0, NV: 0.0})
     behind_backward: float = 0.0  # seconds of host work that runs while the backward does (host masters)
+    tail: float = 0.0             # ... of it that cannot start before the backward's end (its last block's)
 
     def move(self, key: str, nbytes: float, bytes_per_s: float, link: str = NV) -> None:
         self.seconds[key] += nbytes / bytes_per_s
@@ -252,6 +293,14 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
             ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
 
 
+def _shared_flops(cfg, chunk: ChunkShare) -> float:
+    """Forward FLOPs per token of a shared expert (SwiGLU: gate, up, down) of the chunk's MoE
+    layers (the largest, if they differ; 0 without one)."""
+    shapes = shapes_of(cfg)
+    blocks = [shapes.blocks[i] for i in chunk.layers] + (list(shapes.extra) if chunk.last else [])
+    return max((6.0 * shapes.hidden * b.ffn.shared for b in blocks if b.ffn.moe), default=0.0)
+
+
 def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
                   bw: dict) -> tuple[_Ledger, _Ledger]:
     """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
@@ -265,6 +314,10 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     if a2a:
         f.move("all-to-all", 2 * n_moe * a2a, bw["ep"])
         bk.move("all-to-all", 2 * (n_moe + n_redo) * a2a, bw["ep"])
+        # the shared expert's forward runs while the dispatch is in flight (AllToAllDispatcher)
+        hidden = min(_shared_flops(cfg, chunk) * T / eff, a2a / bw["ep"])
+        f.seconds["all-to-all"] -= n_moe * hidden
+        bk.seconds["all-to-all"] -= n_redo * hidden
     if chunk.stage < inp.pp * inp.vpp - 1:
         f.move("p2p", T * H * b, bw["pp"])
     if chunk.stage > 0:
@@ -277,7 +330,7 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
     """All-reduce of gradients FSDP does not shard, the tied embedding's, and the optimizer."""
     replicas = {"dense": inp.sizes.dp, "expert": inp.sizes.expert_dp}
     work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
-                          inp.muon_ns_steps, inp.dion_rank_fraction)
+                          inp.muon_ns_steps, inp.dion_rank_fraction, inp.optimizer_in_backward)
     pcie, host, hbm = a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, a.hbm_gb_s * 1e9
     for k in KINDS:
         g, w = replicas[k], work[k]
@@ -286,7 +339,9 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
         if inp.pp > 1 and w["tied"]:  # first and last stage sum the embedding's gradient
             step.move("dp comm", w["tied"] * MASTER, bw["embedding"])
         if pl.host_masters:
-            _host_masters_step(w, inp, pcie, host, eff, step)
+            _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
+            _host_masters_step(w, inp, pcie, host, eff, step,
+                               len({x.block for x in chunk.tensors if x.block is not None}))
             continue
         memory = host if pl.offloaded[k] else hbm
         step.seconds["optimizer"] += w["adamw"] * ADAMW_BYTES / memory
@@ -294,29 +349,39 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
             continue
         momentum = inp.optimizer == "dion" or inp.muon_momentum > 0  # a buffer read and written
         step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory + w["flops"] / eff
-        if pl.shard_world[k] > 1:  # the whole matrix before orthogonalising (fp32 gradient shards)
-            step.move("dp comm", (pl.shard_world[k] - 1) * w["matrix"] * MASTER, bw[GROUP[k]])
+        _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
 
 
-def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: float, step: _Ledger) -> None:
+def _split_traffic(w: dict, world: int, bytes_per_s: float, step: _Ledger) -> None:
+    """Split Newton-Schulz's two all-to-alls: this rank's fp32 rows of each matrix to its owner,
+    the bf16 update's rows back (all but the 1/D it owns itself)."""
+    if world > 1 and w["split"]:
+        step.move("dp comm", (world - 1) / world * w["split"] * (MASTER + 2), bytes_per_s)
+
+
+def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: float, step: _Ledger,
+                       units: int) -> None:
     """``cpu_offload="masters"`` (``core/optim/host_masters.py``), per kind: Muon's
-    Newton-Schulz on the GPU; each matrix's bf16 update to the host (2 bytes) and its host update
-    (fp32 master read and written, the update read, the new bf16 weight written: 12 bytes) on
-    worker threads, during the backward with ``optimizer_in_backward`` (else after it); the
-    AdamW parameters' fp32 gradients (4 bytes) to the host and their AdamW (28 bytes + 2 for the
-    new weight) after the clip; every new bf16 weight back to the GPU once (2 bytes)."""
+    Newton-Schulz on the GPU; on worker threads each matrix's bf16 update to the host (2 bytes),
+    its host update (fp32 master read and written, the update read, the new bf16 weight written:
+    12 bytes) and the new weight back to the GPU (2 bytes), during the backward with
+    ``optimizer_in_backward`` (else after it; what the last of the chunk's ``units`` blocks sends
+    cannot start before the backward ends), counted one after the other; the AdamW parameters'
+    fp32 gradients (4 bytes) to the host, their AdamW (28 bytes + 2 for the new weight) after the
+    clip, and their new bf16 weights back (2 bytes)."""
     step.seconds["optimizer"] += w["flops"] / eff
-    matrix_s = w["matrix"] * (2 / pcie + 12 / host)
+    matrix_s = w["matrix"] * (4 / pcie + 12 / host)
+    step.bytes[HD] += 4 * w["matrix"]
     if inp.optimizer_in_backward:
         step.behind_backward += matrix_s
+        step.tail += matrix_s / max(1, units)
     else:
         step.seconds["optimizer"] += matrix_s
-    step.bytes[HD] += 2 * w["matrix"] + 4 * w["adamw"]
     step.move("host-device", 4 * w["adamw"], pcie, HD)
     step.seconds["optimizer"] += w["adamw"] * (ADAMW_BYTES + 2) / host
-    step.move("host-device", 2 * (w["matrix"] + w["adamw"]), pcie, HD)
+    step.move("host-device", 2 * w["adamw"], pcie, HD)
 
 
 def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
@@ -362,7 +427,7 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
                 moved[link] += M * ledger.bytes[link]
         sec["idle"] = makespan - M * sum(f.total + bk.total for f, bk in passes)
         # host work that overlaps the backward: only what outlasts the rank's backward shows
-        sec["optimizer"] += max(0.0, step.behind_backward - M * sum(bk.total for _, bk in passes))
+        sec["optimizer"] += max(step.tail, step.behind_backward - M * sum(bk.total for _, bk in passes))
         ranks.append(RankTime(r, sec, moved))
     slowest = max(ranks, key=lambda x: x.total)
     step_s, world = slowest.total, inp.sizes.world
@@ -386,7 +451,7 @@ def format_time(st: StepTime) -> str:
     a = st.assumptions
     lines = [f"predicted step time in seconds (assumed: {a['assumed_mfu']:.0%} of {st.peak_tflops:g} "
              f"TFLOP/s, PCIe {a['pcie_gb_s']:g} GB/s, NVLink {a['nvlink_gb_s']:g} GB/s, host "
-             f"{a['host_gb_s']:g} GB/s; transfers not overlapped)",
+             f"{a['host_gb_s']:g} GB/s; only host masters' host work overlaps the backward)",
              f"{'rank':<6}" + "".join(f"{k:>13}" for k in BREAKDOWN) + f"{'step':>10}{'PCIe GB':>10}"]
     for r in st.ranks:
         lines.append(f"pp{r.pp_rank:<4}" + "".join(f"{r.seconds[k]:>13.2f}" for k in BREAKDOWN)

@@ -3,16 +3,21 @@ resident on the GPU, and the host's updates running while the backward goes on.
 
 | on the GPU, per parameter | in host memory, per parameter |
 | --- | --- |
-| 2 bf16 weight (the only copy there) + its gradient while it waits | 4 fp32 master + optimizer state (AdamW 8, Muon 0 at momentum 0) + 2 pinned staging for the update in + 2 for the new weight out (+ 4 fp32 gradient accumulator with several micro-batches) |
+| 2 bf16 weight (the only copy there) + its gradient while it waits | 4 fp32 master + optimizer state (AdamW 8, Muon 0 at momentum 0) + 2 pinned staging for the update in + 2 for the new weight out |
 
 Per step: each finished update (Muon: the orthogonalised gradient, computed on the GPU in the
 backward; AdamW: the clipped gradient after it) is copied to pinned host memory on a copy stream
 of its own, never blocking the autograd thread; a worker thread waits for that copy, updates the
-fp32 master in place and writes its bf16 rounding (round to nearest even, as ``--bf16``'s cast)
-into pinned staging; ``finish()`` (end of the step) waits for the workers and copies every new
-bf16 weight to the GPU once, on the copy stream, which the compute stream then waits for. With
-several micro-batches per step, each micro-batch's gradients go to fp32 host accumulators the
-same way (``accumulate``), and the step's updates are taken from those.
+fp32 master in place, writes its bf16 rounding (round to nearest even, as ``--bf16``'s cast) into
+pinned staging and copies it to the GPU on a second stream (host to device), after an event the
+autograd thread recorded when the gradient was final: the weight's last use of the step is
+queued before it, and the device copy is overwritten only after that. So with
+``--optimizer-in-backward`` Muon's new weights cross PCIe while the backward goes on;
+``finish()`` (end of the step) waits for the workers and makes the compute stream wait for the
+host-to-device stream before the next forward. One micro-batch per rank and step
+(``train_args`` refuses more): with several, each micro-batch's bf16 gradients would have to
+reach fp32 host accumulators, and Muon's whole accumulated gradient come back to the GPU for
+Newton-Schulz (not built).
 
 On a machine without CUDA every copy is a plain one and the workers still run in threads: the
 arithmetic, and so every value, is the same.
@@ -38,11 +43,11 @@ class HostMasters:
     def __init__(self, params=(), workers: int = WORKERS):
         self.host: dict = {}     # p -> fp32 master, this rank's rows, host memory
         self.staged: dict = {}   # p -> bf16 new compute value, pinned
-        self.accum: dict = {}    # p -> fp32 gradient accumulator (several micro-batches)
         self.pending: list[Future] = []
         self.dirty: set = set()
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="host-masters")
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # device to host
+        self.h2d = torch.cuda.Stream() if torch.cuda.is_available() else None     # host to device
         self.add(params)
 
     def add(self, params) -> None:
@@ -87,6 +92,9 @@ class HostMasters:
                 fn(local(p), *[x.to(local(p).device) for x in inputs])
             return
         host_inputs, event = self._to_host(inputs)
+        # the device weight's last use this step is behind us (its gradient is final): the new
+        # value may overwrite it once the work queued so far has run
+        used = torch.cuda.current_stream().record_event() if self.h2d is not None else None
 
         def job():
             if event is not None:
@@ -94,42 +102,36 @@ class HostMasters:
             with torch.no_grad():
                 fn(self.host[p], *host_inputs)
                 self.staged[p].copy_(self.host[p])  # round to nearest even
-        self.dirty.add(p)
+                self._to_device(p, used)
         self.pending.append(self.pool.submit(job))
 
-    def accumulate(self, p, grad: torch.Tensor) -> None:
-        """Add a micro-batch's gradient of ``p`` (bf16 or fp32, on the device) into its fp32 host
-        accumulator on a worker thread."""
-        if p not in self.accum:
-            self.accum[p] = torch.zeros(self.host[p].shape, dtype=torch.float32)
-        (g,), event = self._to_host((grad,))
-        acc = self.accum[p]
-
-        def job():
-            if event is not None:
-                event.synchronize()
-            acc.add_(g.float())
-        self.pending.append(self.pool.submit(job))
+    def _to_device(self, p, used) -> None:
+        """The new bf16 weight to the device (a worker thread: on the host-to-device stream, after
+        the weight's last use; ``finish`` makes the compute stream wait for that stream)."""
+        if self.h2d is None:
+            local(p).copy_(self.staged[p])
+            return
+        with torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(used)
+            local(p).copy_(self.staged[p], non_blocking=True)
 
     def wait(self) -> None:
-        """Every update and accumulation submitted so far has run (a worker's error raises here)."""
+        """Every update submitted so far has run (a worker's error raises here)."""
         pending, self.pending = self.pending, []
         for f in pending:
             f.result()
 
     def finish(self) -> None:
-        """End of step: wait for the workers, then copy each new bf16 weight to the device once
-        (on the copy stream; the compute stream waits for it before the next forward)."""
+        """End of step: wait for the workers (each copied its new bf16 weights to the device as it
+        finished them, Muon's while the backward still ran), copy those set synchronously
+        (``fp32``), and make the compute stream wait for every copy before the next forward."""
         self.wait()
-        if not self.dirty:
-            return
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nothing()
-        with ctx, torch.no_grad():
+        with torch.no_grad():
             for p in self.dirty:
-                local(p).copy_(self.staged[p], non_blocking=self.stream is not None)
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
+                self._to_device(p, torch.cuda.current_stream().record_event() if self.h2d is not None else None)
         self.dirty = set()
+        if self.h2d is not None:
+            torch.cuda.current_stream().wait_stream(self.h2d)
 
     def _to_host(self, inputs) -> tuple[list, object]:
         """Copies of the inputs in pinned host memory, and the event their copies complete on
@@ -149,12 +151,7 @@ class HostMasters:
         return out, event
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.host, self.staged, self.accum) for t in d.values())
-
-
-@contextmanager
-def _nothing():
-    yield
+        return sum(t.numel() * t.element_size() for d in (self.host, self.staged) for t in d.values())
 
 
 def zeros_like_on(p, device) -> torch.Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from core.distributed.grads import local, owns, square_norm
+from core.optim.muon_split import ns_flops, splittable
 from core.parallel_state import ParallelState, local_device
 
 
@@ -45,6 +46,7 @@ class InBackwardSteps:
                 self.params.append(p)
 
         self.active = True
+        self.held: dict = {}  # mesh -> [(matrix, group)] waiting for their batch (muon_split)
 
     def begin(self, active: bool = True) -> None:
         """Before a step's backward; ``active=False`` (a step with no targets, to be skipped):
@@ -52,6 +54,7 @@ class InBackwardSteps:
         self.sq.zero_()
         self.nonfinite.zero_()
         self.active = active
+        self.held = {}
 
     def _hook(self, group: dict, counted: bool):
         def step(p) -> None:
@@ -61,10 +64,39 @@ class InBackwardSteps:
                 if counted:
                     g = local(p.grad)
                     self.sq.add_(square_norm(g).to(self.sq.device))  # no fp64 copy of the matrix
-                kept = self.muon.update(p, group, guard=True)
-                self.nonfinite.add_((~kept).to(self.nonfinite.device, torch.int64))
-            p.grad = None
+                if self.muon.split and splittable(p):  # one owner orthogonalises it: wait for a batch
+                    self._hold(p, group)
+                    return
+                self._stepped(p, self.muon.update(p, group, guard=True))
         return step
+
+    def _stepped(self, p, kept) -> None:
+        self.nonfinite.add_((~kept).to(self.nonfinite.device, torch.int64))
+        p.grad = None
+
+    def _hold(self, p, group: dict) -> None:
+        """Row-sharded matrices wait until a batch of them can be dealt out evenly over their mesh:
+        their Newton-Schulz FLOPs reach D times the largest one's (each rank then owns about as
+        much as the largest matrix), or ``end()`` flushes the rest. Every rank of the mesh sees the
+        same hooks in the same order, so the batches, and their all-to-alls, agree."""
+        key = id(p.device_mesh.get_group())
+        batch = self.held.setdefault(key, [])
+        batch.append((p, group))
+        flops = [ns_flops(q.shape) for q, _ in batch]
+        if sum(flops) >= p.device_mesh.size() * max(flops):
+            self._flush(key)
+
+    def _flush(self, key) -> None:
+        batch = self.held.pop(key, [])
+        for group in {id(g): g for _, g in batch}.values():
+            params = [q for q, g in batch if g is group]
+            for q, kept in zip(params, self.muon.update_many(params, group, guard=True)):
+                self._stepped(q, kept)
+
+    def end(self) -> None:
+        """After the step's backward: the matrices still held step now (same order on every rank)."""
+        for key in list(self.held):
+            self._flush(key)
 
 
 def check_in_backward(optimizer: str, momentum: float, clip: float, microbatches: int, dp: int,

@@ -106,6 +106,14 @@ class DecoderLM(nn.Module):
                                      for k in sorted(keys)})
 
     # ------------------------------------------------------------------ what core needs
+    def whole_on_meta(self) -> "DecoderLM | None":
+        """The whole model on ``meta`` when this is one pipeline stage of it (None when whole):
+        what a stage's checkpoint check judges "unexpected" tensors against."""
+        if self.first and self.last and len(self.layers) == self.config.num_layers:
+            return None
+        with torch.device("meta"):
+            return type(self)(self.config)
+
     def param_specs(self) -> dict[str, ParamSpec]:
         """Roles for core (``core/model_api.py``): embedding and heads stay on AdamW; routed
         experts are expert-parallel shards stacked on dim 0; an embedding the last stage holds

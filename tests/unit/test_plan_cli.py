@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 
 import pytest
 
 from models.step37 import Step37Config
+from training.recipe import recipe_flags as read_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "examples", "step37_flash_8xh200_thd_sft.sh")
@@ -20,13 +19,7 @@ RECIPE = os.path.join(ROOT, "examples", "step37_flash_8xh200_thd_sft.sh")
 
 def recipe_flags(hf_dir: str, recipe: str = RECIPE) -> list[str]:
     """The flags the recipe passes to pretrain_step37.py, with its variables filled in."""
-    text = open(recipe).read().replace("\\\n", " ")
-    line = next(l for l in text.splitlines() if "pretrain_step37.py" in l and l.startswith("torchrun"))
-    line = line.split("pretrain_step37.py", 1)[1]
-    line = re.sub(r'"\$HF"', hf_dir, line)
-    line = re.sub(r'"\$DATA"', "/nonexistent/sft_text_document", line)
-    line = re.sub(r'"\$OUT', '"/nonexistent/out', line)
-    return shlex.split(line)
+    return read_recipe(recipe, {"HF": hf_dir, "DATA": "/nonexistent/sft_text_document", "OUT": "/nonexistent/out"})
 
 
 def run(*cmd) -> subprocess.CompletedProcess:
@@ -107,3 +100,28 @@ def test_qwen3_recipe_runs_the_search_top_row(tmp_path):
     for flag in (f for f in wanted if f.startswith("--")):
         assert flag in flags, (flag, flags)
     assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
+
+
+@pytest.mark.parametrize("gpu, device_gb", [("H200", 141), ("H100", 80)])
+def test_two_node_recipe_plans_16_ranks_that_fit(gpu, device_gb):
+    """examples/step37_flash_2node_thd_sft.sh: torchrun over two nodes by c10d rendezvous, and the
+    layout it runs for each GPU kind fits that GPU at 16 ranks with 10 GB to spare (the search's
+    top rows: benchmarks/bench_recipe_plan.py prints them)."""
+    from tools.plan_memory import build_planner_parser
+    from train_args import sections, validate
+    from training.memory_plan import GB, plan
+    from training.plan import plan_inputs
+
+    script = os.path.join(ROOT, "examples", "step37_flash_2node_thd_sft.sh")
+    text = open(script).read()
+    assert "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in text
+    flags = read_recipe(script, {"HF": "/hf", "DATA": "/data", "OUT": "/out"})
+    flags = [f for f in flags if f != "$ONCE"] + (["--fsdp-gather-once"] if gpu == "H200" else [])
+    layout_flags = [f for f in flags if f not in ("--hf-config", "--load-hf", "/hf", "--tokenizer-model")]
+    parser = build_planner_parser()
+    ns = parser.parse_args(["--world-size", "16", "--model-preset", "step37-flash", *layout_flags])
+    args = sections(ns, parser)
+    layout = validate(args, 16, check_files=False)
+    assert (layout.sizes.dp, layout.sizes.ep, layout.sizes.expert_dp, layout.num_microbatches) == (16, 8, 2, 1)
+    ranks = plan(layout.config, plan_inputs(args, layout, device_gb))
+    assert max(r.device_total for r in ranks) / GB <= device_gb - 10
