@@ -102,13 +102,16 @@ def measure(run_cfg, seq: int, steps: int, workdir: str, seed: int = 0) -> dict:
 
 
 def predict(planned_cfg, seq: int, ep: int, workdir: str) -> dict:
-    """The planner's EP rank of the recipe on these layers, less what one GPU does not do."""
+    """The planner's EP rank of the recipe on these layers, less what one GPU does not do. With
+    ``ep`` 1 (and the proxy's own config): the planner's view of the one-GPU run itself, which
+    also runs the Newton-Schulz of every dense matrix (the EP rank runs 1/ep of it, the split)
+    and holds the dense weights whole."""
     from train_args import parse, validate
     from training.memory_plan import GB, plan
     from training.plan import plan_inputs
     from training.time_plan import plan_time, peak_tflops
 
-    path = os.path.join(workdir, "planned_config.json")
+    path = os.path.join(workdir, f"planned_config_ep{ep}.json")
     with open(path, "w") as f:
         json.dump(planned_cfg.to_hf(), f)
     args = parse(_flags(path, seq, MICRO_BATCH * ep, ep) + ["--data-path", "unused"])
@@ -136,6 +139,7 @@ def main(argv=None) -> int:
     seq = 128 if args.tiny else 8192
     with tempfile.TemporaryDirectory(prefix="gpu_check_proxy_") as workdir:
         pred = predict(planned_cfg, seq, ep, workdir)
+        here = predict(run_cfg, seq, 1, workdir)
         got = measure(run_cfg, seq, args.steps, workdir, args.seed)
     kinds = [planned_cfg.layer_types[i] for i in range(len(idx))] if hasattr(planned_cfg, "layer_types") else []
     print(f"proxy of one EP{ep} rank: layers {idx} ({', '.join(kinds)}) at full width with "
@@ -151,6 +155,8 @@ def main(argv=None) -> int:
           f"runs neither); by part: " + ", ".join(f"{k} {v:.2f}" for k, v in pred["breakdown"].items()))
     print(f"planned memory: {pred['device_gb_planned']:.1f} GB on the rank less its all-to-all buffers; the rank "
           f"also holds 1/{ep} of the dense weights' bf16 shards beside their gathered copies (the proxy holds them once)")
+    print(f"planned for this one-GPU run itself (every dense matrix's Newton-Schulz, no split; dense weights "
+          f"whole): step {here['step_s']:.2f} s, {here['device_gib']:.1f} GiB, MFU {100 * here['mfu']:.1f}%")
     passed = got["rc"] == 0 and got["step_s"] is not None
     ratio = f", {got['step_s'] / pred['step_s']:.2f}x the plan" if passed else ""
     headline = (f"proxy EP{ep} rank ({len(idx)} layers): step {f(got['step_s'], '.2f')} s vs planned "
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
                 f"MFU {f(got['mfu'] and 100 * got['mfu'], '.1f')}% vs {100 * pred['mfu']:.1f}%"
                 + ("" if passed else f"; the training run FAILED (exit {got['rc']})"))
     return common.finish(args, {"part": "h", "passed": passed, "layers": idx, "ep": ep, "measured": got,
-                                "planned": pred, "headline": headline})
+                                "planned": pred, "planned_one_gpu": here, "headline": headline})
 
 
 if __name__ == "__main__":

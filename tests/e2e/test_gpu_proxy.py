@@ -26,6 +26,8 @@ def test_the_proxy_runs_the_recipe_and_prints_the_plan_beside_it(tmp_path):
     assert r["measured"]["step_s"] > 0 and r["planned"]["step_s"] > 0
     planned = r["planned"]
     assert planned["step_s"] == planned["planned_step_s"] - planned["all_to_all_s"] - planned["dp_comm_s"]
+    here = r["planned_one_gpu"]  # the run itself at EP1: nothing to exclude
+    assert here["all_to_all_s"] == 0 and here["step_s"] > 0 and "for this one-GPU run itself" in out.stdout
     assert re.search(r"^step s +\d+\.\d\d +\d+\.\d\d$", out.stdout, re.M), out.stdout
     assert "less its all-to-all" in out.stdout and r["headline"].startswith("proxy EP4 rank (3 layers): step ")
 
