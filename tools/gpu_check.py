@@ -104,6 +104,8 @@ def run_part(part: Part, out: str, left: float) -> dict:
         row["status"] = f"not run ({left:.0f} s of the budget left)"
         return _record(out, row)
     json_path = os.path.join(out, f"{part.key}.json")
+    if os.path.exists(json_path):  # an earlier check's result must not stand in for this one's
+        os.remove(json_path)
     cmd = [c.replace("{json}", json_path) for c in part.cmd]
     start = time.monotonic()
     with open(os.path.join(out, f"{part.key}.log"), "w") as log:

@@ -79,6 +79,13 @@ def test_a_part_the_budget_leaves_no_time_for_is_not_started(tmp_path):
     assert not (tmp_path / "late.log").exists()
 
 
+def test_an_earlier_checks_json_is_not_read_as_this_ones(tmp_path):
+    (tmp_path / "old.json").write_text(json.dumps({"headline": "passed last week"}))
+    part = gpu_check.Part("old", "dies before writing its JSON", [sys.executable, "-c", "print('died'); raise SystemExit(4)"], 30)
+    row = gpu_check.run_part(part, str(tmp_path), 60)
+    assert row["status"] == "failed (exit 4)" and row["headline"] == "died"
+
+
 def test_the_parts_fit_the_budget_order_and_take_the_model():
     parts = gpu_check.gpu_parts("qwen3-30b-a3b", ["--compile"])
     keys = [p.key for p in parts]
