@@ -26,7 +26,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     install_requires=[
-        "torch>=2.13",  # varlen_attn, grouped_mm, FSDP2 per-parameter meshes; the Makefile installs the CPU build first when no torch is importable
+        "torch>=2.11",  # varlen_attn, grouped_mm, FSDP2; what differs up to 2.13 is feature-detected (the Makefile installs the CPU 2.13 first when no torch is importable)
         "numpy>=1.24",
         "tqdm>=4.60",
         "tensorboard>=2.10",

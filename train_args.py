@@ -53,7 +53,8 @@ class ModelArgs:
     vocab_size: int = option(None, "embedding and head rows (default: the preset's or config's); e.g. "
                                    "the tiny preset with a tokenizer trained for it")
     attention_backend: str = option("auto", "attention kernel: auto is varlen (flash over cu_seqlens) on "
-                                            "CUDA, sdpa (per document) on CPU", choices=ATTENTION_BACKENDS)
+                                            "CUDA with --bf16, sdpa (per document) otherwise (CPU, or "
+                                            "fp32: flash takes 16-bit inputs only)", choices=ATTENTION_BACKENDS)
     mtp_loss_scale: float = option(0.3, "weight of the MTP depths' token losses")
     moe_aux_loss_coeff: float = option(None, "router auxiliary (load-balancing) loss weight (default: the model "
                                              "config's own, e.g. a Hugging Face config's router_aux_loss_coef; "
@@ -511,6 +512,10 @@ def _check_against_model(args, cfg) -> None:
                          f"{cfg.num_layers} layers")
     if ck.finetune and not ck.load:
         raise ValueError("--finetune needs --load (the checkpoint to take the weights from)")
+    if args.model.attention_backend == "varlen" and not mem.bf16:
+        raise ValueError("--attention-backend varlen (flash) computes in bf16 or fp16 only, and without "
+                         "--bf16 the layers compute in fp32: add --bf16, or use --attention-backend auto "
+                         "(sdpa in fp32)")
 
 
 def _check_run_files(args, cfg) -> None:

@@ -27,23 +27,28 @@ CHECK_REL = 1e-4
 CHECK_SEQ = 256
 
 
-def _step37_cut(cfg, backend: str):
-    """Step-3.7: its first sliding-attention MoE layer and first full-attention MoE layer (in model
-    order), no MTP."""
-    idx = sorted(next(i for i in range(cfg.num_layers) if cfg.mlp_layer_types[i] == "sparse"
-                      and cfg.layer_types[i] == t) for t in ("sliding_attention", "full_attention"))
+def moe_layers(cfg) -> list[int]:
+    """Global indices of the MoE layers (any family: from its block shapes)."""
+    return [i for i, b in enumerate(registry.shapes_of(cfg).blocks) if b.ffn.moe]
+
+
+def _step37_cut(cfg, backend: str, idx: list | None = None):
+    """Step-3.7: layers ``idx``, by default its first sliding-attention MoE layer and first
+    full-attention MoE layer (in model order); no MTP."""
+    idx = idx or sorted(next(i for i in range(cfg.num_layers) if cfg.mlp_layer_types[i] == "sparse"
+                             and cfg.layer_types[i] == t) for t in ("sliding_attention", "full_attention"))
     pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
     return dataclasses.replace(
-        cfg, num_layers=2, layer_types=pick(cfg.layer_types), mlp_layer_types=pick(cfg.mlp_layer_types),
+        cfg, num_layers=len(idx), layer_types=pick(cfg.layer_types), mlp_layer_types=pick(cfg.mlp_layer_types),
         swiglu_limits=pick(cfg.swiglu_limits), swiglu_limits_shared=pick(cfg.swiglu_limits_shared),
         num_mtp_layers=0, mtp_layer_types=[], mtp_mlp_layer_types=[], mtp_swiglu_limits=[],
         mtp_swiglu_limits_shared=[], attention_backend=backend), idx
 
 
-def _qwen3_moe_cut(cfg, backend: str):
-    """Qwen3-MoE: its first two MoE layers (every layer attends alike)."""
-    idx = [i for i in range(cfg.num_layers) if cfg.is_moe(i)][:2]
-    return dataclasses.replace(cfg, num_layers=2, mlp_only_layers=[], decoder_sparse_step=1,
+def _qwen3_moe_cut(cfg, backend: str, idx: list | None = None):
+    """Qwen3-MoE: MoE layers ``idx``, by default its first two (every layer attends alike)."""
+    idx = idx or [i for i in range(cfg.num_layers) if cfg.is_moe(i)][:2]
+    return dataclasses.replace(cfg, num_layers=len(idx), mlp_only_layers=[], decoder_sparse_step=1,
                                attention_backend=backend), idx
 
 
@@ -101,7 +106,8 @@ def _qwen3_moe_hf(cfg, device) -> HFSlice:
 class FamilySlice:
     tiny: str              # the preset --tiny and the check use
     full: str              # the full-width preset (the default)
-    cut: callable          # (config, attention backend) -> (config of the slice, global layer indices)
+    cut: callable          # (config, attention backend, MoE layers or None: the slice's two) ->
+                           # (config of the slice, global layer indices)
     hf: callable           # (config of the slice, device) -> HFSlice
     hf_name: str           # transformers' side in the table
     hf_module: str         # the transformers module it needs (checked before anything runs)
@@ -117,6 +123,21 @@ FAMILIES = {
 }
 
 
+def hf_missing(fam: FamilySlice) -> str | None:
+    """Why transformers' side of ``fam`` cannot run here (``None``: it can). transformers is
+    optional at run time: the lent GPU's image has transformers 5.17, which has no ``step3p7``."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(fam.hf_module) is not None:
+            return None
+        import transformers
+        have = f"transformers {transformers.__version__} has no {fam.hf_module}"
+    except ModuleNotFoundError:
+        have = "transformers is not installed"
+    return f"{have}: {fam.hf_name} skipped"
+
+
 def family_slice(cfg) -> FamilySlice:
     family = registry.spec_of(cfg).family
     if family not in FAMILIES:
@@ -125,9 +146,10 @@ def family_slice(cfg) -> FamilySlice:
     return FAMILIES[family]
 
 
-def slice_config(cfg, backend: str = "auto"):
-    """``cfg`` cut to two MoE layers of its family's slice; the global indices they had."""
-    return family_slice(cfg).cut(cfg, backend)
+def slice_config(cfg, backend: str = "auto", layers: list | None = None):
+    """``cfg`` cut to two MoE layers of its family's slice (or to the MoE ``layers``); the
+    global indices they had."""
+    return family_slice(cfg).cut(cfg, backend, layers)
 
 
 def slice_flops(cfg, doc_lengths) -> float:
@@ -190,15 +212,22 @@ def materialise(module: nn.Module, layers: nn.Module, routers: list, device, dty
 
 
 def build_ours(cfg, device, dtype) -> OursSlice:
+    ours = OursSlice(cfg)
+    allocate_chunk(ours.chunk, device, dtype, holder=ours)
+    return ours
+
+
+def allocate_chunk(chunk: nn.Module, device, dtype, holder: nn.Module | None = None) -> None:
+    """A meta-built chunk on ``device``: its weights in ``dtype``, routers in fp32 (where the
+    family computes them so), RoPE frequencies fp32; values undefined (``init_weights``)."""
     from core.init import init_buffers
     from core.moe.router import TopKRouter
 
-    ours = OursSlice(cfg)
-    ours.chunk.rotary.to_empty(device=device)
-    init_buffers(ours.chunk.rotary, device)  # RoPE frequencies, fp32
-    routers = [m for m in ours.modules() if isinstance(m, TopKRouter)] if ours.chunk.router_fp32 else []
-    materialise(ours, ours.layers, routers, device, dtype)
-    return ours
+    chunk.rotary.to_empty(device=device)
+    init_buffers(chunk.rotary, device)  # RoPE frequencies, fp32
+    routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)] if chunk.router_fp32 else []
+    weights = nn.ModuleList(m for n, m in chunk.named_children() if n != "rotary")
+    materialise(holder or chunk, weights, routers, device, dtype)
 
 
 def build_hf(cfg, device, dtype, fp32_routers: bool = True) -> HFSlice:
@@ -213,14 +242,17 @@ def build_hf(cfg, device, dtype, fp32_routers: bool = True) -> HFSlice:
 
 
 @torch.no_grad()
-def init_weights(ours: OursSlice, seed: int, std: float, norm_std: float = 0.0, bias_std: float = 0.0) -> None:
+def init_weights(ours: nn.Module, seed: int, std: float, norm_std: float = 0.0, bias_std: float = 0.0) -> None:
     """N(0, std) matrices; norms N(c, norm_std) around their own initial value c (0 for ``1 + w``,
     1 for plain ``w``); the router bias N(0, bias_std) (0: zeros). Drawn on the device, so a
-    full-width slice never exists on the host."""
+    full-width slice never exists on the host. ``ours``: an ``OursSlice`` (its layers), or any
+    chunk (all of its weights but the RoPE tables)."""
     from core.init import constant_values
 
-    tensors = list(ours.layers.named_parameters()) + list(ours.layers.named_buffers())
-    constants = constant_values(ours.layers)
+    module = ours.layers if isinstance(ours, OursSlice) else \
+        nn.ModuleDict({n: m for n, m in ours.named_children() if n != "rotary"})
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    constants = constant_values(module)
     g = torch.Generator(tensors[0][1].device).manual_seed(seed)
     for name, t in tensors:
         if name in constants:

@@ -56,3 +56,25 @@ class HostReads:
     def __exit__(self, *exc):
         for m in reversed(self._modes):
             m.__exit__(*exc)
+
+
+class HostToDevice(TorchDispatchMode):
+    """Count ops that take a host tensor (not a 0-d scalar) and produce a tensor elsewhere: the
+    blocking host-to-device copies of a step. On a CPU-only machine the ``meta`` device stands
+    in for the GPU (a model and batch on ``meta`` run every op with shapes only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[tuple[str, str]] = []  # (op, where)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = torch.utils._pytree.tree_leaves
+        ins = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cpu" and t.dim() > 0 for t in ins) and any(t.device.type != "cpu" for t in outs):
+            frames = [f for f in traceback.extract_stack()
+                      if "/torch/" not in f.filename and not f.filename.endswith("host_reads.py")]
+            self.copies.append((str(func), f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"))
+        return out

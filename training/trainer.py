@@ -72,6 +72,10 @@ class Trainer:
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
         self.ckpt = RunCheckpoints(args, self.log)
         self.log.info(self._startup_summary())
+        if torch.cuda.is_available() and not a.memory.bf16:
+            self.log.warning("fp32 on the GPU (no --bf16): attention runs sdpa per document (flash takes "
+                             "16-bit inputs only) and the experts a per-expert loop that reads its sizes on "
+                             "the host once per MoE layer (grouped_mm's kernel takes bf16): add --bf16")
         self.iteration = self.start_iteration = 0
         self.resumed = False
         self.skipped, self.in_a_row, self.skip_reason = 0, 0, ""

@@ -100,8 +100,11 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
         fully_shard(unit.module, mesh=edp_mesh if expert else dp_mesh, offload_policy=_policy(offload, pin),
                     mp_policy=full if unit.fp32 else mixed, ignored_params=None if expert else ignored,
                     reshard_after_forward=not gather_once)
+    # the root unit (embedding, final norm, heads) stays gathered from forward to backward: its
+    # backward follows at once, and the chunked loss's op saved the gathered head weight
+    # (torch 2.11 freed it when the root was told to reshard; 2.13 keeps it either way)
     fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all", pin), mp_policy=mixed,
-                ignored_params=ignored, reshard_after_forward=not gather_once)
+                ignored_params=ignored, reshard_after_forward=False)
     chunk.reduce_every_backward = resident
     for m in chunk.modules():
         if isinstance(m, FSDPModule):

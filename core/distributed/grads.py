@@ -11,6 +11,12 @@ their gradients are summed over the ``embedding`` group.
 The grad norm counts each distinct parameter once: dense ones on DP and CP rank 0 of each stage,
 expert shards on expert-DP rank 0 of each (stage, EP rank), tied copies only on stage 0, then
 one all-reduce over the world.
+
+Memory: gradients that this module sums travel in buckets of at most ``BUCKET_BYTES`` (fp32 on
+the wire), one at a time, so the sync adds one bucket to the gradients' memory rather than a copy
+of them all (+34 GB for 8.6 B dense parameters in one flat buffer); a tensor already fp32 on the
+wire's device and larger than a bucket is summed in place. Norms reduce each gradient in its own
+in fp64 a block of 16 M elements at a time, never making an fp64 copy of a whole tensor.
 """
 from __future__ import annotations
 
@@ -33,16 +39,52 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
-    """Sum ``tensors`` over ``group`` in one fp32 bucket (bf16 gradients of remainder-stored
-    parameters are summed in fp32 and rounded once)."""
+BUCKET_BYTES = 256 * 2**20  # fp32 bytes of one all-reduce bucket: few enough launches, bounded memory
+_NORM_BLOCK = 2**24         # elements cast to fp64 at a time for a norm (128 MiB)
+
+
+def buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of ``tensors`` whose fp32 bytes stay within ``cap`` (a larger tensor
+    makes a group of its own). Pure: e.g. 3, 3, 5 and 2 MiB at a 6 MiB cap -> [3, 3], [5], [2]."""
+    out, size = [], cap
+    for t in tensors:
+        n = t.numel() * 4
+        if not out or size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group, bucket_bytes: int | None = None) -> None:
+    """Sum ``tensors`` over ``group`` in fp32 buckets (bf16 gradients of remainder-stored
+    parameters are summed in fp32 and rounded once), one bucket alive at a time."""
     if not tensors or group is None:
         return
-    flat = _flatten_dense_tensors(tensors)
-    on_wire = flat.to(local_device(), torch.promote_types(flat.dtype, torch.float32))  # NCCL wants the GPU
-    dist.all_reduce(on_wire, group=group)
-    for t, synced in zip(tensors, _unflatten_dense_tensors(on_wire.to(flat.device), tensors)):
-        t.copy_(synced)
+    device = local_device()  # NCCL wants the GPU
+    for bucket in buckets(tensors, bucket_bytes or BUCKET_BYTES):
+        t = bucket[0]
+        if len(bucket) == 1 and t.dtype == torch.float32 and t.device == device and t.is_contiguous():
+            dist.all_reduce(t, group=group)  # in place: no copy at all
+            continue
+        flat = _flatten_dense_tensors(bucket)
+        on_wire = flat.to(device, torch.promote_types(flat.dtype, torch.float32))
+        dist.all_reduce(on_wire, group=group)
+        for t, synced in zip(bucket, _unflatten_dense_tensors(on_wire.to(flat.device), bucket)):
+            t.copy_(synced)
+        del flat, on_wire  # before the next bucket is made: one alive at a time
+
+
+def square_norm(g: torch.Tensor) -> torch.Tensor:
+    """``|g|^2`` in fp64, on ``g``'s device, without a full-size fp64 copy of ``g``
+    (``vector_norm(dtype=float64)`` casts the whole tensor first): blocks of ``_NORM_BLOCK``
+    elements are cast and reduced one at a time (fp32 accumulation would lose ~1e-5 over a few
+    million elements on the host)."""
+    if g.dtype == torch.float64 or g.numel() <= _NORM_BLOCK:
+        return torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+    blocks = g.reshape(-1).split(_NORM_BLOCK)
+    return torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64) for b in blocks]).square().sum()
 
 
 def sync_gradients(specs: list, pstate: ParallelState) -> None:
@@ -73,15 +115,15 @@ def owns(p, spec, pstate: ParallelState) -> bool:
 
 
 def grad_norm(specs: list, pstate: ParallelState, extra_sq: torch.Tensor | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradient, each distinct parameter counted once (fp64 sum);
+    """Global L2 norm of the gradient, each distinct parameter counted once (per-tensor squares
+    summed in fp64);
     ``extra_sq``: this rank's square norm of gradients already consumed (stepped in the backward)."""
     terms, device = [], local_device()  # offloaded shards sit on the host; NCCL wants the GPU
     if extra_sq is not None:
         terms.append(extra_sq.double())
     for p, spec in specs:
         if owns(p, spec, pstate) and p.grad is not None:
-            # fp64 accumulation without a full-size fp64 copy (offloaded gradients sit on the host)
-            terms.append(torch.linalg.vector_norm(local(p.grad).detach(), dtype=torch.float64) ** 2)
+            terms.append(square_norm(local(p.grad).detach()))  # no full-size copy (host shards too)
     # one sum on one device (offloaded shards may sit on the host), no per-tensor sync
     sq = torch.stack([t.to(device) for t in terms]).sum() if terms else \
         torch.zeros((), dtype=torch.float64, device=device)

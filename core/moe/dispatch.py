@@ -41,10 +41,14 @@ class _Combine(torch.autograd.Function):
         y_TKH = torch.empty_like(y_NH).index_copy_(0, order, y_NH).view(T, K, -1)  # token order
         f32 = torch.promote_types(y_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
         acc = torch.zeros(T, y_NH.shape[1], dtype=f32, device=y_NH.device)
+        compiling = torch.compiler.is_compiling()
         for k in range(K):
-            acc.addcmul_(y_TKH[:, k].to(f32), w_TK[:, k, None].to(f32))
+            if compiling:  # torch 2.11 compiles an in-place update of the output to wrong gradients
+                acc = torch.addcmul(acc, y_TKH[:, k].to(f32), w_TK[:, k, None].to(f32))
+            else:
+                acc.addcmul_(y_TKH[:, k].to(f32), w_TK[:, k, None].to(f32))
         ctx.save_for_backward(y_TKH, w_TK, order)
-        return acc.to(y_NH.dtype)
+        return acc if acc.dtype == y_NH.dtype else acc.to(y_NH.dtype)  # acc itself, not .to's alias
 
     @staticmethod
     def backward(ctx, g_TH):
@@ -134,7 +138,10 @@ class AllToAllDispatcher:
 class AllGatherDispatcher:
     """The simple alternative: every EP rank sees every token of its EP group, applies its own
     experts, and a reduce-scatter sums the contributions back to each token's rank. Needs the
-    same T on every rank (THD guarantees it)."""
+    same T on every rank (THD guarantees it). Its one host read per layer: how many of the
+    gathered (token, expert) slots are this rank's (the rows its experts receive), as the
+    all-to-all reads its split sizes; the slots are sorted and counted with fixed sizes (no
+    ``nonzero``, no ``bincount``)."""
 
     communicates = True
 
@@ -151,13 +158,14 @@ class AllGatherDispatcher:
         w_all = all_gather(weights_TK, self.group)
         e_all = torch.empty(self.ep * experts_TK.shape[0], K, dtype=experts_TK.dtype, device=experts_TK.device)
         all_gather_into(e_all, experts_TK.contiguous(), self.group)  # ids: no gradient
-        local = e_all - self.offset
-        slots = torch.nonzero(((local >= 0) & (local < self.local)).flatten()).flatten()
-        ids = local.flatten()[slots]
-        order = torch.argsort(ids, stable=True)
-        slots = slots[order]
-        y = experts_module(_rows_vary(x_all.index_select(0, slots // K)),
-                           torch.bincount(ids, minlength=self.local))
+        local = e_all.flatten() - self.offset
+        key = torch.where((local >= 0) & (local < self.local), local, self.local)  # others' experts: last
+        order = torch.argsort(key, stable=True)  # this rank's slots first, by expert, then token order
+        counts = torch.zeros(self.local + 1, dtype=torch.int64, device=key.device).scatter_add_(
+            0, key, torch.ones_like(key))
+        n = int(counts[:self.local].sum())  # the one host read: the rows this rank's experts get
+        slots = order[:n]
+        y = experts_module(_rows_vary(x_all.index_select(0, slots // K)), counts[:self.local])
         w = w_all.flatten().index_select(0, slots)
         out = x_all.new_zeros(x_all.shape).index_add(0, slots // K, (y * w[:, None]).to(y.dtype))
         return reduce_scatter(out, self.group), side()

@@ -1,7 +1,9 @@
 """Routed experts with weights stacked ``[E, out, in]`` (the published layout), run as one
 grouped GEMM over tokens sorted by expert (``torch.nn.functional.grouped_mm``) or, where that is
-unavailable or the shapes are not 16-byte aligned, a loop over the experts' segments. The forward
-is identical whether the E experts are all of them (EP = 1) or this rank's share."""
+unavailable, the shapes are not 16-byte aligned or the inputs are fp32 on CUDA (grouped_mm's CUDA
+kernel takes bf16; its fallback for other dtypes reads the offsets on the host per call), a loop
+over the experts' segments whose sizes are read on the host once per layer. The forward is
+identical whether the E experts are all of them (EP = 1) or this rank's share."""
 from __future__ import annotations
 
 import torch
@@ -19,12 +21,18 @@ def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _segment_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool) -> torch.Tensor:
+# torch's grouped GEMM: public as F.grouped_mm in newer releases, torch._grouped_mm before
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _segment_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool,
+                    sizes: list | None = None) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of ``x`` times ``w[e]``: one grouped GEMM, or a loop over the
-    segments (which reads the segment sizes on the host)."""
+    segments, whose sizes (``sizes``, else read from ``offs`` on the host) it needs as ints."""
     if grouped:
-        return F.grouped_mm(x_NI, w_EIO, offs=offs)
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+        return _GROUPED_MM(x_NI, w_EIO, offs=offs)
+    if sizes is None:
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     chunks = torch.split(x_NI, sizes)
     return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)], dim=0) if chunks else \
         x_NI.new_zeros(0, w_EIO.shape[-1])
@@ -47,9 +55,21 @@ def _(x_NI, w_EIO, offs, grouped):
 @torch.library.custom_op("moe::expert_matmul_backward", mutates_args=())
 def _expert_matmul_backward(g_NO: torch.Tensor, x_NI: torch.Tensor, w_EIO: torch.Tensor,
                             offs: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # torch.func: plain autograd is switched off inside a custom op's implementation
-    _, vjp = torch.func.vjp(lambda x, w: _segment_matmul(x, w, offs, grouped), x_NI, w_EIO)
-    return vjp(g_NO.contiguous())
+    """``dx = g w^T`` and, per expert, ``dw_e = x_e^T g_e`` (zero for an expert with no row),
+    written out rather than through ``torch.func.vjp`` (whose wrapped tensors opcheck's modes
+    cannot read), so that ``dw`` has the layout of ``w``, as the fake says."""
+    g_NO = g_NO.contiguous()
+    if grouped:
+        dx = _GROUPED_MM(g_NO, w_EIO.transpose(-2, -1), offs=offs)
+        dw_EOI = _GROUPED_MM(g_NO.transpose(0, 1), x_NI, offs=offs)
+    else:
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+        gs, xs = torch.split(g_NO, sizes), torch.split(x_NI, sizes)
+        dx = torch.cat([g @ w_EIO[e].T for e, g in enumerate(gs)]) if gs else torch.zeros_like(x_NI)
+        dw_EOI = torch.stack([g.T @ x for g, x in zip(gs, xs)]) if gs else \
+            torch.zeros_like(w_EIO.transpose(-2, -1))
+    dw = dw_EOI.transpose(-2, -1)
+    return dx, (dw if dw.stride() == w_EIO.stride() else torch.empty_like(w_EIO).copy_(dw))
 
 
 @_expert_matmul_backward.register_fake
@@ -72,7 +92,7 @@ _expert_matmul.register_autograd(_expert_matmul_grad, setup_context=_expert_matm
 
 
 def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
-    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+    if _GROUPED_MM is None or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
@@ -80,14 +100,15 @@ def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
 
 
 def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor,
-                  use_grouped: bool) -> torch.Tensor:
-    """Row block ``e`` of ``x`` (``counts[e]`` rows, in expert order) times ``w[e].T``."""
+                  use_grouped: bool, sizes: list | None = None) -> torch.Tensor:
+    """Row block ``e`` of ``x`` (``counts[e]`` rows, in expert order) times ``w[e].T``;
+    ``sizes``: the counts as host ints, for the loop (read once per layer by the caller)."""
     # offloaded (FSDP CPU offload) weights come to the compute device here, differentiably
     w_EOI = w_EOI.to(x_NI.device)
     offs = torch.cumsum(counts_E, 0).to(torch.int32)
     if torch.compiler.is_compiling() and not (use_grouped and x_NI.dtype == torch.bfloat16):
         return _expert_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped)
-    out = _segment_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped)
+    out = _segment_matmul(x_NI, w_EOI.transpose(-2, -1), offs, use_grouped, sizes)
     return _contiguous_grad(out) if use_grouped else out
 
 
@@ -105,6 +126,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """``x`` rows sorted by expert, ``counts[e]`` of them for expert ``e``."""
         grouped = self.use_grouped_mm and _grouped_mm_ok(x_NH, *self.gate_proj.shape[1:])
-        gate = expert_linear(x_NH, self.gate_proj, counts_E, grouped)
-        up = expert_linear(x_NH, self.up_proj, counts_E, grouped)
-        return expert_linear(clamped_swiglu(gate, up, self.limit), self.down_proj, counts_E, grouped)
+        sizes = None
+        if not grouped and not torch.compiler.is_compiling():
+            # the loop's segment sizes, read once for the layer's three projections (fp32 on
+            # CUDA: one device sync per MoE layer; --bf16 takes grouped_mm, which reads nothing)
+            sizes = counts_E.tolist()
+        gate = expert_linear(x_NH, self.gate_proj, counts_E, grouped, sizes)
+        up = expert_linear(x_NH, self.up_proj, counts_E, grouped, sizes)
+        return expert_linear(clamped_swiglu(gate, up, self.limit), self.down_proj, counts_E, grouped, sizes)

@@ -1,10 +1,14 @@
-"""AdamW over exact fp32 masters, one parameter at a time: torch's own AdamW maths
-(``torch.optim.adamw.adamw`` with ``foreach=False``, so updates equal ``torch.optim.AdamW``'s bit
-for bit) and its state layout (``step``, ``exp_avg``, ``exp_avg_sq``, shaped and sharded like the
-parameter, fp32), applied to each parameter's fp32 master: its own storage when it is fp32, or its
-bf16 value joined with its remainder (``core/optim/masters.py``) when ``--store-param-remainders``
-keeps it in 4 bytes. bf16 gradients are taken to fp32 first, and a clipping factor the gradients
-did not receive (``grad_scale``) is applied there, in fp32."""
+"""AdamW over exact fp32 masters: torch's own AdamW maths (``torch.optim.adamw.adamw``, so
+updates equal ``torch.optim.AdamW``'s) and its state layout (``step``, ``exp_avg``,
+``exp_avg_sq``, shaped and sharded like the parameter, fp32), applied to each parameter's fp32
+master: its own storage when it is fp32, or its bf16 value joined with its remainder
+(``core/optim/masters.py``) when ``--store-param-remainders`` keeps it in 4 bytes, or the host
+copy (``--cpu-offload masters``). Parameters that are their own masters step together, one
+``foreach`` call per group on their local shards (about a dozen kernels for the group, where one
+parameter at a time launches about ten per parameter: hundreds of norms and biases); the others
+one at a time through their master storage (one fp32 temporary at a time, or host threads).
+bf16 gradients are taken to fp32 first, and a clipping factor the gradients did not receive
+(``grad_scale``) is applied there, in fp32."""
 from __future__ import annotations
 
 import torch
@@ -37,8 +41,10 @@ class AdamW(Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
+            ready = [p for p in group["params"] if p.grad is not None]
+            self.update_many([p for p in ready if p not in self.masters], group)
+            for p in ready:
+                if p in self.masters:
                     self.update(p, group)
         return loss
 
@@ -50,6 +56,20 @@ class AdamW(Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"], state["exp_avg_sq"] = zeros_like_on(p, device), zeros_like_on(p, device)
         return state
+
+    @torch.no_grad()
+    def update_many(self, params: list, group) -> None:
+        """One ``foreach`` update of parameters that are their own fp32 masters (their local
+        shards: plain tensors, so no DTensor dispatch per op)."""
+        if not params:
+            return
+        states = [self._state(p) for p in params]
+        beta1, beta2 = group["betas"]
+        adamw([local(p) for p in params], [fp32_grad(p, self.grad_scale) for p in params],
+              [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], [],
+              [s["step"] for s in states], foreach=True, capturable=False, differentiable=False, fused=None,
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["eps"], maximize=False)
 
     @torch.no_grad()
     def update(self, p, group) -> None:

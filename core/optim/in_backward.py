@@ -39,7 +39,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from core.distributed.grads import local, owns
+from core.distributed.grads import local, owns, square_norm
 from core.optim.muon_split import closes_batch, splittable
 from core.parallel_state import ParallelState, local_device
 
@@ -79,7 +79,7 @@ class InBackwardSteps:
             with torch.no_grad(), self._own_stream(p.grad):
                 if counted:
                     g = local(p.grad)
-                    self.sq.add_(torch.linalg.vector_norm(g, dtype=torch.float64).to(self.sq.device) ** 2)
+                    self.sq.add_(square_norm(g).to(self.sq.device))  # no fp64 copy of the matrix
                 if self.muon.split and splittable(p):  # one owner orthogonalises it: wait for a batch
                     self._hold(p, group)
                     return

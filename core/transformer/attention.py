@@ -41,7 +41,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        backend = resolve_backend(self.backend, q.device)
+        backend = resolve_backend(self.backend, q.device, q.dtype)  # fp32: sdpa, flash takes 16-bit only
         if self.context_parallel is not None or layout.params.cp is not None:  # a CP shard
             o_THD = cp_attention(self.context_parallel, q, k, v, layout, self.window, self.scale, backend)
         elif torch.compiler.is_compiling():  # inside a compiled layer: boundaries as tensors

@@ -22,6 +22,7 @@ tokens, so causal attention over the padded segments is exact for every real tok
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +46,8 @@ class DocLayout:
     cache: dict       # per-micro-batch objects built once and shared (flex BlockMasks, ...)
     cu_host: torch.Tensor | None = None  # [2, n + 1] int64 CPU (real, padded): what a compiled
                                          # layer reads instead of the lists (attention_op.py)
+    longest_host: torch.Tensor | None = None  # empty CPU [longest padded segment]: its size is that
+                                              # length inside a compiled layer (attention_op.py)
 
     @classmethod
     def from_params(cls, params: PackedSeqParams) -> "DocLayout":
@@ -54,8 +57,16 @@ class DocLayout:
         # specialise on it (marking costs nothing in eager)
         torch._dynamo.maybe_mark_dynamic(cu_host, 1)
         torch._dynamo.maybe_mark_dynamic(params.cu_seqlens_padded, 0)
-        return cls(params, list(padded[:-1]), [b - a for a, b in zip(cu[:-1], cu[1:])], padded[-1], {},
-                   cu_host)
+        layout = cls(params, list(padded[:-1]), [b - a for a, b in zip(cu[:-1], cu[1:])], padded[-1], {},
+                     cu_host)
+        layout.longest_host = torch.empty(layout.longest_padded, dtype=torch.uint8)
+        torch._dynamo.maybe_mark_dynamic(layout.longest_host, 0)  # nor on the longest document
+        return layout
+
+    @property
+    def longest_padded(self) -> int:
+        """The longest padded document segment: what flash sizes its grid by (host int)."""
+        return max((b - a for a, b in zip(self.starts, self.starts[1:] + [self.total])), default=0)
 
     def doc_ids(self, device) -> torch.Tensor:
         """Document index of every position (padding gets its segment's index), on ``device``."""
@@ -117,18 +128,76 @@ def _varlen_kernel():
     return varlen_attn
 
 
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # all that flash's kernels take
+
+
+@dataclass(frozen=True)
+class VarlenAPI:
+    """The keywords this torch's ``varlen_attn`` takes; they arrived over releases, so they are
+    read off its signature rather than assumed: ``window_size`` (2.10; 2.9 had ``is_causal``),
+    ``enable_gqa`` (2.12: before it, fewer KV heads than query heads go to the flash kernel as
+    they are, which supports GQA natively), ``scale``."""
+
+    keywords: frozenset
+
+    @classmethod
+    def of(cls, fn) -> "VarlenAPI":
+        return cls(frozenset(inspect.signature(fn).parameters))
+
+    def kwargs(self, window: int | None, scale: float, gqa: bool, head_dim: int) -> dict:
+        """The keyword arguments of a causal call with ``window`` keys per query (counting the
+        query itself; ``None``: every earlier key of the document); ``RuntimeError`` for what
+        this torch's ``varlen_attn`` cannot do."""
+        kw, out = self.keywords, {}
+        if "window_size" in kw:
+            out["window_size"] = (window - 1, 0) if window is not None else (-1, 0)
+        elif window is None and "is_causal" in kw:
+            out["is_causal"] = True
+        else:
+            raise RuntimeError("this torch's varlen_attn has no window_size (torch >= 2.10 has it): "
+                               "use --attention-backend sdpa or flex")
+        if "scale" in kw:
+            out["scale"] = scale
+        elif abs(scale * head_dim ** 0.5 - 1.0) > 1e-12:  # only the kernel's default can run
+            raise RuntimeError(f"this torch's varlen_attn has no scale keyword and the softmax scale "
+                               f"{scale:g} is not 1/sqrt({head_dim}): use --attention-backend sdpa or flex")
+        if gqa and "enable_gqa" in kw:
+            out["enable_gqa"] = True
+        return out
+
+
+def _detect_varlen() -> VarlenAPI | None:
+    try:
+        return VarlenAPI.of(_varlen_kernel())
+    except ImportError:
+        return None
+
+
+VARLEN = _detect_varlen()  # None: this torch has no varlen_attn
+
+
+def call_varlen(q, k, v, cu: torch.Tensor, longest, window: int | None, scale: float) -> torch.Tensor:
+    """One flash ``varlen_attn`` over the segments of ``cu`` (int32 on the tensors' device),
+    ``longest`` the longest segment (a host int, or a traced size under ``--compile``): the
+    keywords this torch has, and a clear error for an input flash cannot take."""
+    if VARLEN is None:
+        raise RuntimeError("--attention-backend varlen needs torch.nn.attention.varlen (torch >= 2.10)")
+    if q.dtype not in FLASH_DTYPES:
+        raise ValueError(f"--attention-backend varlen (flash) computes in bf16 or fp16, got {q.dtype}: "
+                         "add --bf16, or use --attention-backend auto (sdpa for fp32)")
+    kw = VARLEN.kwargs(window, scale, q.shape[1] != k.shape[1], q.shape[-1])
+    return _varlen_kernel()(q, k, v, cu, cu, longest, longest, **kw)
+
+
 def varlen_attention(q, k, v, layout: DocLayout, window: int | None, scale: float) -> torch.Tensor:
     """Flash attention over the pack's padded document boundaries: int32 ``cu_seqlens`` on the
     tensors' device, the longest segment as a host int (no device read), ``window`` keys
     counting the query as ``window_size=(window - 1, 0)``, GQA without expanding k and v."""
     key = ("varlen", q.device)
     if key not in layout.cache:
-        padded = [b - a for a, b in zip(layout.starts, layout.starts[1:] + [layout.total])]
-        layout.cache[key] = (layout.params.cu_seqlens_padded.to(q.device, torch.int32), max(padded, default=0))
+        layout.cache[key] = (layout.params.cu_seqlens_padded.to(q.device, torch.int32), layout.longest_padded)
     cu, longest = layout.cache[key]
-    return _varlen_kernel()(q, k, v, cu, cu, longest, longest, scale=scale,
-                            window_size=(window - 1, 0) if window is not None else (-1, 0),
-                            enable_gqa=q.shape[1] != k.shape[1])
+    return call_varlen(q, k, v, cu, longest, window, scale)
 
 
 def _block_mask(layout: DocLayout, window: int | None, device):
@@ -193,10 +262,12 @@ def transformer_engine_attention(q, k, v, layout: DocLayout, window: int | None,
     return o.view_as(q)
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """``auto``: ``varlen`` on CUDA, ``sdpa`` elsewhere."""
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``auto``: ``varlen`` on CUDA for bf16 / fp16 inputs (all that flash takes) where this
+    torch has it, ``sdpa`` elsewhere (fp32 on CUDA included: ``varlen`` would refuse it)."""
     if name == "auto":
-        return "varlen" if device.type == "cuda" else "sdpa"
+        flash = dtype is None or dtype in FLASH_DTYPES
+        return "varlen" if device.type == "cuda" and flash and VARLEN is not None else "sdpa"
     return name
 
 

@@ -5,9 +5,10 @@ Inside a compiled layer those ints would become guards (one recompile per new do
 layout), so the compiled path passes the boundaries as tensors instead:
 
 * ``varlen`` (CUDA): torch's ``varlen_attn`` is traced into the graph as it is; ``cu_seqlens``
-  is a device tensor whose length is marked dynamic, and the maximum segment length is the
-  pack's length ``T`` (a static bound: flash sizes its grid by it and the blocks past a
-  document's end return at once), so no per-batch integer reaches the graph.
+  is a device tensor whose length is marked dynamic, and the longest segment is the size of an
+  empty host tensor (``DocLayout.longest_host``), also marked dynamic: flash sizes its grid by
+  that length, so the grid fits the pack's longest document (not ``T``: about 20x the blocks
+  that do work at 30 documents per 8K pack) and no per-batch integer becomes a guard.
 * ``sdpa`` (CPU): one opaque custom op,
   ``thd::attention``, whose arguments are ``q``, ``k``, ``v`` and the boundaries as a
   *host* tensor ``[2, n + 1]`` (real, padded). The op rebuilds the layout from that host
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from core.packed_seq import PackedSeqParams
-from core.transformer.attention_backends import BACKENDS, DocLayout, _varlen_kernel
+from core.transformer.attention_backends import BACKENDS, DocLayout, call_varlen
 
 
 def _layout_from_host(cu_host: torch.Tensor) -> DocLayout:
@@ -80,9 +81,6 @@ def compiled_attention(q, k, v, layout: DocLayout, window: int | None, scale: fl
     if backend in ("flex", "transformer_engine"):
         raise ValueError(f"--compile does not support --attention-backend {backend} (use auto: "
                          "varlen on CUDA, sdpa on CPU)")
-    if backend == "varlen":
-        cu, T = layout.params.cu_seqlens_padded, q.shape[0]
-        return _varlen_kernel()(q, k, v, cu, cu, T, T, scale=scale,
-                                window_size=(window - 1, 0) if window is not None else (-1, 0),
-                                enable_gqa=q.shape[1] != k.shape[1])
+    if backend == "varlen":  # the longest segment: a traced size, not a guarded int
+        return call_varlen(q, k, v, layout.params.cu_seqlens_padded, layout.longest_host.shape[0], window, scale)
     return thd_attention(q, k, v, layout.cu_host, window or 0, scale, backend)

@@ -53,13 +53,16 @@ def _reference(cfg, batches_per_step, optimizer):
 class _CollectiveCounter(dict):
     """Counts FSDP2's all-gathers and reduce-scatters issued inside the block."""
 
-    NAMES = ("all_gather_single", "reduce_scatter_single")  # what FSDP2 calls in torch 2.13
+    # what FSDP2 calls: the *_single names in torch 2.13, the *_tensor ones before (2.11)
+    NAMES = {"gather": ("all_gather_single", "all_gather_into_tensor"),
+             "scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
 
     def __enter__(self):
-        self._saved = {n: getattr(dist, n) for n in self.NAMES}
-        for n in self.NAMES:
-            self[n] = 0
-            setattr(dist, n, self._counting(n, self._saved[n]))
+        self._saved = {}
+        for role, names in self.NAMES.items():
+            n = next(n for n in names if hasattr(dist, n))
+            self._saved[n], self[role] = getattr(dist, n), 0
+            setattr(dist, n, self._counting(role, self._saved[n]))
         return self
 
     def _counting(self, name, fn):
@@ -92,8 +95,8 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
         if offload == "optimizer":
             # each sharded unit gathers once per step (not per micro-batch and pass) and
             # reduce-scatters on every one of its M backwards (one-rank meshes issue neither)
-            gathers = calls["all_gather_single"]
-            assert gathers > 0 and calls["reduce_scatter_single"] == M * gathers, (dict(calls), M)
+            gathers = calls["gather"]
+            assert gathers > 0 and calls["scatter"] == M * gathers, (dict(calls), M)
         # fp32, the same terms summed in another order: 1e-5 relative leaves ~100x margin
         assert abs(m.loss - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, m.loss, ref_losses[step])
 

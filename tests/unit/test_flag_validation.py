@@ -58,6 +58,7 @@ def test_bad_numeric_flag_is_a_usage_error_naming_it(flags, message, capsys):
     (["--recompute-granularity", "full", "--recompute-num-layers", "9"],
      "--recompute-num-layers 9 exceeds the model's 4 layers"),
     (["--finetune"], "--finetune needs --load"),
+    (["--attention-backend", "varlen"], "--attention-backend varlen .* add --bf16"),
 ])
 def test_checks_against_the_model(flags, message):
     with pytest.raises(ValueError, match=message):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from core.transformer.attention_backends import DocLayout
 from models.step37 import Step37Model
 from tests.distributed.parallel_cases import micro_batches, tiny_config
-from tests.host_reads import HostReads
+from tests.host_reads import HostReads, HostToDevice
 
 
 def test_forward_and_backward_read_nothing_back_with_the_local_dispatcher():
@@ -17,6 +18,23 @@ def test_forward_and_backward_read_nothing_back_with_the_local_dispatcher():
         out = model(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
         (out.loss_sum + 0.3 * sum(out.mtp_loss_sums) + 0.01 * out.aux_loss).backward()
     assert h.reads == [], h.reads
+
+
+def test_forward_and_backward_copy_nothing_host_to_device():
+    """Once a micro-batch is on the device, nothing mid-forward comes from the host (the
+    validity mask and the MTP shifts are derived on the device from its boundaries): model and
+    batch on ``meta``, which stands in for the GPU here (bf16: grouped_mm's meta rule)."""
+    cfg = tiny_config()
+    with torch.device("meta"):
+        model = Step37Model(cfg).bfloat16()
+    b = micro_batches(1, 1, cfg.vocab_size)[0][0].to("meta")
+    with HostToDevice() as h:
+        out = model(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
+        (out.loss_sum + 0.3 * sum(out.mtp_loss_sums) + 0.01 * out.aux_loss).backward()
+    assert h.copies == [], h.copies
+    with HostToDevice() as h:  # the counter: boundaries left on the host are copied per use
+        DocLayout.from_params(micro_batches(1, 1, cfg.vocab_size)[0][0].packed_seq_params).valid_mask("meta")
+    assert h.copies and all("_to_copy" in op for op, _ in h.copies), h.copies
 
 
 def test_the_counter_sees_every_kind_of_read():

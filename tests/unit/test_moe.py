@@ -134,3 +134,75 @@ def test_combine_gradients_and_one_rounding_in_bf16():
     assert torch.autograd.gradcheck(lambda y, w: _Combine.apply(y, w, state.order), (y, w))
     y16, w32 = y.detach().bfloat16(), w.detach().float()
     assert torch.equal(unpermute(y16, w32, state), unpermute(y16.float(), w32, state).bfloat16())
+
+
+def test_the_per_expert_loop_reads_its_sizes_once_per_layer():
+    """fp32 experts on CUDA run the loop (grouped_mm's CUDA kernel wants bf16): its segment
+    sizes are one host read (a device sync there) per MoE layer forward, not one per projection;
+    the backward reads nothing."""
+    from tests.host_reads import HostReads
+
+    torch.manual_seed(3)
+    ex = GroupedExperts(3, 16, 8)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p)
+    ex.use_grouped_mm = False
+    x, counts = torch.randn(7, 16, requires_grad=True), torch.tensor([2, 5, 0])
+    with HostReads() as h:
+        ex(x, counts).sum().backward()
+    assert [what for what, _ in h.reads] == ["tolist"], h.reads
+
+
+def test_all_gather_dispatch_reads_one_count_and_sums_its_experts(monkeypatch):
+    """EP rank 0 of 2, both ranks with the same tokens (collectives faked in process): the
+    output is both copies' contributions of rank 0's experts, and the forward + backward reads
+    one value on the host (the rows its experts get), not ``nonzero`` and ``bincount``."""
+    import core.distributed.collectives as coll
+    from core.moe.dispatch import AllGatherDispatcher, LocalDispatcher
+    from tests.host_reads import HostReads
+
+    monkeypatch.setattr(coll, "all_gather", lambda x, group: torch.cat([x, x]))
+    monkeypatch.setattr(coll, "all_gather_into", lambda out, x, group: out.copy_(torch.cat([x, x])))
+    monkeypatch.setattr(coll, "reduce_scatter", lambda x, group: x[: x.shape[0] // 2] + x[x.shape[0] // 2:])
+    torch.manual_seed(4)
+    E, H = 4, 16
+    mine, every = GroupedExperts(E // 2, H, 8), GroupedExperts(E, H, 8)
+    for p in mine.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():  # the reference: rank 0's experts, then two that add nothing
+        for a, b in zip(mine.parameters(), every.parameters()):
+            b.zero_()[: E // 2].copy_(a)
+    x = torch.randn(6, H, requires_grad=True)
+    experts = torch.tensor([[0, 2], [1, 0], [3, 2], [0, 1], [2, 3], [1, 3]])
+    weights = torch.rand(6, 2)
+    with HostReads() as h:
+        out, _ = AllGatherDispatcher(None, 2, 0, E)(x, weights, experts, mine)
+        out.sum().backward()
+    assert [what for what, _ in h.reads] == ["aten._local_scalar_dense.default"], h.reads
+    ref, _ = LocalDispatcher()(x, weights, experts, every)
+    # fp32: the same products, summed in another order (index_add vs the fp32 combine) and
+    # doubled: a few roundings, < 1e-6 relative; 1e-5 leaves 10x
+    assert_close_rel(out, 2 * ref, rel=1e-5)
+
+
+def test_the_opaque_expert_backward_is_autograd_with_the_fakes_layout():
+    """The custom op compiled fp32 experts use: its backward (written out, not torch.func, which
+    torch 2.11's grouped_mm does not run under) equals autograd through the eager forward
+    (exactly: the same per-expert products), gives an expert with no row a zero dW, and returns
+    ``dw`` in the layout its fake promises (opcheck compares real and fake strides)."""
+    from core.moe.experts import _expert_matmul_backward, _segment_matmul
+
+    torch.manual_seed(2)
+    counts = torch.tensor([3, 0, 7, 0, 2])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(12, 16, requires_grad=True)
+    w_EIO = torch.randn(5, 24, 16).transpose(-2, -1).requires_grad_()  # the stacked [E, out, in], viewed
+    g = torch.randn(12, 24)
+    for grouped in (True, False):
+        x.grad = w_EIO.grad = None
+        _segment_matmul(x, w_EIO, offs, grouped).backward(g)
+        dx, dw = _expert_matmul_backward(g, x.detach(), w_EIO.detach(), offs, grouped)
+        assert torch.equal(dx, x.grad) and torch.equal(dw, w_EIO.grad)
+        assert dw.stride() == w_EIO.stride()
+        assert dw[1].abs().sum() == 0 and dw[3].abs().sum() == 0
+        torch.library.opcheck(_expert_matmul_backward, (g, x.detach(), w_EIO.detach(), offs, grouped))

@@ -1,0 +1,156 @@
+"""What every GPU-check part shares: its command line (``--model-preset``, ``--json``, ``--tiny``
+for a CPU smoke run of the same code), timing with CUDA events, the syncs a piece of code makes,
+error measures, and the JSON result (``passed``, a one-line ``headline``, what was ``skipped``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+GiB = 2 ** 30
+NO_CUDA = 2  # exit status without CUDA (and without --tiny), as bench_gpu.py
+
+
+def parse(description: str, argv=None, extra=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model-preset", default="step37-flash", help="a registered full-width preset (default "
+                                                                   "step37-flash)")
+    ap.add_argument("--tiny", action="store_true", help="the family's tiny preset on the CPU: the code path only")
+    ap.add_argument("--json", metavar="PATH", help="write the result as JSON here")
+    ap.add_argument("--seed", type=int, default=0)
+    if extra:
+        extra(ap)
+    return ap.parse_args(argv)
+
+
+def device_for(args) -> torch.device | None:
+    """CUDA, or the CPU with ``--tiny``; ``None`` (after saying so) when neither applies."""
+    if args.tiny:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (torch.cuda.is_available() is False here); --tiny runs the code on the CPU",
+              file=sys.stderr)
+        return None
+    return torch.device("cuda")
+
+
+def compute_dtype(device) -> torch.dtype:
+    """bf16 on a GPU (what --bf16 computes in); fp32 for --tiny on the CPU, where bf16 attention
+    is slow and only the code path is being run."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def preset_of(args) -> str:
+    """The preset a part builds: ``--model-preset``, or its family's tiny one with ``--tiny``."""
+    from benchmarks.model_slice import FAMILIES
+    from models import registry
+
+    family = FAMILIES.get(registry.spec_for_preset(args.model_preset).family)
+    if family is None:
+        raise SystemExit(f"--model-preset {args.model_preset}: no slice is defined for its family "
+                         f"(benchmarks/model_slice.py FAMILIES)")
+    return family.tiny if args.tiny else args.model_preset
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, device, warmup: int = 2, iters: int = 5) -> float:
+    """Median milliseconds of ``fn()`` after ``warmup`` untimed calls (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    cuda, times = device.type == "cuda", []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            times.append((a, b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    sync(device)
+    return statistics.median(a.elapsed_time(b) for a, b in times) if cuda else statistics.median(times)
+
+
+def peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
+
+
+def reset_peak(device) -> None:
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@contextmanager
+def syncs_listed(device):
+    """Every device sync of the block, as ``torch.cuda.set_sync_debug_mode("warn")`` reports it,
+    each with the innermost Python frame outside torch that made it (nothing on the CPU)."""
+    found: list[str] = []
+    if device.type != "cuda":
+        yield found
+        return
+    old = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return old(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename
+                  and "warnings" not in f.filename and not f.filename.endswith("common.py")]
+        where = f"{os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}"
+        found.append(f"{where}: {str(message).splitlines()[0][:120]}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            sync(device)
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old
+
+
+def finish(args, result: dict) -> int:
+    """Print the headline, write the JSON, return the exit status (0 passed, 1 failed)."""
+    result.setdefault("skipped", [])
+    result["tiny"] = bool(args.tiny)
+    print(result["headline"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0 if result["passed"] else 1
+
+
+def free(*_) -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,65 @@
+"""The GPU check's parts (benchmarks/gpu_parts) run their own code on the CPU at tiny width
+(``--tiny``), so a part cannot rot between the rare runs on a GPU; what only a GPU shows (flash,
+syncs, peak memory, MFU) is left out there."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.gpu_parts import attention, experts, head, moe_layer, newton_schulz
+from tests.unit.test_varlen_adapter import reference_varlen_attn, use_kernel
+
+
+def _run(module, tmp_path, *flags):
+    path = tmp_path / "part.json"
+    rc = module.main(["--tiny", "--json", str(path), *flags])
+    return rc, json.loads(path.read_text())
+
+
+def test_attention_compares_both_kernels_with_fp32(monkeypatch):
+    """Part (a)'s comparison with the documented contract of varlen_attn standing in for flash."""
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+               enable_gqa=False):
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                     window_size=window_size, enable_gqa=enable_gqa, calls=[])
+
+    use_kernel(monkeypatch, kernel)
+    layout = attention.layout_of((40, 9, 3, 12), torch.device("cpu"))
+    r = attention.compare(4, 2, 16, 8, layout, torch.device("cpu"), time_it=False)
+    assert r["passed"], r
+    assert set(r["varlen"]) == set(attention.NAMES) and 0 < r["varlen"]["dq"] < 0.05
+    assert attention.shapes_of("step37-flash") == [(96, 8, 128, 512), (96, 8, 128, None), (64, 8, 128, 512),
+                                                   (64, 8, 128, None)]
+
+
+def test_experts_part_finds_empty_experts_and_compares(tmp_path):
+    rc, r = _run(experts, tmp_path)
+    assert rc == 0 and r["passed"], r
+    assert [row["experts"] for row in r["rows"]] == [8, 2] and all(row["empty"] >= 1 for row in r["rows"])
+    assert all(row["empty_grads_zero"] for row in r["rows"])
+
+
+def test_experts_full_width_cases_are_the_recipes():
+    assert experts.cases("step37-flash", False) == [(288, 4096, 1280, 8192 * 8), (36, 4096, 1280, 4 * 8192 * 8)]
+
+
+def test_moe_layer_part_reads_nothing_back(tmp_path):
+    rc, r = _run(moe_layer, tmp_path)
+    assert rc == 0 and r["host_reads"] == [] and r["ms"] > 0 and r["tflops"] > 0, r
+
+
+def test_head_part_measures_both_recompute_modes(tmp_path):
+    rc, r = _run(head, tmp_path)
+    assert rc == 0 and [row["recompute"] for row in r["rows"]] == ["none", "full"]
+    none, full = r["rows"]
+    assert none["mtp_depths"] == 2 and 0 < full["predicted_gib"] < none["predicted_gib"]
+
+
+def test_newton_schulz_part_times_an_ep_rank_stack(tmp_path):
+    rc, r = _run(newton_schulz, tmp_path)
+    assert rc == 0 and r["shape"] == [2, 32, 64] and r["planned_ms"] > 0
+    # the planner's count for one [36, 1280, 4096] stack, 5 steps: 36 * 5 * (4 m^2 n + 2 m^3)
+    m, n = 1280, 4096
+    assert newton_schulz.planned_flops((36, m, n), 5) == pytest.approx(36 * 5 * (4 * m * m * n + 2 * m ** 3))
