@@ -12,7 +12,7 @@ gradient drives both backwards. Timed: ``--warmup`` untimed steps, then ``--iter
 forward + backward from the packed batch (rotary tables and masks included), median reported.
 
 * ours: ``DecoderLayer`` (``models/step37/model.py``) on THD, ``auto`` attention (flash
-  ``varlen`` on CUDA, per-document ``sdpa`` on CPU), grouped_mm experts. Built on the device
+  ``varlen`` on CUDA, blocked ``sdpa`` on CPU), grouped_mm experts. Built on the device
   (meta, then ``to_empty``) in bf16, with the router in fp32 (``need_fp32_gate``, what the
   ``--bf16`` FSDP path does) and the buffers ``core/precision.py`` keeps in fp32.
 * transformers: ``Step3p7DecoderLayer`` on the packed row ``[1, T, H]`` with per-document

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-# fp32 on both sides, the same terms summed in other orders (per-document SDPA vs a masked row,
+# fp32 on both sides, the same terms summed in other orders (our blocked SDPA vs a masked row,
 # grouped GEMM vs a per-expert loop): measured <= 2.5e-6 of the largest value on CPU over 10
 # seeds (outputs, input and parameter gradients); 1e-4 leaves 40x for another device's kernels.
 CHECK_REL = 1e-4
@@ -42,16 +42,24 @@ def slice_flops(cfg, doc_lengths) -> float:
     return training_flops(dataclasses.replace(cfg, vocab_size=0), list(doc_lengths))
 
 
-class _Zeros:
+class _Tokens:
+    """Token ids of every document: zeros (the slice never reads them) or seeded random ids."""
+
+    def __init__(self, vocab: int = 0, seed: int = 0):
+        self.vocab, self.seed = vocab, seed
+
     def get(self, doc, start=0, length=0):
-        return np.zeros(length, dtype=np.int64)
+        if not self.vocab:
+            return np.zeros(length, dtype=np.int64)
+        return np.random.default_rng((self.seed, doc)).integers(0, self.vocab, length, dtype=np.int64)
 
 
-def packed_batch(seq_length: int, seed: int = 0, most_documents: bool = False):
+def packed_batch(seq_length: int, seed: int = 0, most_documents: bool = False, vocab: int = 0):
     """One THD pack of ``seq_length`` that our planner makes of log-normal documents (16 packs'
     worth): the plan's first pack (its order is a seeded shuffle: what a loader would take), or
     the one with the most documents (the check: as many boundaries as possible). A pack's few
-    unfilled slots are padding, folded into its last document as in training."""
+    unfilled slots are padding, folded into its last document as in training. Tokens are zeros,
+    or random ids below ``vocab`` (with next-token labels inside each document)."""
     from data.packing import plan_packs
     from data.thd import build_thd_batch
 
@@ -63,7 +71,7 @@ def packed_batch(seq_length: int, seed: int = 0, most_documents: bool = False):
     plan = plan_packs(np.array(lengths), seq_length, seed=seed)
     p = int(np.argmax(np.diff(plan.pack_offsets))) if most_documents else 0
     segs = np.asarray(plan.pack(p))
-    return build_thd_batch([segs], _Zeros(), seq_length, pad_id=0), [int(n) for n in segs[:, 2]]
+    return build_thd_batch([segs], _Tokens(vocab, seed), seq_length, pad_id=0), [int(n) for n in segs[:, 2]]
 
 
 class OursSlice(nn.Module):
@@ -149,10 +157,13 @@ def build_hf(cfg, device, dtype) -> HFSlice:
 
 
 @torch.no_grad()
-def init_weights(ours: OursSlice, seed: int, std: float, norm_std: float = 0.0, bias_std: float = 0.0) -> None:
-    """N(0, std) matrices; norms and the router bias N(0, norm_std / bias_std) (0: zeros).
-    Drawn on the device, so a full-width slice never exists on the host."""
-    tensors = list(ours.layers.named_parameters()) + list(ours.layers.named_buffers())
+def init_weights(ours: nn.Module, seed: int, std: float, norm_std: float = 0.0, bias_std: float = 0.0) -> None:
+    """N(0, std) matrices; norms and the router bias N(0, norm_std / bias_std) (0: zeros), of
+    an ``OursSlice``'s layers or of any module's tensors but the rotary tables. Drawn on the
+    device, so a full-width slice never exists on the host."""
+    src = ours.layers if isinstance(ours, OursSlice) else ours
+    tensors = [(n, t) for n, t in list(src.named_parameters()) + list(src.named_buffers())
+               if t.is_floating_point() and "rotary" not in n]
     g = torch.Generator(tensors[0][1].device).manual_seed(seed)
     for name, t in tensors:
         s = norm_std if "norm" in name else bias_std if "e_score_correction_bias" in name else std
@@ -174,13 +185,18 @@ def weight_pairs(ours: OursSlice, hf: HFSlice) -> list:
     """``(our name, our tensor, transformers' tensor, half)`` for every tensor of the layers,
     matched through ``models/step37/hf_weights.candidates`` (which also knows transformers'
     in-memory names); ``half`` says which half of a fused gate/up tensor is ours."""
+    theirs = dict(hf.layers.named_parameters(prefix="layers")) | dict(hf.layers.named_buffers(prefix="layers"))
+    mine = list(ours.layers.named_parameters(prefix="layers")) + list(ours.layers.named_buffers(prefix="layers"))
+    return match_tensors(mine, theirs, len(ours.layers))
+
+
+def match_tensors(mine: list, theirs: dict, num_layers: int) -> list:
+    """``weight_pairs`` over named tensors: every one of ours and of theirs must be matched."""
     from models.step37.hf_weights import candidates
 
-    theirs = dict(hf.layers.named_parameters(prefix="layers")) | dict(hf.layers.named_buffers(prefix="layers"))
     pairs, used = [], set()
-    for name, t in list(ours.layers.named_parameters(prefix="layers")) + \
-            list(ours.layers.named_buffers(prefix="layers")):
-        match = next(((c, h) for c, h in candidates(name, len(ours.layers)) if c in theirs), None)
+    for name, t in mine:
+        match = next(((c, h) for c, h in candidates(name, num_layers) if c in theirs), None)
         if match is None:
             raise KeyError(f"bench_gpu: transformers' layers have no tensor for our {name}")
         pairs.append((name, t, theirs[match[0]], match[1]))
