@@ -11,7 +11,7 @@ cut into a handful of *pieces* (host integers only, from :class:`DocLayout`), ea
   further back). A run that fits in one block is one dense masked call ("one call per pack").
 * ``causal``: a document longer than ``LONG`` on a layer that sees all of it (full
   attention, or not longer than the window) alone, ``is_causal`` and no mask: it would widen
-  the band of its run to its own length.
+  the band of its run to its own length. (Longer than the window, it is a band alone.)
 
 Every call has 4-D inputs, so torch runs its fused CPU flash kernel, which keeps the
 logsumexp for backward and no score matrix (3-D inputs would take the math path). What the
@@ -33,7 +33,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-LONG = 256  # a document longer than this gets its own causal call on a full-width layer
+# A document longer than this gets its own causal call on a full-width layer, so that the band
+# of its run stays narrow. fwd + bwd, 1 thread, full attention (``bench_attention.py``): T=1024
+# (7 documents, longest 243, 4 x 16 heads) 3.1 ms at 16-64, 3.6 at 128, 5.5 at 256, 4.7 ms one
+# call per document; T=4096 (9, longest 1105, 8 x 32) 97-99 ms at 64-256; window 512 100 ms
+# at 64-256, 120 above.
+LONG = 64
 
 
 class Piece(NamedTuple):
@@ -46,8 +51,10 @@ class Piece(NamedTuple):
 
 def block_size(width: int) -> int:
     """Queries per block: the key span ``block + width - 1`` wastes ``block - 1`` keys per
-    query, while smaller blocks add per-block work to the kernel. Measured fwd + bwd on 2
-    cores (``benchmarks/bench_attention.py --windows``): 32 is best at window 8, 64 at 512."""
+    query, while smaller blocks add per-block work. fwd + bwd, 1 thread, T=1024, window 8,
+    6 x 16 heads (``benchmarks/bench_attention.py --blocks``): 3.7 ms at 8, 2.6 at 16, 2.5 at
+    32, 3.1 at 64, 4.6 at 128 (26 ms one call per document and window block); window 512
+    (T=4096, 8 x 32 heads): 97-101 ms at 32-64, 109 at 128."""
     return 32 if width <= 64 else 64
 
 
