@@ -54,24 +54,26 @@ class _Tokens:
         return np.random.default_rng((self.seed, doc)).integers(0, self.vocab, length, dtype=np.int64)
 
 
-def packed_batch(seq_length: int, seed: int = 0, most_documents: bool = False, vocab: int = 0):
+def packed_batch(seq_length: int, seed: int = 0, most_documents: bool = False, vocab: int = 0, packs: int = 1):
     """One THD pack of ``seq_length`` that our planner makes of log-normal documents (16 packs'
     worth): the plan's first pack (its order is a seeded shuffle: what a loader would take), or
-    the one with the most documents (the check: as many boundaries as possible). A pack's few
-    unfilled slots are padding, folded into its last document as in training. Tokens are zeros,
-    or random ids below ``vocab`` (with next-token labels inside each document)."""
+    the one with the most documents (the check: as many boundaries as possible); or the first
+    ``packs`` packs as one micro-batch. A pack's few unfilled slots are padding, folded into its
+    last document as in training. Tokens are zeros, or random ids below ``vocab`` (with
+    next-token labels inside each document)."""
     from data.packing import plan_packs
     from data.thd import build_thd_batch
 
     rng = np.random.default_rng(seed)
     median = min(300.0, seq_length / 8)
     lengths = []
-    while sum(lengths) < 16 * seq_length:
+    while sum(lengths) < max(16, 2 * packs) * seq_length:
         lengths.append(int(np.clip(round(rng.lognormal(math.log(median), 1.0)), 1, seq_length)))
     plan = plan_packs(np.array(lengths), seq_length, seed=seed)
-    p = int(np.argmax(np.diff(plan.pack_offsets))) if most_documents else 0
-    segs = np.asarray(plan.pack(p))
-    return build_thd_batch([segs], _Tokens(vocab, seed), seq_length, pad_id=0), [int(n) for n in segs[:, 2]]
+    first = int(np.argmax(np.diff(plan.pack_offsets))) if most_documents else 0
+    segs = [np.asarray(plan.pack(p)) for p in range(first, first + packs)]
+    batch = build_thd_batch(segs, _Tokens(vocab, seed), seq_length, pad_id=0)
+    return batch, [int(n) for s in segs for n in s[:, 2]]
 
 
 class OursSlice(nn.Module):
