@@ -5,11 +5,11 @@ PIP := $(PYTHON) -m pip --disable-pip-version-check
 TORCH_CPU := torch==2.13.0
 QUICKSTART_DIR ?= runs/quickstart
 
-.PHONY: help torch install install-test test quickstart bench clean
+.PHONY: help torch install install-quickstart install-test test quickstart bench clean
 
 help:
 	@echo "make test        install test dependencies, build the C++ extension, run the suite"
-	@echo "make quickstart  preprocess the shipped sample data and train the tiny model on CPU"
+	@echo "make quickstart  train a tokenizer and the tiny model on Python's documentation text (CPU, minutes)"
 	@echo "make bench       run the benchmarks in benchmarks/"
 
 torch:
@@ -19,6 +19,10 @@ install: torch
 	$(PIP) install -q "setuptools>=68" wheel "pybind11>=2.12"
 	$(PIP) install -q --no-build-isolation -e .
 
+install-quickstart: torch
+	$(PIP) install -q "setuptools>=68" wheel "pybind11>=2.12"
+	$(PIP) install -q --no-build-isolation -e ".[quickstart]"
+
 install-test: torch
 	$(PIP) install -q "setuptools>=68" wheel "pybind11>=2.12"
 	$(PIP) install -q --no-build-isolation -e ".[test]"
@@ -26,13 +30,15 @@ install-test: torch
 test: install-test
 	$(PYTHON) -m pytest -q -n 2 --durations=15 tests
 
-quickstart: install
-	bash examples/quickstart.sh $(QUICKSTART_DIR)
+quickstart: install-quickstart
+	PYTHON=$(PYTHON) bash examples/quickstart.sh $(QUICKSTART_DIR)
 
 bench: install-test
 	$(PYTHON) benchmarks/bench_preprocess.py
 	$(PYTHON) benchmarks/bench_packing.py
 	$(PYTHON) benchmarks/bench_attention.py
+	$(PYTHON) benchmarks/bench_loss.py
+	$(PYTHON) benchmarks/bench_recipe_plan.py
 	$(PYTHON) benchmarks/bench_parallel.py
 	$(PYTHON) benchmarks/bench_optim.py
 	$(PYTHON) benchmarks/bench_gpu.py --tiny

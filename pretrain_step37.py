@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Train a Step-3.7-style MoE model on packed THD data across PP / EP / DP.
+"""Train a model of any registered family (Step-3.7, Qwen3-MoE, or one a ``--model-module``
+registers) on packed THD data across PP / EP / DP.
 
     torchrun --nproc-per-node 4 pretrain_step37.py --model-preset tiny \\
         --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 \\
         --data-path out/corpus_text_document --seq-length 512 --global-batch-size 8 \\
         --optimizer muon --muon-momentum 0 --train-iters 200 --log-dir runs/tb --save runs/ckpt
 
-A composer: flags (train_args.py) -> validation (no process group yet) -> process groups ->
-``parallelize`` (models/step37/parallelize.py) inside the Trainer -> the loop of
+A composer: flags (train_args.py) -> the family's spec from the registry (models/registry.py) ->
+validation (no process group yet) -> process groups -> ``parallelize`` (training/parallelize.py)
+inside the Trainer -> the loop of
 ``core.train_step.train_step``. ``--dry-run N`` plans N ranks instead (training/plan.py).
 ``python pretrain_step37.py --help`` lists every flag by section.
 """

@@ -33,10 +33,15 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=5.24", "tokenizers>=0.20", "safetensors>=0.4"],
+        # Parquet / Arrow / datasets.save_to_disk inputs of tools/preprocess_data.py (datasets
+        # itself is never needed: pyarrow reads its folders)
+        "data": ["pyarrow>=15"],
+        # make quickstart: trains a BPE tokenizer (tokenizers) and draws the loss curve (matplotlib)
+        "quickstart": ["tokenizers>=0.20", "matplotlib>=3.7"],
         "sentencepiece": ["sentencepiece>=0.2", "protobuf>=3.20"],
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=5.24",
                  "tokenizers>=0.20", "safetensors>=0.4", "sentencepiece>=0.2", "protobuf>=3.20", "psutil>=5", "tensorboard>=2.10",
-                 "matplotlib>=3.7"],
+                 "matplotlib>=3.7", "pyarrow>=15"],
         "te": ["transformer-engine[pytorch]"],
     },
 )

@@ -16,9 +16,10 @@ from core.parallel_state import ParallelSizes
 from data.loader import parse_data_path
 from data.packing import LONG_DOC_POLICIES
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-from models.step37.config import ATTENTION_BACKENDS, PRESETS, Step37Config
-from models.step37.compile import COMPILE_BACKENDS
-from models.step37.parallelize import stage_layers
+from core.compile import COMPILE_BACKENDS
+from core.transformer.attention_backends import ATTENTION_BACKENDS
+from models import registry
+from training.parallelize import stage_layers
 
 # numeric rules for flags: (what the message says, test); None values (unset flags) pass
 POSITIVE = ("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
@@ -41,13 +42,22 @@ def require(section, **rules) -> None:
 class ModelArgs:
     """Model: preset or Hugging Face config, initial weights, MoE and MTP losses."""
 
-    model_preset: str = option("tiny", "model shape", choices=sorted(PRESETS))
-    hf_config: str = option(None, "Hugging Face config.json or directory (overrides --model-preset)")
+    model_preset: str = option("tiny", "model shape: a preset of a registered family ("
+                                       + "; ".join(f"{s.family}: {', '.join(s.presets)}"
+                                                   for s in registry.families().values()) + ")")
+    hf_config: str = option(None, "Hugging Face config.json or directory (overrides --model-preset; its "
+                                  "model_type picks the family)")
+    model_module: str = option(None, "import this Python module first: it registers another model family "
+                                     "(models.registry.register), so this script trains it unchanged")
     load_hf: str = option(None, "initialise from this Hugging Face checkpoint directory")
+    vocab_size: int = option(None, "embedding and head rows (default: the preset's or config's); e.g. "
+                                   "the tiny preset with a tokenizer trained for it")
     attention_backend: str = option("auto", "attention kernel: auto is varlen (flash over cu_seqlens) on "
                                             "CUDA, sdpa (per document) on CPU", choices=ATTENTION_BACKENDS)
     mtp_loss_scale: float = option(0.3, "weight of the MTP depths' token losses")
-    moe_aux_loss_coeff: float = option(0.0, "router auxiliary (load-balancing) loss weight")
+    moe_aux_loss_coeff: float = option(None, "router auxiliary (load-balancing) loss weight (default: the model "
+                                             "config's own, e.g. a Hugging Face config's router_aux_loss_coef; "
+                                             "0 for a family that balances its routers by a bias)")
     moe_bias_update_rate: float = option(0.0, "aux-loss-free balancing: bias step per iteration "
                                               "(0 in SFT)")
     moe_dispatcher: str = option("alltoall", "expert-parallel token dispatch",
@@ -61,7 +71,13 @@ class ModelArgs:
 
     def __post_init__(self):
         require(self, mtp_loss_scale=NON_NEGATIVE, moe_aux_loss_coeff=NON_NEGATIVE,
-                moe_bias_update_rate=NON_NEGATIVE)
+                moe_bias_update_rate=NON_NEGATIVE, vocab_size=AT_LEAST_1)
+        if self.vocab_size is not None and self.load_hf:
+            raise ValueError("--vocab-size cannot change the vocabulary of --load-hf's weights")
+        registry.import_model_module(self.model_module)
+        if self.hf_config is None and self.model_preset not in registry.preset_names():
+            raise ValueError(f"--model-preset {self.model_preset!r}: expected one of "
+                             f"{', '.join(registry.preset_names())}")
         if self.compile and self.attention_backend in ("flex", "transformer_engine"):
             raise ValueError(f"--compile does not support --attention-backend {self.attention_backend} "
                              "(flex is compiled on its own; Transformer Engine's kernels stay eager); "
@@ -131,6 +147,18 @@ class MemoryArgs:
                                "and reduction (FSDP2 mixed precision; without --data-parallel-sharding "
                                "on one-rank meshes); routers, RoPE, norm and softmax statistics and "
                                "the loss stay fp32")
+    store_param_remainders: bool = option(False, "with --bf16: hold each parameter as its bf16 compute value "
+                                                 "plus a 16-bit remainder, which together are its fp32 master "
+                                                 "bit for bit (4 bytes per parameter instead of 4 + a 2-byte "
+                                                 "bf16 copy); the optimizer updates the fp32 value and splits it "
+                                                 "again, checkpoints hold the fp32 masters")
+    optimizer_in_backward: bool = option(False, "Muon's matrices step inside the backward, each as soon as its "
+                                                "gradient is final, and free that gradient at once (no "
+                                                "whole-model gradient buffer); needs one micro-batch per rank "
+                                                "and step, --optimizer muon and, with clipping, "
+                                                "--muon-momentum 0 (momentum-free Muon ignores a global "
+                                                "gradient scale, so clipping cannot change its updates; the "
+                                                "AdamW groups step after the backward, clipped as always)")
     params_dtype: str = option(None, "deprecated: --params-dtype bf16 means --bf16, fp32 is the default",
                                choices=("fp32", "bf16"))
     data_parallel_sharding: str = option("none", "fsdp: FSDP2-shard dense parameters over the DP ranks "
@@ -145,11 +173,19 @@ class MemoryArgs:
                                       "(fp32 masters, gradients and optimizer state on the host, the "
                                       "compute copies resident on the device for the whole step: one "
                                       "copy per step; gradients reduced and sent to the host after "
-                                      "every micro-batch)", choices=("none", "all", "experts", "optimizer"))
+                                      "every micro-batch), masters (with --bf16: bf16 weights are the "
+                                      "only copy on the device; fp32 masters and optimizer state on the "
+                                      "host, updated by host threads while the backward goes on; each "
+                                      "finished update goes to the host once, the new bf16 weights come "
+                                      "back once per step; one micro-batch per rank and step)",
+                                choices=("none", "all", "experts", "optimizer", "masters"))
     recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
-                                                "attention and FFN internals (selective)",
+                                                "attention and FFN internals (selective), and the "
+                                                "MTP depths up to their heads when every layer of "
+                                                "the chunk is recomputed",
                                         choices=("none", "selective", "full"))
-    recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all)")
+    recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all, "
+                                          "and the MTP depths)")
     dry_run: int = option(0, "plan a run on this many ranks and exit: each rank's share built on the "
                              "meta device, parameter counts and memory (no data needed; the same "
                              "plan as tools/plan_memory.py --world-size N)")
@@ -158,8 +194,15 @@ class MemoryArgs:
         require(self, recompute_num_layers=AT_LEAST_0, dry_run=AT_LEAST_0)
         if self.recompute_num_layers and self.recompute_granularity == "none":
             raise ValueError("--recompute-num-layers needs --recompute-granularity selective or full")
-        if self.cpu_offload != "none" and self.data_parallel_sharding != "fsdp":
+        if self.cpu_offload not in ("none", "masters") and self.data_parallel_sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+        if self.cpu_offload == "masters" and not (self.bf16 or self.params_dtype == "bf16"):
+            raise ValueError("--cpu-offload masters needs --bf16 (the device holds the bf16 compute weights)")
+        if self.store_param_remainders and not (self.bf16 or self.params_dtype == "bf16"):
+            raise ValueError("--store-param-remainders needs --bf16 (it stores bf16 compute values)")
+        if self.store_param_remainders and self.cpu_offload != "none":
+            raise ValueError("--store-param-remainders with --cpu-offload is not supported: offload keeps "
+                             "fp32 masters in host memory already")
         if self.params_dtype is not None:
             print(f"warning: --params-dtype is deprecated; use --bf16 (fp32 master weights). "
                   f"--params-dtype {self.params_dtype} is taken as {'--bf16' if self.params_dtype == 'bf16' else 'the fp32 default'}",
@@ -268,14 +311,20 @@ class CheckpointArgs:
     save_interval: int = option(0, "save every N iterations (0: only at the end and on SIGTERM)")
     keep_last: int = option(0, "keep only the N checkpoints with the highest iterations, never the "
                                "one just saved nor the one 'latest' names (0: keep all)")
-    max_skipped_steps: int = option(10, "stop (with a checkpoint) after this many non-finite "
-                                        "steps in a row")
+    max_skipped_steps: int = option(10, "exit 1 (with a checkpoint) when more than this many steps "
+                                        "in a row are skipped: a non-finite loss or grad norm, or no "
+                                        "training targets; a run whose every step was skipped also "
+                                        "exits 1")
     finetune: bool = option(False, "--load only the weights: start at iteration 0 with a fresh "
                                    "optimizer, data position and RNG (a model config that differs "
                                    "from the checkpoint's is allowed, with a warning)")
     load_optim: bool = option(True, "with --load: restore the optimizer state (--no-load-optim: "
                                     "a fresh optimizer, e.g. after changing --optimizer)")
     load_rng: bool = option(True, "with --load: restore each rank's RNG state")
+    ignore_data_fingerprint: bool = option(False, "with --load: resume even though the data differs "
+                                                  "from the checkpoint's (other documents or order, "
+                                                  "--seq-length, --seed, blend weights): the saved "
+                                                  "position is applied to this data")
     async_save: bool = option(False, "write checkpoints in the background (DCP async_save: tensors "
                                      "staged in host memory first); published when every rank has "
                                      "written, at the latest before the next save or the exit")
@@ -313,7 +362,8 @@ def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
     """Every training flag by section. ``require_data=False`` (the planner): ``--data-path`` is
     optional and data and tokenizer flags are parsed but not used."""
     parser = argparse.ArgumentParser(prog=prog, description=description or (
-        "Train a Step-3.7-style MoE model on packed THD data with PP / EP / DP. "
+        "Train a model of any registered family (" + ", ".join(registry.families())
+        + "; others through --model-module) on packed THD data with PP / EP / DP. "
         "Launch with torchrun; the layout's DP size is world / pp."))
     for title, cls in SECTIONS.items():
         add_to_parser(parser, cls, title, optional=() if require_data else ("data_path",))
@@ -340,24 +390,38 @@ def parse(argv=None) -> argparse.Namespace:
 
 @dataclass
 class RunLayout:
-    """What validation derives: the model config, the parallel sizes, micro-batches per step."""
+    """What validation derives: the model family and config, the parallel sizes, micro-batches
+    per step."""
 
-    config: Step37Config
+    spec: registry.ModelSpec
+    config: object  # the family's config class
     sizes: ParallelSizes
     num_microbatches: int  # per pipeline (DP rank) per iteration
 
 
-def model_config(args) -> Step37Config:
+def model_spec_and_config(args):
+    """``(ModelSpec, config)``: from ``--hf-config`` (or ``--load-hf``'s config.json) by its
+    model_type, else from ``--model-preset``."""
     m = args.model
-    src = m.hf_config or m.load_hf
-    base = Step37Config.from_hf(src).to_hf() if src else Step37Config.preset(m.model_preset).to_hf()
-    return Step37Config.from_hf(base, attention_backend=m.attention_backend)
+    vocab = {"vocab_size": m.vocab_size} if m.vocab_size is not None else {}
+    return registry.resolve(m.model_preset, m.hf_config or m.load_hf, attention_backend=m.attention_backend,
+                            **vocab)
+
+
+def model_config(args):
+    return model_spec_and_config(args)[1]
+
+
+def aux_loss_coeff(args, cfg) -> float:
+    """``--moe-aux-loss-coeff``, else the model's own default."""
+    c = args.model.moe_aux_loss_coeff
+    return cfg.aux_loss_coeff if c is None else c
 
 
 def validate(args, world: int, check_files: bool = True) -> RunLayout:
     """Everything that can be checked before process groups exist; ``check_files``: also the
     dataset, tokenizer and checkpoint paths (not when planning a run on another machine)."""
-    cfg = model_config(args)
+    spec, cfg = model_spec_and_config(args)
     p, d = args.parallel, args.data
     sizes = ParallelSizes(world, pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
                           vpp=p.virtual_pipeline_model_parallel_size)
@@ -371,11 +435,23 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
+    if args.memory.cpu_offload == "masters":
+        if M != 1:
+            raise ValueError(f"--cpu-offload masters needs one micro-batch per rank and step, got {M}: set "
+                             "--global-batch-size to --micro-batch-size x data-parallel size")
+        if sizes.dp > 1 and args.memory.data_parallel_sharding != "fsdp":
+            raise ValueError("--cpu-offload masters at data-parallel size > 1 needs --data-parallel-sharding fsdp")
+    if args.memory.optimizer_in_backward:
+        from core.optim.in_backward import check_in_backward
+
+        o, mem = args.optim, args.memory
+        check_in_backward(o.optimizer, o.muon_momentum, o.clip_grad, M, sizes.dp, mem.data_parallel_sharding,
+                          mem.cpu_offload)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
         _check_run_files(args, cfg)
-    return RunLayout(cfg, sizes, M)
+    return RunLayout(spec, cfg, sizes, M)
 
 
 def validation_weights(args) -> list[float] | None:
@@ -390,7 +466,7 @@ def evaluates(args) -> bool:
     return args.eval.eval_iters > 0 and (w is None or w[1] > 0)
 
 
-def _check_against_model(args, cfg: Step37Config) -> None:
+def _check_against_model(args, cfg) -> None:
     d, mem, ck = args.data, args.memory, args.checkpoint
     if d.seq_length > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {d.seq_length} exceeds the model's max_position_embeddings "
@@ -402,7 +478,7 @@ def _check_against_model(args, cfg: Step37Config) -> None:
         raise ValueError("--finetune needs --load (the checkpoint to take the weights from)")
 
 
-def _check_run_files(args, cfg: Step37Config) -> None:
+def _check_run_files(args, cfg) -> None:
     """--save writable now rather than at the first save; the validation data."""
     from core.checkpoint_dir import check_writable
     from data.checks import check_training_data
@@ -423,7 +499,7 @@ def _check_run_files(args, cfg: Step37Config) -> None:
         validation_ranges(parse_data_path(d.data_path), d.split)  # raises when a part is empty
 
 
-def _check_files(args, cfg: Step37Config) -> None:
+def _check_files(args, cfg) -> None:
     """The files a run reads, and the data against the model: the whole index, token ids below
     cfg.vocab_size, some training targets (data/checks.py)."""
     from data.checks import check_training_data  # local: keeps this section's edits in one place

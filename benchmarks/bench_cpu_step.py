@@ -2,11 +2,13 @@
 """A training step on the CPU: our THD model against transformers on padded rows, same model,
 weights and documents, on a quiet machine and with a second training job on the same cores.
 
-* ours: ``Step37Model`` on one THD micro-batch of ``--packs`` packs of ``--seq-length`` (S)
-  tokens (documents with log-normal lengths, median min(300, S/8), packed by our planner:
-  ``benchmarks/step37_slice.py``), the ``sdpa`` attention backend, loss over next-token
-  targets inside each document.
-* transformers: ``Step3p7TextModel`` + the same output head and loss on the same documents,
+* ours: the family's whole model (``Step37Model``, ``Qwen3MoeModel``) on one THD micro-batch of
+  ``--packs`` packs of ``--seq-length`` (S) tokens (documents with log-normal lengths, median
+  min(300, S/8), packed by our planner: ``benchmarks/model_slice.py``), the ``sdpa`` attention
+  backend (``core/transformer/sdpa_blocks.py``), loss over next-token targets inside each
+  document (the MoE auxiliary loss is not part of it, on either side).
+* transformers: its text model (``Step3p7TextModel``, ``Qwen3MoeModel``) + the same output head
+  and loss on the same documents,
   one document per row, sorted by length and cut into batches of at most S padded tokens
   (rows of similar length: the least padding, transformers' best case), right-padded with an
   attention mask; gradients accumulate over the batches of one step.
@@ -15,7 +17,7 @@ Timed: forward + backward of the whole model (embedding, decoder layers, head, c
 no optimizer), fp32, ``--iters`` steps after ``--warmup``, the two sides alternating step by
 step so both see the same machine; median seconds, tokens/s counts real tokens. Before timing,
 both sides run once with non-trivial weights: the loss and every gradient must agree within
-CHECK_REL (``step37_slice.py``) or nothing is timed. Under ``--load``, a second process runs
+CHECK_REL (``model_slice.py``) or nothing is timed. Under ``--load``, a second process runs
 our training step of the same config in a loop, with as many threads, for the whole
 measurement. Each row reports the 1-minute load average (``os.getloadavg``) before and after:
 other users of the cores show up there.
@@ -39,8 +41,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.step37_slice import (CHECK_REL, CHECK_SEQ, _half, init_weights, match_tensors, packed_batch,  # noqa: E402
-                                     relative_error)
+from benchmarks.model_slice import (CHECK_REL, CHECK_SEQ, _half, init_weights, match_tensors, packed_batch,  # noqa: E402
+                                    relative_error)
 
 SEQ = {"tiny": 1024, "hidden256": 4096}
 NO_MTP = dict(num_mtp_layers=0, mtp_layer_types=[], mtp_mlp_layer_types=[], mtp_swiglu_limits=[],
@@ -48,8 +50,9 @@ NO_MTP = dict(num_mtp_layers=0, mtp_layer_types=[], mtp_mlp_layer_types=[], mtp_
 
 
 def model_config(name: str):
-    """``tiny``: the preset (hidden 64, window 8) without MTP. ``hidden256``: hidden 256, 4
-    layers (full, then 3 sliding, window 512), 8 query / 2 KV heads of 32, 16 experts top-4."""
+    """``tiny``: Step-3.7's preset (hidden 64, window 8) without MTP. ``hidden256``: Step-3.7
+    with hidden 256, 4 layers (full, then 3 sliding, window 512), 8 query / 2 KV heads of 32,
+    16 experts top-4."""
     from models.step37 import Step37Config
 
     cfg = Step37Config.preset("tiny")
@@ -67,17 +70,28 @@ def model_config(name: str):
     return dataclasses.replace(cfg, attention_backend="sdpa", **NO_MTP)
 
 
+def _hf_text_model(cfg):
+    """transformers' text model of the config's family, ``sdpa`` attention."""
+    import transformers
+
+    from models import registry
+
+    family = registry.spec_of(cfg).family
+    names = {"step37": ("Step3p7TextConfig", "Step3p7TextModel"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeModel")}
+    config_class, model_class = (getattr(transformers, n) for n in names[family])
+    config = config_class(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")})
+    config._attn_implementation = "sdpa"
+    return model_class(config)
+
+
 class HFCausal(nn.Module):
-    """transformers' text model with our output head: what Step3p7ForConditionalGeneration does
-    for text, without its vision tower. Names as published (``model.``, ``lm_head``)."""
+    """transformers' text model with our output head: what its ``*ForCausalLM`` does for text
+    (Step3p7ForConditionalGeneration without its vision tower). Names as published (``model.``,
+    ``lm_head``)."""
 
     def __init__(self, cfg):
         super().__init__()
-        from transformers import Step3p7TextConfig, Step3p7TextModel
-
-        config = Step3p7TextConfig(**cfg.to_hf())
-        config._attn_implementation = "sdpa"
-        self.model = Step3p7TextModel(config)
+        self.model = _hf_text_model(cfg)
         self.model.embed_tokens.padding_idx = None  # else the pad id's row gets no gradient; ours has none
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -134,12 +148,13 @@ def steps_on(ours, hf, batch, lengths: list, budget: int) -> dict:
 
 def build(name: str, seq_length: int, packs: int, seed: int) -> dict:
     """Both models (weights to be set), the matched tensors, and the timed steps."""
-    from models.step37 import Step37Model
+    from models import registry
 
     cfg = model_config(name)
-    ours, hf = Step37Model(cfg), HFCausal(cfg)
+    ours, hf = registry.spec_of(cfg).build(cfg), HFCausal(cfg)
     mine = [(n, t) for n, t in list(ours.named_parameters()) + list(ours.named_buffers()) if "rotary" not in n]
-    pairs = match_tensors(mine, hf.state_dict(keep_vars=True), cfg.num_layers)
+    theirs = {n: t for n, t in hf.state_dict(keep_vars=True).items() if "rotary_emb" not in n}
+    pairs = match_tensors(mine, theirs, ours.hf_weights)
     batch, lengths = packed_batch(seq_length, seed, vocab=cfg.vocab_size, packs=packs)
     return dict(cfg=cfg, ours=ours, hf=hf, pairs=pairs, **steps_on(ours, hf, batch, lengths, seq_length))
 
@@ -152,7 +167,7 @@ def _copy(pairs):
 
 def check(b: dict, seed: int) -> float:
     """Largest relative difference of the loss and every gradient, with non-trivial weights, on
-    the CHECK_SEQ-token pack with the most documents (as ``step37_slice.check_equivalence``:
+    the CHECK_SEQ-token pack with the most documents (as ``model_slice.check_equivalence``:
     the timed batch's thousands of tokens would meet a near-tie expert choice that fp32
     rounding can flip between the two implementations)."""
     init_weights(b["ours"], seed, std=0.3, norm_std=0.2, bias_std=0.5)  # zero norms and bias hide bugs

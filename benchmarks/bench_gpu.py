@@ -1,33 +1,36 @@
 #!/usr/bin/env python3
-"""Two full-width Step-3.7-Flash decoder layers on one GPU: ours against transformers' Step3p7
-decoder layers, same weights, same packed tokens, forward + backward.
+"""Two full-width MoE decoder layers of a registered model on one GPU: ours against transformers'
+decoder layers of the same family, same weights, same packed tokens, forward + backward.
 
-The slice: the ``step37-flash`` preset's first sliding-attention MoE layer and first
+The slice (``--model-preset``, default ``step37-flash``; ``benchmarks/model_slice.py`` says how
+each family is cut): for Step-3.7-Flash its first sliding-attention MoE layer and first
 full-attention MoE layer (layers 3 and 4: 96 and 64 query heads, 8 KV heads, all 288 experts of
-1280, top-8, the shared expert), 9.28 B parameters in bf16 (17.3 GiB). The input: one pack of
+1280, top-8, the shared expert), 9.28 B parameters in bf16 (17.3 GiB); for Qwen3-30B-A3B its
+first two layers (32 query and 4 KV heads, 128 experts of 768, top-8). The input: one pack of
 ``--seq-length`` tokens (8192) that our planner (``data/packing.py``) fills from documents with
 log-normal lengths (median min(300, S/8) tokens, sigma 1, clipped to S, seeded), as THD
 (``cu_seqlens``); the hidden states entering the slice are N(0, 1) and one N(0, 1) output
 gradient drives both backwards. Timed: ``--warmup`` untimed steps, then ``--iters`` steps, each
 forward + backward from the packed batch (rotary tables and masks included), median reported.
 
-* ours: ``DecoderLayer`` (``models/step37/model.py``) on THD, ``auto`` attention (flash
-  ``varlen`` on CUDA, blocked ``sdpa`` on CPU), grouped_mm experts. Built on the device
-  (meta, then ``to_empty``) in bf16, with the router in fp32 (``need_fp32_gate``, what the
-  ``--bf16`` FSDP path does) and the buffers ``core/precision.py`` keeps in fp32.
-* transformers: ``Step3p7DecoderLayer`` on the packed row ``[1, T, H]`` with per-document
+* ours: the family's chunk holding those layers (``models/<family>/model.py``) on THD, ``auto``
+  attention (flash ``varlen`` on CUDA, blocked ``sdpa`` on CPU), grouped_mm experts. Built
+  on the device (meta, then ``to_empty``) in bf16, with the router in fp32 (what the ``--bf16``
+  FSDP path does) and the buffers ``core/precision.py`` keeps in fp32.
+* transformers: its decoder layer (``Step3p7DecoderLayer``, ``Qwen3MoeDecoderLayer``) on the
+  packed row ``[1, T, H]`` with per-document
   position ids, from which transformers' own mask builders make the block-diagonal causal mask
   (windowed on the sliding layer); ``sdpa`` attention and its per-expert loop; the router in
   fp32 too; rotary frequencies in fp32.
 
-Before timing, the same two layer types of the ``tiny`` preset run on both in fp32 (ours with
-``sdpa``), non-trivial weights: output, input gradient and every parameter gradient must agree
-within CHECK_REL, or nothing is timed (exit 1). TFLOP/s counts these two layers only with
-``models/step37/costs.py``: 6 x matmul weights per real token + 12 x heads x head_dim per key
-each query sees; MFU divides by ``--peak-tflops`` or the device's dense bf16 peak.
+Before timing, the same two layer types of the family's tiny preset run on both in fp32 (ours
+with ``sdpa``), non-trivial weights: output, input gradient and every parameter gradient must
+agree within CHECK_REL, or nothing is timed (exit 1). TFLOP/s counts these two layers only with
+``core/flops.py``: 6 x matmul weights per real token + 12 x heads x head_dim per key each query
+sees; MFU divides by ``--peak-tflops`` or the device's dense bf16 peak.
 
-    python benchmarks/bench_gpu.py [--seq-length 8192] [--iters 10] [--warmup 3] [--json PATH]
-    python benchmarks/bench_gpu.py --tiny      # the same code, tiny preset, CPU, ~15 s
+    python benchmarks/bench_gpu.py [--model-preset qwen3-30b-a3b] [--seq-length 8192] [--iters 10]
+    python benchmarks/bench_gpu.py --tiny      # the same code, the family's tiny preset, CPU, ~15 s
 
 docs/performance.md explains the columns; tools/gpu_check.sh runs this after the GPU tests.
 """
@@ -46,12 +49,13 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from benchmarks.step37_slice import (build_hf, build_ours, check_equivalence,  # noqa: E402
-                                     copy_weights, init_weights, packed_batch, relative_error,
-                                     slice_config, slice_flops, weight_pairs)
+from benchmarks.model_slice import (FAMILIES, build_hf, build_ours, check_equivalence,  # noqa: E402
+                                    copy_weights, init_weights, packed_batch, relative_error,
+                                    slice_config, slice_flops, weight_pairs)
+from models import registry  # noqa: E402
 
 GiB = 2 ** 30
-OURS, HF = "ours (THD)", "transformers Step3p7"
+OURS = "ours (THD)"
 
 
 def _sync(device) -> None:
@@ -113,10 +117,10 @@ def _free() -> None:
 
 def run_benchmark(args, device, dtype) -> dict:
     """Ours, then transformers with ours' weights (ours freed before transformers is timed)."""
-    from models.step37.config import Step37Config
-    from models.step37.costs import device_peak_tflops
+    from core.flops import device_peak_tflops
 
-    cfg, idx = slice_config(Step37Config.preset("tiny" if args.tiny else "step37-flash"))
+    cfg, idx = slice_config(registry.resolve(args.preset)[1])
+    HF = args.hf_name
     batch, lengths = packed_batch(args.seq_length, args.seed)
     batch = batch.to(device)
     tokens, flops = sum(lengths), slice_flops(cfg, lengths)
@@ -139,7 +143,7 @@ def run_benchmark(args, device, dtype) -> dict:
     params = sum(p.numel() for p in ours.parameters())
     rows = [timed(OURS, ours)]
     if args.compile:  # the same layers again, each compiled fullgraph (models/step37/compile.py)
-        from models.step37.compile import compile_block, raise_recompile_limit
+        from core.compile import compile_block, raise_recompile_limit
 
         raise_recompile_limit(len(ours.layers))
         for layer in ours.layers.values():
@@ -150,7 +154,7 @@ def run_benchmark(args, device, dtype) -> dict:
     ours.zero_grad(set_to_none=True)
     x.grad = None
     try:
-        hf = build_hf(cfg, device, dtype)
+        hf = build_hf(cfg, device, dtype, ours.chunk.router_fp32)
         copy_weights(weight_pairs(ours, hf))
     except torch.cuda.OutOfMemoryError as e:
         hf, rows = None, rows + [_oom(HF, e)]
@@ -164,7 +168,7 @@ def run_benchmark(args, device, dtype) -> dict:
         a, b = outputs[OURS][valid].float(), outputs[HF][valid].float()
         diff = {"max_rel": relative_error(a, b),
                 "median_token_rel": float(((a - b).norm(dim=-1) / b.norm(dim=-1)).median())}
-    return {"layers": idx, "parameters": params, "tokens": tokens, "documents": len(lengths),
+    return {"preset": args.preset, "hf_name": HF, "layers": idx, "parameters": params, "tokens": tokens, "documents": len(lengths),
             "longest": max(lengths), "seq_length": args.seq_length, "flops": flops,
             "peak_tflops": peak, "rows": rows, "output_diff": diff}
 
@@ -177,7 +181,7 @@ def _fmt(v, spec: str) -> str:
 def format_table(res: dict) -> list[str]:
     lines = [f"{'implementation':<24}{'ms/iter':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}"
              f"{'peak GiB':>10}{'speed':>8}"]
-    ref = next((r["ms"] for r in res["rows"] if r["name"] == HF and "error" not in r), None)
+    ref = next((r["ms"] for r in res["rows"] if r["name"] == res.get("hf_name") and "error" not in r), None)
     for r in res["rows"]:
         if "error" in r:
             lines.append(f"{r['name']:<24}  {r['error']}")
@@ -191,7 +195,7 @@ def format_table(res: dict) -> list[str]:
 
 def summary(res: dict) -> str:
     ok = {r["name"]: r for r in res["rows"] if "error" not in r}
-    ours, hf = ok.get(OURS), ok.get(HF)
+    ours, hf = ok.get(OURS), ok.get(res.get("hf_name"))
     parts = [f"bench_gpu: {res['device']}", f"check {'passed' if res['check']['passed'] else 'FAILED'}"]
     if ours:
         mfu = f", MFU {100 * ours['mfu']:.1f}%" if ours["mfu"] else ""
@@ -207,7 +211,7 @@ def summary(res: dict) -> str:
 
 def report(args, res: dict) -> None:
     c = res["check"]
-    print(f"check (tiny preset layers {c['layers']}, fp32 on {c['device']}, {c['tokens']} tokens in "
+    print(f"check ({c['preset']} preset layers {c['layers']}, fp32 on {c['device']}, {c['tokens']} tokens in "
           f"{c['documents']} documents): largest difference to transformers relative to the largest "
           f"value: output {c['output']:.1e}, input grad {c['input_grad']:.1e}, parameter grads "
           f"{c['param_grads']:.1e} ({c['tensors']} tensors); tolerance {c['tolerance']:.0e}: "
@@ -216,10 +220,10 @@ def report(args, res: dict) -> None:
         return
     n = res["parameters"]
     size = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-    print(f"forward + backward on {res['device']}, bf16: {'tiny' if args.tiny else 'step37-flash'} layers "
-          f"{res['layers']} (sliding then full attention, both MoE), {size} parameters; one pack of "
+    print(f"forward + backward on {res['device']}, bf16: {res['preset']} layers {res['layers']} (both MoE), "
+          f"{size} parameters; one pack of "
           f"{args.seq_length} tokens: {res['documents']} documents, longest {res['longest']}, "
-          f"{res['tokens']} real; {res['flops'] / 1e12:.4g} TFLOP per step (costs.py); median of "
+          f"{res['tokens']} real; {res['flops'] / 1e12:.4g} TFLOP per step (core/flops.py); median of "
           f"{args.iters} steps after {args.warmup} warm-up")
     print("\n".join(format_table(res)))
     if res["output_diff"]:
@@ -233,19 +237,29 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Needs CUDA unless --tiny: exits 2 without it; 1 if the check "
                                         "fails or a side runs out of memory.")
+    ap.add_argument("--model-preset", default="step37-flash",
+                    help="the model whose slice is timed: a full-width preset of a family with a slice "
+                         f"({', '.join(f.full for f in FAMILIES.values())}; default step37-flash)")
     ap.add_argument("--tiny", action="store_true",
-                    help="the tiny preset on the CPU (bf16, 512 tokens, 1 warm-up, 3 steps): a smoke run")
+                    help="the family's tiny preset on the CPU (bf16, 512 tokens, 1 warm-up, 3 steps): a smoke run")
     ap.add_argument("--seq-length", type=int, help="tokens in the pack (default 8192; 512 with --tiny)")
     ap.add_argument("--iters", type=int, help="timed steps (default 10; 3 with --tiny)")
     ap.add_argument("--warmup", type=int, help="untimed steps first, at least 1 (default 3; 1 with --tiny)")
     ap.add_argument("--peak-tflops", type=float,
-                    help="dense bf16 peak for MFU (default: models/step37/costs.py by device name)")
+                    help="dense bf16 peak for MFU (default: core/flops.py by device name)")
     ap.add_argument("--compile", action="store_true",
                     help="also time our layers compiled (inductor, fullgraph per layer; the warm-up "
                          "steps include the compilation)")
     ap.add_argument("--seed", type=int, default=0, help="document lengths, weights and inputs (default 0)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = ap.parse_args(argv)
+    try:
+        family = FAMILIES[registry.spec_for_preset(args.model_preset).family]
+    except (ValueError, KeyError):
+        ap.error(f"--model-preset {args.model_preset!r}: expected one of "
+                 f"{', '.join(f.full for f in FAMILIES.values())}")
+    args.preset, args.tiny_preset, args.hf_name = (family.tiny if args.tiny else args.model_preset), family.tiny, \
+        family.hf_name
     for name, full, tiny in (("seq_length", 8192, 512), ("iters", 10, 3), ("warmup", 3, 1)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
@@ -255,7 +269,9 @@ def parse_args(argv=None):
 
 
 def reproduce(args) -> str:
-    cmd = "python benchmarks/bench_gpu.py" + (" --tiny" if args.tiny else "") + (" --compile" if args.compile else "")
+    cmd = "python benchmarks/bench_gpu.py" + (f" --model-preset {args.model_preset}" if args.model_preset != "step37-flash"
+                                               else "")
+    cmd += (" --tiny" if args.tiny else "") + (" --compile" if args.compile else "")
     cmd += f" --seq-length {args.seq_length} --iters {args.iters} --warmup {args.warmup} --seed {args.seed}"
     return cmd + (f" --peak-tflops {args.peak_tflops}" if args.peak_tflops else "")
 
@@ -270,7 +286,8 @@ def main(argv=None) -> int:
     if args.tiny:  # tiny shapes gain nothing from threads, and on shared CI cores they spin
         torch.set_num_threads(1)
     res = {"device": "CPU" if args.tiny else torch.cuda.get_device_name(device),
-           "command": reproduce(args), "check": check_equivalence(device, args.seed), "rows": []}
+           "command": reproduce(args), "check": check_equivalence(device, args.seed, args.tiny_preset), "rows": [],
+           "hf_name": args.hf_name}
     if res["check"]["passed"]:
         res.update(run_benchmark(args, device, torch.bfloat16))
     report(args, res)

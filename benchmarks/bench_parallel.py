@@ -66,7 +66,7 @@ def _rank(rank, world, port, args, out):
     from data.indexed_dataset import InMemoryDataset
     from data.packing import plan_packs
     from data.thd import build_thd_batch
-    from models.step37.parallelize import parallelize
+    from training.parallelize import parallelize
     from train_args import parse
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

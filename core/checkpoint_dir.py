@@ -71,19 +71,20 @@ def write_pointer(save_dir: str, name: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def resolve(load_dir: str) -> str:
-    """``load_dir`` itself if it is a checkpoint, else the complete one its ``latest`` names."""
+def resolve(load_dir: str, what: str = "--load") -> str:
+    """``load_dir`` itself if it is a checkpoint, else the complete one its ``latest`` names;
+    ``what``: how errors name the path (the flag or argument it came from)."""
     if is_complete(load_dir):
         return load_dir
     name = read_pointer(load_dir)
     if name is None:
-        raise CheckpointError(f"--load {load_dir}: no 'latest' pointer and not a checkpoint directory")
+        raise CheckpointError(f"{what} {load_dir}: no 'latest' pointer and not a checkpoint directory")
     path = os.path.join(load_dir, name)
     if name.endswith(".next") and not os.path.exists(path):
         path = path[:-len(".next")]  # the re-save's last rename happened, the pointer update not
     if not is_complete(path):
         raise CheckpointError(f"{path}: incomplete checkpoint (no meta.json); the save did not "
-                              "finish. Point --load at an earlier iter_* directory.")
+                              f"finish. Point {what} at an earlier iter_* directory.")
     return path
 
 

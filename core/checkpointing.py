@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from core.checkpoint_dir import CheckpointError, discard, iter_name, prepare, publish, resolve
 from core.checkpoint_reader import SafeReader, read_extra, read_meta, reading
 from core.model_api import iter_params, persistent_tensors
+from core.optim.masters import masters_of
 
 __all__ = ["CheckpointError", "PendingSave", "begin_save", "compare_model_config", "finish_save",
            "load_checkpoint", "model_state", "optimizer_state", "read_meta", "resolve",
@@ -62,15 +63,33 @@ def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
     return {f"{name}#e{offset + e}": t[e] for e in range(t.shape[0])}
 
 
-def model_state(chunks) -> dict:
-    """Parameters and persistent buffers under their global names (experts split)."""
+def model_state(chunks, masters_filled: list | None = None) -> dict:
+    """Parameters and persistent buffers under their global names (experts split). A parameter
+    stored as bf16 plus a remainder (``core/optim/masters.py``) appears as its fp32 master (a
+    copy, in host memory when the parameter is on a GPU), so checkpoints hold fp32 masters in
+    every storage mode; ``masters_filled`` collects ``(masters, parameter, copy)`` for a load to
+    split the loaded values back."""
     out = {}
     for chunk in chunks:
-        specs = chunk.param_specs()
+        specs, masters = chunk.param_specs(), masters_of([chunk])
+        params = dict(chunk.named_parameters())
         for name, t in persistent_tensors(chunk):
+            p = params.get(name)
+            if p is not None and p in masters:
+                t = _master_copy(masters, p)
+                if masters_filled is not None:
+                    masters_filled.append((masters, p, t))
             offset = specs[name].expert_offset if name in specs else None
             out.update(_split(f"model/{name}", t, offset))
     return out
+
+
+def _master_copy(masters, p) -> torch.Tensor:
+    m = masters.master(p)
+    m = m.cpu() if m.device.type == "cuda" else m
+    if isinstance(p, DTensor):
+        return DTensor.from_local(m, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return m
 
 
 def optimizer_state(chunks, optimizer, *, allocate_from: dict | None = None) -> dict:
@@ -205,7 +224,8 @@ def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
             meta = read_meta(path)
             reader = SafeReader(path)
             saved = reader.read_metadata().state_dict_metadata
-            state = model_state(chunks)
+            masters_filled = []
+            state = model_state(chunks, masters_filled)
             if optimizer is not None:
                 state.update(optimizer_state(chunks, optimizer, allocate_from=saved))
             missing = sorted(k for k in state if k not in saved)
@@ -219,6 +239,8 @@ def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
                 mine = not isinstance(e, CheckpointException) or _rank() in (e.failures or {})
                 with reading(reader.last_file if mine and reader.last_file else path):
                     raise e
+            for masters, p, value in masters_filled:  # fp32 masters -> bf16 values and remainders
+                masters.set_master(p, value.to_local() if isinstance(value, DTensor) else value)
             extra = read_extra(path, _rank())
     except CheckpointError as e:
         error = e

@@ -29,7 +29,7 @@ class RankLogger:
 
     def __init__(self, rank: int, is_logger: bool, log_dir: str | None = None,
                  tensorboard: bool = True, stream=None):
-        self.rank, self.is_logger = rank, is_logger
+        self.rank, self.is_logger, self.log_dir = rank, is_logger, log_dir
         self.stream = stream or sys.stdout
         self.jsonl = self.tb = None
         if is_logger and log_dir:
@@ -42,6 +42,37 @@ class RankLogger:
                 except ImportError:
                     self.warning("tensorboard is not installed: writing metrics.jsonl only "
                                  "(pip install tensorboard)")
+
+    def start_at(self, iteration: int) -> None:
+        """This run logs the iterations after ``iteration`` (a resume's, or 0). Rows of
+        ``metrics.jsonl`` past it, left by a run interrupted after its last checkpoint (or an
+        earlier run in this --log-dir), are moved to ``metrics.superseded.jsonl``, so the file
+        holds each iteration once, and TensorBoard hides their events (``purge_step``)."""
+        if not self.jsonl:
+            return
+        path = self.jsonl.name
+        self.jsonl.close()
+        keep, gone = [], []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    it = json.loads(line).get("iteration")
+                except (ValueError, AttributeError):  # a line torn by a kill: not this run's
+                    it = None
+                (keep if isinstance(it, int) and it <= iteration else gone).append(line.rstrip("\n") + "\n")
+        if gone:
+            with open(os.path.join(self.log_dir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as f:
+                f.writelines(gone)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(keep)
+            os.replace(path + ".tmp", path)
+            self.info(f"{path}: {len(gone)} row(s) past iteration {iteration}, logged by an earlier "
+                      "run that went further, moved to metrics.superseded.jsonl")
+            if self.tb:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb.close()
+                self.tb = SummaryWriter(self.log_dir, purge_step=iteration + 1)
+        self.jsonl = open(path, "a", buffering=1, encoding="utf-8")
 
     def info(self, msg: str) -> None:
         if self.is_logger:

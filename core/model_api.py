@@ -10,6 +10,9 @@ chunk of a model implements:
   with the replication group of its parameters (``"dp"`` or ``"expert_dp"``) and whether it
   must compute in fp32 under bf16 mixed precision (e.g. a router); the chunk itself is the root;
 - ``moe_layers() -> list[MoELayer]``: its MoE layers in the order of ``StageOutput.expert_load``;
+- ``blocks() -> list[tuple[int, nn.Module]]``: its blocks in forward order, each with its global
+  id: decoder layer ``i`` is ``i``, an extra block after the last layer (a multi-token-prediction
+  depth) ``k`` is ``-1 - k``; recompute, ``--compile`` and the planner work block by block;
 - ``forward(tokens, position_ids, packed_seq_params, *, hidden=None, labels=None)``: with
   ``labels`` (the training path) it returns a :class:`StageOutput`. Every stage receives the
   whole micro-batch and uses what its role needs.
@@ -63,6 +66,12 @@ class StageOutput:
     mtp_num_tokens: list = field(default_factory=list)
     aux_loss: torch.Tensor | None = None
     expert_load: torch.Tensor | None = None
+    # a model-wide aux loss (core.moe.aux scope "model"): this chunk's router statistics, summed
+    # over its MoE layers; the executor combines the stages' (aux_loss is then the chunk's alone)
+    router_counts: torch.Tensor | None = None   # [E] routed slots over valid tokens (no gradient)
+    router_probs: torch.Tensor | None = None    # [E] scores summed over valid tokens (differentiable)
+    router_layers: int = 0
+    router_tokens: torch.Tensor | None = None   # valid tokens of the micro-batch
 
 
 def iter_params(chunks) -> Iterator[tuple[nn.Module, str, nn.Parameter, ParamSpec]]:

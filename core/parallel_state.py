@@ -63,6 +63,9 @@ class ParallelSizes:
         if num_layers is not None and num_layers < self.pp * self.vpp:
             raise ValueError(f"{num_layers} layers cannot fill pp {self.pp} x virtual stages "
                              f"{self.vpp} = {self.pp * self.vpp} stages")
+        if num_experts == 0 and self.ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {self.ep}: the model has no experts (a dense "
+                             "model); use 1")
         if num_experts is not None and num_experts % self.ep:
             raise ValueError(f"{num_experts} experts do not split over "
                              f"--expert-model-parallel-size {self.ep}")

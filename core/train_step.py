@@ -16,6 +16,7 @@ import torch.distributed as dist
 from core.distributed.fsdp import reshard
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_metrics, sync_gradients
 from core.model_api import specs_of
+from core.optim.masters import masters_of
 from core.parallel_state import ParallelState, local_device
 from core.pipeline.executor import PipelineExecutor
 from core.pipeline.schedules import build_schedule
@@ -31,6 +32,8 @@ class StepSettings:
     mtp_depths: int = 0                 # multi-token-prediction depths of the model (every rank)
     mtp_loss_scale: float = 0.0         # weight of the MTP token losses in the objective
     aux_loss_coeff: float = 0.0         # weight of the MoE router auxiliary loss
+    model_aux_experts: int = 0          # experts of a model-wide aux loss (core.moe.aux "model"): its
+                                        # router statistics travel with the pipeline's messages
     clip_grad: float = 0.0              # clip the global grad norm to this (0: off)
     router_bias_rate: float = 0.0       # aux-loss-free balancing: bias step per iteration (0: off)
     flops_of: Callable | None = None    # model FLOPs of a training micro-batch (host batch -> float)
@@ -45,7 +48,8 @@ class StepMetrics:
     num_tokens: int = 0                 # real (non-padding) tokens of the step (global)
     flops: float = 0.0                  # model FLOPs of the step, all ranks (with StepSettings.flops_of)
     moe_imbalance: float | None = None  # mean over MoE layers of max/mean tokens per expert
-    skipped: bool = False               # non-finite loss or grad norm: no update
+    skipped: bool = False               # non-finite loss or grad norm, or no targets: no update
+    nonfinite_matrices: int = 0         # --optimizer-in-backward: matrices left unchanged (non-finite update)
     p2p_bytes: int = 0                  # pipeline bytes this rank sent
     p2p_trace: list = field(default_factory=list)  # the p2p batches this rank issued (NCCL replay)
     peak_held_bytes: int = 0            # most activation bytes the pipeline executor held
@@ -55,43 +59,60 @@ class StepMetrics:
 def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: StepSettings) -> StepMetrics:
     """Forward and backward of ``batches`` (this DP rank's micro-batches, on the host) through
     the pipeline schedule, gradient sync, global norm, clipping, the optimizer update and the
-    router-bias update; nothing is updated when the loss or the norm is not finite."""
+    router-bias update; nothing is updated when the loss or the norm is not finite, or when the
+    step has no target token."""
     optimizer.zero_grad(set_to_none=True)
     params = specs_of(chunks)  # before the forward: FSDP's shards, not gathered copies
     targets, tokens, flops = _global_counts(batches, ps, s.flops_of)
+    in_backward = getattr(optimizer, "in_backward", None)  # core/optim/in_backward.py
+    if in_backward is not None:
+        in_backward.begin(active=targets > 0)  # no targets: nothing steps (weight decay would)
+        stepped = {id(p) for p in in_backward.params}
+        params = [(p, spec) for p, spec in params if id(p) not in stepped]
     device = s.device or local_device()
     on_device = [b.to(device) for b in batches]
     executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
                                 hidden_size=s.hidden_size, dtype=s.dtype, device=device,
-                                mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff)
+                                mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff,
+                                carry_numel=s.model_aux_experts + 1 if s.model_aux_experts else 0,
+                                nan_on_nonfinite_loss=in_backward is not None)
     schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))
     stats = executor.run(schedule, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
+    if in_backward is not None:
+        in_backward.end()  # matrices held for a balanced split of Newton-Schulz step now
 
     sync_gradients(params, ps)
-    norm = grad_norm(params, ps)
+    norm = grad_norm(params, ps, in_backward.sq if in_backward is not None else None)
     loads = _reduce_expert_load(stats.expert_load, ps)  # one flat all-reduce over DP
     zero = stats.loss_sum.new_zeros(())  # on the device: no host-to-device copy before the reduce
     mtp = stats.mtp_loss_sums or [zero] * s.mtp_depths
     if len(mtp) != s.mtp_depths:
         raise ValueError(f"the model returned {len(mtp)} MTP losses, StepSettings.mtp_depths is {s.mtp_depths}")
-    loss_sum, n, imbalance_sum, moe_layers, *mtp_sums = reduce_step_metrics(
-        [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads, zero), *mtp])
+    nonfinite = in_backward.nonfinite if in_backward is not None else zero
+    loss_sum, n, imbalance_sum, moe_layers, nonfinite, *mtp_sums = reduce_step_metrics(
+        [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads, zero), nonfinite, *mtp])
     n = max(n, 1.0)
     metrics = StepMetrics(loss=loss_sum / n, mtp_losses=[x / n for x in mtp_sums], grad_norm=float(norm),
                           num_targets=targets, num_tokens=tokens, flops=flops,
                           moe_imbalance=imbalance_sum / moe_layers if moe_layers else None,
                           p2p_bytes=executor.p2p_bytes, p2p_trace=executor.trace,
-                          peak_held_bytes=executor.peak_held_bytes, held_bytes_after=executor.held_bytes())
-    metrics.skipped = not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
+                          peak_held_bytes=executor.peak_held_bytes, held_bytes_after=executor.held_bytes(),
+                          nonfinite_matrices=int(nonfinite))
+    # no targets: nothing to learn, and an update would still move the weights (weight decay,
+    # momentum); non-finite: the update would spoil them
+    metrics.skipped = targets == 0 or not (math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm))
     if not metrics.skipped:
         if s.clip_grad > 0:
-            clip_gradients([p for p, _ in params], s.clip_grad, norm)
+            factor = clip_gradients([p for p, _ in params], s.clip_grad, norm)
+            if hasattr(optimizer, "set_grad_scale"):  # ours: bf16 gradients take the factor in fp32
+                optimizer.set_grad_scale(factor)
         optimizer.step()
         for c, load in loads.items() if s.router_bias_rate else ():
             layers = chunks[c].moe_layers()
             assert len(layers) == load.shape[0], "moe_layers() and StageOutput.expert_load disagree"
             for layer, layer_load in zip(layers, load):
                 layer.router.update_bias(layer_load, s.router_bias_rate)
+    masters_of(chunks).finish()  # host masters: the workers' updates done, new bf16 weights on the device
     reshard(chunks)  # FSDP units gathered for the whole step (gather-once, bf16 copies): now stale
     return metrics
 

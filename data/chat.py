@@ -31,6 +31,23 @@ Loss mask (uint8, one entry per token; 1 means "this token is a training target"
   and including the end-of-turn token. A template whose renderings are not prefixes of one
   another cannot be located this way, and the row is rejected (``template_error``).
 
+Reasoning: an assistant message may carry ``reasoning_content`` (or ``thinking``), the text the
+model thinks before it answers. The built-in template writes it before the content as
+``<think>\\n{reasoning}\\n</think>\\n\\n``; a tokenizer template renders it under the field its
+source names (``reasoning_content``, else ``thinking``: the row's field is renamed to it), where
+it chooses to (Qwen3's drops the reasoning of turns before the last user message: that is not an
+error). A row with reasoning and a template that names neither field is rejected
+(``reasoning_unsupported``). With ``reasoning_loss`` (the default) a turn's target starts where
+the model starts generating (the end of the generation prompt, where the template has one) and
+covers the reasoning; without it, the reasoning and what comes before it are context and the
+target starts after the reasoning text (the template's closing marker, the answer and the
+end-of-turn token).
+
+Turns: every assistant message is a target by default. With ``mask_history`` only the last turn
+is: the assistant messages after the last user message (its tool calls and its answer); a
+conversation with no assistant message after its last user message is then rejected
+(``no_assistant_turn``).
+
 Text holding a lone surrogate (a JSON ``\\ud800`` escape without its pair), which no UTF-8
 tokenizer can encode, is rejected (``invalid_unicode``).
 """
@@ -44,6 +61,8 @@ import numpy as np
 from data.tokenizers import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
+REASONING_KEYS = ("reasoning_content", "thinking")  # what rows call it; the first wins
+THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"  # the built-in template's markers
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -77,6 +96,10 @@ def validate_messages(messages) -> list[dict]:
                                            f"expected one of {', '.join(ROLES)}")
         if calls is not None:
             _check_tool_calls(i, m["role"], calls)
+        for key in REASONING_KEYS:
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise RowError("wrong_type", f"message {i}: {key} must be a string, got "
+                                             f"{type(m[key]).__name__}")
         has_assistant |= m["role"] == "assistant"
     if not has_assistant:
         raise RowError("no_assistant_turn", "no message has role 'assistant'")
@@ -108,6 +131,25 @@ def tool_call_parts(calls: list, i: int, j: int) -> tuple[str, object]:
     return fn["name"], args
 
 
+def reasoning_of(m: dict) -> str:
+    """An assistant message's reasoning text ('' when it has none)."""
+    if m.get("role") != "assistant":
+        return ""
+    return next((m[k] for k in REASONING_KEYS if m.get(k)), "")
+
+
+def target_turns(messages: list[dict], mask_history: bool) -> list[bool]:
+    """Per message: whether it is a training target (an assistant message; with
+    ``mask_history`` only those after the last user message)."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    targets = [m["role"] == "assistant" and (not mask_history or i > last_user)
+               for i, m in enumerate(messages)]
+    if not any(targets):
+        raise RowError("no_assistant_turn", "no assistant message after the last user message "
+                                            "(--mask-history trains on the last turn only)")
+    return targets
+
+
 def _builtin_body(i: int, m: dict) -> str:
     text = m.get("content") or ""
     calls = m.get("tool_calls") or []
@@ -120,15 +162,19 @@ def _builtin_body(i: int, m: dict) -> str:
     return text
 
 
-def render_builtin(messages: list[dict]) -> tuple[str, list[tuple[int, int, bool]]]:
+def render_builtin(messages: list[dict], reasoning_loss: bool = True,
+                   mask_history: bool = False) -> tuple[str, list[tuple[int, int, bool]]]:
     """The built-in template; returns the text and the spans to train on, each
     ``(start, end, next_token)`` in characters (``next_token``: the token after ``end`` too)."""
     parts, spans, pos = [], [], 0
-    for i, m in enumerate(messages):
+    for i, (m, target) in enumerate(zip(messages, target_turns(messages, mask_history))):
         head = f"{IM_START}{m['role']}\n"
-        body = f"{_builtin_body(i, m)}{IM_END}"
-        if m["role"] == "assistant":
-            spans.append((pos + len(head), pos + len(head) + len(body), False))
+        reasoning = reasoning_of(m)
+        think = f"{THINK_OPEN}{reasoning}{THINK_CLOSE}" if reasoning else ""
+        body = f"{think}{_builtin_body(i, m)}{IM_END}"
+        if target:
+            skip = 0 if reasoning_loss or not reasoning else len(THINK_OPEN) + len(reasoning)
+            spans.append((pos + len(head) + skip, pos + len(head) + len(body), False))
         block = head + body + "\n"
         parts.append(block)
         pos += len(block)
@@ -138,6 +184,33 @@ def render_builtin(messages: list[dict]) -> tuple[str, list[tuple[int, int, bool
 def supports_tool_calls(template: str) -> bool:
     """Whether a Jinja chat template renders ``tool_calls`` at all (it must name them)."""
     return "tool_calls" in template
+
+
+_THINKING_FIELD = re.compile(r"\.thinking\b|\[\s*['\"]thinking['\"]\s*\]")
+
+
+def template_reasoning_key(template: str) -> str | None:
+    """The message field a Jinja chat template renders reasoning from, if any."""
+    if "reasoning_content" in template:
+        return "reasoning_content"
+    return "thinking" if _THINKING_FIELD.search(template) else None
+
+
+def _for_template(tok: Tokenizer, messages: list[dict]) -> list[dict]:
+    """The messages with their reasoning under the template's field name."""
+    if not any(reasoning_of(m) for m in messages):
+        return messages
+    key = template_reasoning_key(tok.chat_template)
+    if key is None:
+        raise RowError("reasoning_unsupported", "the row has reasoning_content (or thinking) but "
+                                                "the tokenizer's chat template names neither, so "
+                                                "it would be dropped")
+    out = []
+    for m in messages:
+        r = reasoning_of(m)
+        m = {k: v for k, v in m.items() if k not in REASONING_KEYS or m["role"] != "assistant"}
+        out.append({**m, key: r} if r else m)
+    return out
 
 
 def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -159,30 +232,62 @@ def _tool_call_turn(tok: Tokenizer, messages: list[dict], i: int, text: str) -> 
     return len(before), len(through.rstrip())
 
 
-def render_with_template(tok: Tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int, bool]]]:
+def _generation_start(tok: Tokenizer, messages: list[dict], i: int, text: str, limit: int) -> int:
+    """Where the model starts generating assistant turn ``i``: the end of the rendering of the
+    conversation before it with the generation prompt, when the template has one and that
+    rendering is a prefix of ``text`` ending by ``limit``; else ``limit``."""
+    if "add_generation_prompt" not in tok.chat_template:
+        return limit
+    before = _render(tok, messages[:i], add_generation_prompt=True)
+    return len(before) if text.startswith(before) and len(before) <= limit else limit
+
+
+def _find_turn(text: str, m: dict, cursor: int) -> tuple[int, int]:
+    """(start of the reasoning text or -1, start of the content) of a message, from ``cursor``;
+    the content is looked for after the reasoning when the template rendered it."""
+    content, reasoning = m.get("content") or "", reasoning_of(m).strip()  # templates strip it
+    rpos = text.find(reasoning, cursor) if reasoning else -1
+    pos = text.find(content, rpos + len(reasoning)) if rpos >= 0 else -1
+    if pos < 0:
+        rpos, pos = -1, text.find(content, cursor)
+    return rpos, pos
+
+
+def render_with_template(tok: Tokenizer, messages: list[dict], reasoning_loss: bool = True,
+                         mask_history: bool = False) -> tuple[str, list[tuple[int, int, bool]]]:
     """The tokenizer's template; spans as in :func:`render_builtin`. A content span adds the
     end-of-turn token after it; a tool-call turn's span already ends with it."""
     if any(m.get("tool_calls") for m in messages) and not supports_tool_calls(tok.chat_template):
         raise RowError("tool_calls_unsupported", "the row has tool_calls but the tokenizer's chat "
                                                  "template never mentions tool_calls, so they would "
                                                  "be dropped")
+    targets = target_turns(messages, mask_history)
+    messages = _for_template(tok, messages)
     text = _render(tok, messages)
     spans, cursor = [], 0
-    for i, m in enumerate(messages):
+    for i, (m, target) in enumerate(zip(messages, targets)):
+        reasoning = reasoning_of(m).strip()  # templates write it stripped of surrounding newlines
         if m["role"] == "assistant" and m.get("tool_calls"):
             start, cursor = _tool_call_turn(tok, messages, i, text)
-            spans.append((start, cursor, False))
+            rpos = text.find(reasoning, start, cursor) if reasoning else -1
+            if rpos >= 0 and not reasoning_loss:
+                start = rpos + len(reasoning)
+            if target:
+                spans.append((start, cursor, False))
             continue
-        content = m.get("content") or ""
-        pos = text.find(content, cursor)
+        rpos, pos = _find_turn(text, m, cursor)
         if pos < 0:
             if m["role"] == "assistant":
                 raise RowError("template_error", f"assistant message {i} does not appear verbatim "
                                                  "in the rendered chat template")
             continue
-        end = pos + len(content)
-        if m["role"] == "assistant":
-            spans.append((pos, end, True))
+        end = pos + len(m.get("content") or "")
+        if target:
+            start = pos
+            if rpos >= 0:
+                start = _generation_start(tok, messages, i, text, rpos) if reasoning_loss \
+                    else rpos + len(reasoning)
+            spans.append((start, end, True))
         cursor = end
     return text, spans
 
@@ -201,13 +306,14 @@ def mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int, bool]]) -> 
     return mask
 
 
-def encode_chat(tok: Tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Validate, render and tokenize one conversation: (token ids int64, loss mask uint8)."""
+def encode_chat(tok: Tokenizer, messages: list[dict], reasoning_loss: bool = True,
+                mask_history: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Validate, render and tokenize one conversation: (token ids int64, loss mask uint8).
+    ``reasoning_loss``: reasoning is a target; ``mask_history``: only the last turn is."""
     validate_messages(messages)
-    if tok.chat_template:
-        text, spans = render_with_template(tok, messages)
-    else:
-        text, spans = render_builtin(messages)
+    render = render_with_template if tok.chat_template else render_builtin
+    text, spans = (render(tok, messages, reasoning_loss, mask_history) if tok.chat_template
+                   else render(messages, reasoning_loss, mask_history))
     bad = SURROGATE.search(text)
     if bad:
         raise RowError("invalid_unicode", f"the conversation holds a lone surrogate {bad.group()!r} "

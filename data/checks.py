@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -38,6 +39,7 @@ def check_training_data(prefix: str, vocab_size: int, cache_path: str | None = N
     with ``vocab_size`` embeddings; warn if it has almost no targets. Returns the numbers."""
     text = IndexedDataset(prefix)
     stats = load_stats(text, cache_path)
+    mask_stats = _mask_stats(prefix, cache_path)
     lo, hi = stats["min"], stats["max"]
     if hi is not None and (hi >= vocab_size or lo < 0):
         bad = hi if hi >= vocab_size else lo
@@ -45,8 +47,6 @@ def check_training_data(prefix: str, vocab_size: int, cache_path: str | None = N
             f"--data-path {prefix}: token id {bad} is outside the model's vocabulary of "
             f"{vocab_size} (ids 0..{vocab_size - 1}){_made_with(prefix, cache_path)}. Tokenise the "
             "data with the model's tokenizer, or use a model whose vocab_size covers every id.")
-    mask_prefix = loss_mask_prefix(prefix)
-    mask_stats = load_stats(IndexedDataset(mask_prefix), cache_path) if mask_prefix else None
     tokens = text.num_tokens
     targets = trainable_targets(text, mask_stats)
     if targets <= 0:
@@ -62,6 +62,15 @@ def check_training_data(prefix: str, vocab_size: int, cache_path: str | None = N
                       f"{MIN_TARGET_FRACTION:.0%}); check the documents' lengths"
                       f"{' and the loss mask' if mask_stats is not None else ''}", stacklevel=2)
     return {"tokens": tokens, "targets": targets, "max_token_id": hi}
+
+
+def _mask_stats(prefix: str, cache_path: str | None) -> dict | None:
+    """The statistics of the loss mask beside ``prefix``, after checking that it is this
+    text's (``data/units.py``; statistics first: recomputing a stale sidecar keeps its unit)."""
+    guess = prefix.replace("_text_document", "_loss_mask_document")
+    ds = IndexedDataset(guess) if guess != prefix and os.path.exists(guess + ".idx") else None
+    mask_stats = load_stats(ds, cache_path) if ds is not None else None
+    return mask_stats if loss_mask_prefix(prefix, cache_path) else None
 
 
 def _made_with(prefix: str, cache_path: str | None) -> str:

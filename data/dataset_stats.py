@@ -11,7 +11,8 @@ The sidecar holds, over all elements: ``min``, ``max`` (None when empty), ``nonz
 ``nonzero_first`` (nonzero elements that are the first of a sequence), plus ``identity``: the
 sizes and modification times of the ``.bin`` and ``.idx``. A sidecar whose identity differs from
 the files on disk is stale and ignored, so a rewritten dataset is never checked against old
-numbers (a copy that does not keep modification times is recomputed once).
+numbers (a copy that does not keep modification times is recomputed once, keeping what the old
+sidecar says of the tokenizer and the publishing unit, ``data/units.py``, when the sizes match).
 
 On a loss mask, ``nonzero - nonzero_first`` is the number of training targets: a token's label
 is the next token, so a document's first token is never a target (``data/thd.py``).
@@ -62,18 +63,34 @@ def sidecar_bytes(stats: dict, ident: dict, extra: dict | None = None) -> bytes:
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
-def read_sidecar(prefix: str, cache_path: str | None = None) -> dict | None:
-    """The current sidecar of ``prefix`` (beside it or cached), or None."""
-    ident = identity(f"{prefix}.bin", f"{prefix}.idx")
+def _sidecars(prefix: str, cache_path: str | None):
     for base in cache.read_bases(prefix, cache_path):
         try:
             with open(base + SUFFIX, encoding="utf-8") as f:
                 doc = json.load(f)
         except (OSError, ValueError):
             continue
-        if doc.get("format") == FORMAT and doc.get("identity") == ident:
-            return doc
-    return None
+        if isinstance(doc, dict) and doc.get("format") == FORMAT:
+            yield doc
+
+
+def read_sidecar(prefix: str, cache_path: str | None = None) -> dict | None:
+    """The current sidecar of ``prefix`` (beside it or cached), or None."""
+    ident = identity(f"{prefix}.bin", f"{prefix}.idx")
+    return next((d for d in _sidecars(prefix, cache_path) if d.get("identity") == ident), None)
+
+
+def _kept_facts(prefix: str, cache_path: str | None) -> dict:
+    """What a stale sidecar says beyond the statistics (the tokenizer, the publishing unit),
+    when only the modification times differ (a copy that did not keep them): kept when the
+    statistics are recomputed, so a copied dataset still knows where it came from."""
+    ident = identity(f"{prefix}.bin", f"{prefix}.idx")
+    sizes = {k: v for k, v in ident.items() if k.endswith("_bytes")}
+    for doc in _sidecars(prefix, cache_path):
+        old = doc.get("identity") or {}
+        if {k: old.get(k) for k in sizes} == sizes:
+            return {k: v for k, v in doc.items() if k not in ("format", "identity", "stats")}
+    return {}
 
 
 def compute_stats(ds, progress: bool = True) -> dict:
@@ -103,6 +120,7 @@ def load_stats(ds, cache_path: str | None = None, progress: bool = True) -> dict
         return doc["stats"]
     stats = compute_stats(ds, progress)
     ident = identity(f"{ds.prefix}.bin", f"{ds.prefix}.idx")
+    kept = _kept_facts(ds.prefix, cache_path)
     cache.save(cache.cache_bases(ds.prefix, cache_path), [SUFFIX],
-               lambda _s, f: f.write(sidecar_bytes(stats, ident)), f"statistics of {ds.prefix}")
+               lambda _s, f: f.write(sidecar_bytes(stats, ident, kept)), f"statistics of {ds.prefix}")
     return stats

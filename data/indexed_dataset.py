@@ -26,11 +26,14 @@ the first bad entry, instead of crashing (or training on garbage) many iteration
 The writer streams: lengths go to a growing numpy buffer, never a Python list, and the files are
 written under temporary names and renamed on success, with a statistics sidecar
 (``PREFIX.meta.json``, see ``data/dataset_stats.py``) recording the smallest and largest value.
+:func:`publish_together` renames several datasets as one unit (all or none), and a write error
+(a full disk) names the file it was writing.
 """
 from __future__ import annotations
 
 import os
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +217,18 @@ def _name_bad_document(ipath: str, docs: np.ndarray, n_seq: int) -> None:
                               "decrease")
 
 
+@contextmanager
+def names_file(path: str):
+    """An ``OSError`` raised inside (a full disk, a quota) names ``path`` when it does not
+    name a file already: Python's ``write`` and ``close`` errors name none."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
+
+
 class IndexedDatasetWriter:
     """Streams sequences to ``PREFIX.{bin,idx}`` under temporary names.
 
@@ -236,6 +251,7 @@ class IndexedDatasetWriter:
         self._count = 0
         self._stats = dataset_stats.empty_stats()
         self._done = False
+        self._published: list[str] = []
 
     def add(self, seq: np.ndarray) -> None:
         """Append one sequence."""
@@ -267,7 +283,8 @@ class IndexedDatasetWriter:
         starts = np.cumsum(lengths) - lengths
         self._stats = dataset_stats.merge(self._stats,
                                           dataset_stats.block_stats(flat, starts[lengths > 0]))
-        self._bin.write(flat.tobytes())
+        with names_file(self._bin_tmp):
+            self._bin.write(flat.tobytes())
 
     def _write_index(self) -> None:
         lengths = self._lengths[:self._count]
@@ -275,7 +292,7 @@ class IndexedDatasetWriter:
         if self._count > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.arange(self._count + 1, dtype=np.int64)
-        with open(self._idx_tmp, "wb") as f:
+        with names_file(self._idx_tmp), open(self._idx_tmp, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<QBQQ", VERSION, self._code, self._count, doc_idx.size))
             f.write(lengths.astype("<i4").tobytes())
@@ -285,22 +302,44 @@ class IndexedDatasetWriter:
     def finalize(self, meta: dict | None = None) -> None:
         """Write the index and the statistics sidecar (with ``meta`` added, e.g. the tokenizer)
         and publish all three under their final names, the sidecar last."""
-        self._bin.close()
+        self.prepare(meta)
+        self.commit()
+
+    def prepare(self, meta: dict | None = None) -> None:
+        """Write the index and the sidecar under their temporary names (nothing published)."""
+        with names_file(self._bin_tmp):
+            self._bin.close()
         self._write_index()
         # renaming keeps sizes and modification times, so the identity of the temporaries is
         # the identity of the published pair
         ident = dataset_stats.identity(self._bin_tmp, self._idx_tmp)
-        with open(self._meta_tmp, "wb") as f:
+        with names_file(self._meta_tmp), open(self._meta_tmp, "wb") as f:
             f.write(dataset_stats.sidecar_bytes(self._stats, ident, meta))
-        os.replace(self._bin_tmp, bin_path(self.prefix))
-        os.replace(self._idx_tmp, idx_path(self.prefix))
-        os.replace(self._meta_tmp, self.prefix + dataset_stats.SUFFIX)
+
+    def commit(self) -> None:
+        """Publish what ``prepare`` wrote: ``.bin``, then ``.idx``, then the sidecar."""
+        finals = (bin_path(self.prefix), idx_path(self.prefix), self.prefix + dataset_stats.SUFFIX)
+        for tmp, final in zip((self._bin_tmp, self._idx_tmp, self._meta_tmp), finals):
+            with names_file(final):
+                os.replace(tmp, final)
+            self._published.append(final)
         self._done = True
 
+    def unpublish(self) -> None:
+        """Remove what ``commit`` published (one dataset of a unit that failed to publish)."""
+        for p in self._published:
+            if os.path.exists(p):
+                os.remove(p)
+        self._published, self._done = [], False
+
     def abort(self) -> None:
-        """Discard everything written so far."""
+        """Discard everything written so far (a second error while closing is ignored: the
+        first one is what the caller reports)."""
         if not self._bin.closed:
-            self._bin.close()
+            try:
+                self._bin.close()
+            except OSError:
+                pass
         for p in (self._bin_tmp, self._idx_tmp, self._meta_tmp):
             if os.path.exists(p):
                 os.remove(p)
@@ -316,6 +355,22 @@ class IndexedDatasetWriter:
             self.finalize()
         elif exc_type is not None:
             self.abort()
+
+
+def publish_together(writers: list["IndexedDatasetWriter"], meta: dict | None = None) -> None:
+    """Publish several datasets as one unit (a chat dataset's text and loss mask): every one is
+    prepared (index, sidecar) before any is renamed, and when a rename fails the ones already
+    renamed are removed, so the unit appears whole or not at all. The temporaries of the rest
+    stay for the caller's ``abort``."""
+    for w in writers:
+        w.prepare(meta)
+    try:
+        for w in writers:
+            w.commit()
+    except BaseException:
+        for w in writers:
+            w.unpublish()
+        raise
 
 
 class InMemoryDataset:

@@ -7,20 +7,9 @@ ends with a ``{"file_error": ...}`` task; the rows before the damage are read an
 """
 from __future__ import annotations
 
-import glob
 import gzip
 import os
 import zlib
-
-
-def expand_inputs(patterns: list[str]) -> list[str]:
-    files: list[str] = []
-    for pat in patterns:
-        hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else ([pat] if os.path.isfile(pat) else [])
-        if not hits:
-            raise FileNotFoundError(f"--input {pat!r}: no such file")
-        files.extend(hits)
-    return files
 
 
 def iter_chunks(path: str, chunk_bytes: int):

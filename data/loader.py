@@ -6,15 +6,15 @@ seed: global pack ``k`` belongs to dataset ``d(k)`` (a fixed blending pattern, M
 ``perm_e[j mod P]`` of epoch ``e = j // P`` (each epoch a fresh seeded shuffle of the plan).
 Data-parallel rank ``r`` of ``R`` takes global micro-batches ``r, r + R, r + 2R, ...``, each
 ``micro_batch_size`` consecutive packs, so ranks never share a pack, and every pipeline stage of
-one rank computes the same sequence on its own. The state is one integer (micro-batches
-consumed) and a fingerprint of everything the stream depends on.
+one rank computes the same sequence on its own. The state is one integer (packs consumed, all
+ranks together) and a fingerprint of everything the stream depends on: the stream's flags and,
+per dataset, its documents' lengths in order and a sample of its tokens.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -25,8 +25,13 @@ from core.packed_seq import PackedSeqParams
 from data.indexed_dataset import IndexedDataset
 from data.packing import PackPlan, cached_plan, permutation
 from data.thd import THDBatch, build_thd_batch
+from data.units import check_pair
 
 BLEND_PERIOD = 10_000  # the blending pattern repeats every this many packs
+FINGERPRINT_VERSION = 2  # of the loader state: 2 counts packs and fingerprints each dataset
+SAMPLE_SEGMENTS = 64     # plan segments whose first tokens the fingerprint reads
+SAMPLE_TOKENS = 32
+_STREAM_NAMES = {"weights": "--data-path weights", "pad_multiple": "pad multiple"}
 
 
 def parse_data_path(args: list[str]) -> list[tuple[float, str]]:
@@ -71,10 +76,14 @@ class PackedSource:
     skipped: dict
 
 
-def loss_mask_prefix(prefix: str) -> str | None:
-    """The chat loss mask dataset beside ``PREFIX`` (``..._loss_mask_document``), if any."""
+def loss_mask_prefix(prefix: str, cache_path: str | None = None) -> str | None:
+    """The chat loss mask dataset beside ``PREFIX`` (``..._loss_mask_document``), if any.
+    ``ValueError`` when the text was made with a mask that is missing, or the mask beside it
+    was published by another run (``data/units.py``)."""
     mask_prefix = prefix.replace("_text_document", "_loss_mask_document")
-    return mask_prefix if mask_prefix != prefix and os.path.exists(mask_prefix + ".idx") else None
+    if mask_prefix == prefix:
+        return None
+    return mask_prefix if check_pair(prefix, mask_prefix, cache_path) else None
 
 
 def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
@@ -89,7 +98,7 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
     the dataset, or the user cache when that directory is read-only (``data/cache.py``).
     """
     text = IndexedDataset(prefix)
-    mask_prefix = loss_mask_prefix(prefix)
+    mask_prefix = loss_mask_prefix(prefix, cache_dir)
     mask = IndexedDataset(mask_prefix) if mask_prefix else None
     lengths = text.lengths.astype(np.int64)
     skipped = {"empty": np.flatnonzero(lengths == 0)}
@@ -118,7 +127,7 @@ def _unpad_plan(plan: PackPlan, real_lengths: np.ndarray) -> PackPlan:
     segs = np.array(plan.segments)
     real_end = np.minimum(segs[:, 1] + segs[:, 2], real_lengths[segs[:, 0]])
     segs[:, 2] = np.maximum(real_end - segs[:, 1], 0)
-    return PackPlan(plan.pack_offsets, segs, plan.seq_length, **plan.counts())
+    return PackPlan(plan.pack_offsets, segs, plan.seq_length, **plan.counts(), key=plan.key)
 
 
 class THDLoader:
@@ -145,14 +154,25 @@ class THDLoader:
         for i, d in enumerate(self.pattern):
             self.rank_in_period[i] = seen[d]
             seen[d] += 1
+        self.weights = [w / sum(w for w, _ in sources) for w, _ in sources]
         self._orders: dict = {}
+        self._ident: dict | None = None
         self.consumed = 0  # micro-batches this rank has produced
 
     def fingerprint(self) -> str:
-        parts = [[s.prefix, s.text.num_tokens, len(s.text), s.plan.num_packs] for s in self.sources]
-        key = [parts, self.pattern[:100].tolist(), self.seq_length, self.micro_batch_size,
-               self.seed, self.pad_multiple]
-        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+        """One hash of everything the stream of packs depends on (see :meth:`state_dict`)."""
+        return self._identity()["fingerprint"]
+
+    def _identity(self) -> dict:
+        if self._ident is None:
+            stream = {"seq_length": self.seq_length, "seed": self.seed,
+                      "pad_multiple": self.pad_multiple,
+                      "weights": [round(float(w), 12) for w in self.weights]}
+            datasets = [{"prefix": s.prefix, "fingerprint": source_fingerprint(s)} for s in self.sources]
+            key = [FINGERPRINT_VERSION, stream, [d["fingerprint"] for d in datasets]]
+            self._ident = {"stream": stream, "datasets": datasets,
+                           "fingerprint": hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}
+        return self._ident
 
     def _epoch_order(self, d: int, epoch: int) -> np.ndarray:
         """Pack order of dataset ``d`` in ``epoch``: the plan's own (seeded) order first, then a
@@ -197,19 +217,85 @@ class THDLoader:
         return batch
 
     def state_dict(self) -> dict:
-        """Global micro-batches consumed (all DP ranks move in step), so a run can resume with
-        another data-parallel size and neither skip nor repeat a micro-batch."""
-        return {"global_consumed": self.consumed * self.dp_size, "fingerprint": self.fingerprint()}
+        """Global packs consumed (all DP ranks move in step), so a run can resume with another
+        data-parallel or micro-batch size and neither skip nor repeat a pack, and what the
+        stream depends on: the stream's flags, and each dataset's fingerprint
+        (:func:`source_fingerprint`), so a resume on other data is refused naming the dataset."""
+        return {"version": FINGERPRINT_VERSION,
+                "global_packs": self.consumed * self.dp_size * self.micro_batch_size, **self._identity()}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["fingerprint"] != self.fingerprint():
-            raise ValueError("data loader state does not match this data: the datasets, weights, "
-                             "seq length, micro-batch size or seed changed "
-                             f"(saved fingerprint {state['fingerprint']}, now {self.fingerprint()})")
-        if state["global_consumed"] % self.dp_size:
-            raise ValueError(f"cannot resume {state['global_consumed']} consumed micro-batches "
-                             f"evenly over {self.dp_size} data-parallel ranks")
-        self.consumed = int(state["global_consumed"]) // self.dp_size
+    def load_state_dict(self, state: dict, ignore_fingerprint: bool = False) -> list[str]:
+        """Continue where ``state`` left off. ``ValueError`` when the data or the stream's flags
+        differ from the saved ones, naming each difference; with ``ignore_fingerprint`` they are
+        returned instead (for the caller to report) and the position is kept."""
+        if state.get("version") == FINGERPRINT_VERSION:
+            packs, diffs = int(state["global_packs"]), self._differences(state)
+        else:  # before version 2: micro-batches, and a fingerprint of sizes and counts only
+            packs = int(state["global_consumed"]) * self.micro_batch_size
+            diffs = [] if state["fingerprint"] == self._legacy_fingerprint() else [
+                "the datasets, blend weights, --seq-length, --micro-batch-size or --seed differ "
+                "(a checkpoint of an older version: which one is not recorded)"]
+        if diffs and not ignore_fingerprint:
+            raise ValueError(
+                f"the data differs from the checkpoint's: {'; '.join(diffs)}. Resuming would train "
+                "on other data than the interrupted run from the next iteration on. Resume with "
+                "the data and flags it was saved with, or pass --ignore-data-fingerprint to "
+                f"continue at the same position ({packs:,} packs) in this data on purpose")
+        per_step = self.dp_size * self.micro_batch_size
+        if packs % per_step:
+            raise ValueError(f"the checkpoint consumed {packs:,} packs, not a multiple of "
+                             f"--micro-batch-size x data-parallel size = {per_step}: resume with a "
+                             "micro-batch and data-parallel size that divide it")
+        self.consumed = packs // per_step
+        return diffs
+
+    def _differences(self, state: dict) -> list[str]:
+        now, diffs = self._identity(), []
+        for k, v in state["stream"].items():
+            if now["stream"].get(k) != v:
+                name = _STREAM_NAMES.get(k, f"--{k.replace('_', '-')}")
+                diffs.append(f"{name} {v} -> {now['stream'].get(k)}")
+        old, new = state["datasets"], now["datasets"]
+        if len(old) != len(new):
+            names = [", ".join(d["prefix"] for d in x) for x in (old, new)]
+            return diffs + [f"--data-path: {len(old)} dataset(s) ({names[0]}) -> {len(new)} ({names[1]})"]
+        if diffs:  # a changed flag changes every dataset's packs: it says it all
+            return diffs
+        for a, b in zip(old, new):
+            if a["fingerprint"] != b["fingerprint"]:
+                diffs.append(f"--data-path {b['prefix']}: its documents are not the checkpoint's "
+                             f"{a['prefix']} (their lengths, order or tokens, or --long-docs, "
+                             f"differ: fingerprint {a['fingerprint']} -> {b['fingerprint']})")
+        return diffs
+
+    def _legacy_fingerprint(self) -> str:
+        parts = [[s.prefix, s.text.num_tokens, len(s.text), s.plan.num_packs] for s in self.sources]
+        key = [parts, self.pattern[:100].tolist(), self.seq_length, self.micro_batch_size,
+               self.seed, self.pad_multiple]
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def source_fingerprint(src: PackedSource) -> str:
+    """What decides one dataset's packs, cheaply: the plan's key, a hash of every planned
+    document's length in order (with --seq-length, --long-docs and the seed), and the first
+    ``SAMPLE_TOKENS`` tokens (and loss-mask values) of ``SAMPLE_SEGMENTS`` segments spread over
+    the plan. Lengths catch a reordered or re-tokenized dataset in all but contrived cases; the
+    sample catches what lengths cannot (documents of equal lengths reordered, another tokenizer
+    with the same lengths) at a fixed cost of a few dozen small reads, where hashing every token
+    would read the whole dataset at each start."""
+    plan = src.plan
+    h = hashlib.sha256(plan.key.encode())
+    if not plan.key:  # a plan made without cached_plan: the plan itself stands for the lengths
+        h.update(np.ascontiguousarray(plan.segments).tobytes())
+        h.update(np.ascontiguousarray(plan.pack_offsets).tobytes())
+    n = len(plan.segments)
+    for row in np.unique(np.linspace(0, n - 1, min(n, SAMPLE_SEGMENTS)).astype(np.int64)) if n else ():
+        doc, start, length = (int(x) for x in plan.segments[row])
+        take = min(length, SAMPLE_TOKENS)
+        h.update(np.ascontiguousarray(src.text.get(doc, start, take)).astype("<i8").tobytes())
+        if src.loss_mask is not None:
+            h.update(np.ascontiguousarray(src.loss_mask.get(doc, start, take)).astype("u1").tobytes())
+    return h.hexdigest()[:16]
 
 
 def _concat(batches: list[THDBatch]) -> THDBatch:

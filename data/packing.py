@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +23,7 @@ import numpy as np
 from data import _csrc, cache
 
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
-_PLAN_FORMAT = 1  # bump when the planner's output for the same inputs changes
+_PLAN_FORMAT = 2  # bump when the planner's output or the cache files change (2: sizes and CRCs)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class PackPlan:
     truncated_docs: int = 0
     split_docs: int = 0
     empty_docs: int = 0
+    key: str = ""             # hash of the plan's inputs (cached_plan): lengths, S, policy, seed
 
     @property
     def num_packs(self) -> int:
@@ -103,27 +106,87 @@ def cached_plan(lengths, seq_length: int, cache_prefix: str, *, long_docs: str =
     Where (``data/cache.py``): in ``cache_path`` when given (``--data-cache-path``), else beside
     ``cache_prefix``, else, when that directory cannot be written, in the user cache. The file
     names carry the hash of the inputs, so a changed dataset, length, policy or seed never
-    reuses a stale plan. Writes go to temporary names renamed at the end, the meta file last.
+    reuses a stale plan. Writes go to temporary names renamed at the end, the meta file last;
+    the meta file records each array file's size and CRC-32, and an entry that does not match
+    them (a truncated or zeroed file, an empty meta file) is named in a warning and rebuilt.
+    The plan's ``key`` is the hash (the loader's fingerprint uses it).
     """
     lengths = np.asarray(lengths)
     key = plan_cache_key(lengths, seq_length, long_docs, seed)
     suffixes = [f"_packplan_{key}_offsets.npy", f"_packplan_{key}_segments.npy",
                 f"_packplan_{key}_meta.json"]  # meta last: its presence marks a complete plan
     for base in cache.read_bases(cache_prefix, cache_path):
-        if all(os.path.exists(base + s) for s in suffixes):
-            with open(base + suffixes[2]) as f:
-                meta = json.load(f)
-            return PackPlan(np.load(base + suffixes[0], mmap_mode="r"),
-                            np.load(base + suffixes[1], mmap_mode="r"), int(seq_length), **meta)
+        plan = _read_entry(base, suffixes, int(seq_length))
+        if plan is not None:
+            plan.key = key
+            return plan
     plan = plan_packs(lengths, seq_length, long_docs=long_docs, seed=seed)
+    plan.key = key
     arrays = {suffixes[0]: plan.pack_offsets, suffixes[1]: plan.segments}
+    files: dict = {}
 
     def write(suffix, f):
         if suffix in arrays:
-            np.save(f, arrays[suffix], allow_pickle=False)
+            out = _Checksummed(f)
+            np.save(out, arrays[suffix], allow_pickle=False)
+            files[suffix] = {"bytes": out.size, "crc32": out.crc}
         else:
-            f.write(json.dumps(plan.counts()).encode())
+            f.write(json.dumps({**plan.counts(), "files": files}).encode())
 
     cache.save(cache.cache_bases(cache_prefix, cache_path), suffixes, write,
                f"pack plan of {cache_prefix}")
     return plan
+
+
+class _Checksummed:
+    """A file that counts and checksums what ``np.save`` writes through it."""
+
+    def __init__(self, f):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, b) -> int:
+        b = memoryview(b).cast("B")
+        self.size += b.nbytes
+        self.crc = zlib.crc32(b, self.crc)
+        return self.f.write(b)
+
+
+def _file_crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _read_entry(base: str, suffixes: list[str], seq_length: int) -> PackPlan | None:
+    """The cached plan under ``base``; None when it is absent, or damaged (with a warning naming
+    the file and what is wrong: the caller rebuilds it)."""
+    paths = [base + s for s in suffixes]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    try:
+        with open(paths[2], encoding="utf-8") as f:
+            meta = json.load(f)
+        files = meta.pop("files")
+        for path, suffix in zip(paths[:2], suffixes[:2]):
+            want = files[suffix]
+            size = os.path.getsize(path)
+            if size != want["bytes"]:
+                raise _Damaged(path, f"{size} bytes, its meta file records {want['bytes']} (truncated?)")
+            if _file_crc(path) != want["crc32"]:
+                raise _Damaged(path, "its CRC-32 differs from the one its meta file records "
+                                     "(overwritten or corrupt)")
+        return PackPlan(np.load(paths[0], mmap_mode="r"), np.load(paths[1], mmap_mode="r"),
+                        seq_length, **meta)
+    except _Damaged as e:
+        why = str(e)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # JSON, npy header
+        why = f"{paths[2]}: unreadable ({type(e).__name__}: {e})"
+    warnings.warn(f"damaged pack-plan cache entry: {why}; rebuilding the plan", stacklevel=3)
+    return None
+
+
+class _Damaged(Exception):
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path}: {why}")

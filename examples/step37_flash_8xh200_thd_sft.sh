@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # Reference recipe: text SFT of Step-3.7-Flash on one node of 8 x H200 (141 GB), EP8 (no
-# pipeline), packed THD rows of 8,192 tokens, Muon with momentum 0 for the matrices.
+# pipeline), packed THD rows of 8,192 tokens, 32 packs per step, Muon with momentum 0.
 #
-# The layout is the top row of the planner's search over every 8-GPU layout (1,440 of them,
-# 14 fit; docs/memory.md shows the table and why this row):
+# The layout is the top row of the planner's search over every 8-GPU layout (docs/memory.md
+# shows the table and why this row):
 #   python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \
-#       --seq-length 8192 --global-batch-size 64 --bf16 --optimizer muon --muon-momentum 0
+#       --seq-length 8192 --global-batch-size 32 --bf16 --optimizer muon --muon-momentum 0
 #
-# Local batch is counted in packs: --global-batch-size 64 packs = 64 x 8,192 = 524,288 tokens
-# per iteration; DP = 8 (EP8 inside it) and micro-batch 1 pack: 8 micro-batches per rank.
+# Batch: --global-batch-size 32 packs = 262,144 tokens per iteration; DP = 8 (EP8 inside it) and
+# micro-batch 4 packs: one micro-batch of 32,768 tokens per rank and step.
 #
-# Memory: --bf16 (bf16 compute over fp32 master weights and fp32 gradients); FSDP2 shards the
-# dense weights over the 8 ranks, each rank holds 36 of the 288 experts whole;
-# --cpu-offload optimizer keeps the fp32 masters, gradients and optimizer state in host memory
-# and the bf16 compute copies resident on the GPU for the whole step (one host-to-device copy
-# per step, none per micro-batch); gradients go to the host after every micro-batch; Muon's
-# Newton-Schulz runs on the GPU, matrix by matrix; full activation recompute. Predicted (not
-# measured; no GPU has run this): 107 GB on each GPU, 202 GB of host memory per rank (1.6 TB
-# for the node), 209 s per step, 313 tokens/s per GPU (assumed: 40% MFU for the maths, 25 GB/s
-# PCIe, 20 GB/s of host memory per rank). The gradients' trip to the host sets the pace: 1.1 TB
-# over PCIe per GPU per step, then their fp32 accumulation in host memory.
+# Memory (--cpu-offload masters, core/optim/host_masters.py): the bf16 weights are the only copy
+# on the GPU (each rank's 36 of the 288 experts whole, the dense weights FSDP-sharded over the 8
+# ranks and gathered once per step); the fp32 masters and AdamW's state live in host memory.
+# --optimizer-in-backward: each matrix's Newton-Schulz runs on the GPU as soon as its gradient is
+# final (a dense matrix by one of the 8 ranks, core/optim/muon_split.py), its bf16 update goes to
+# the host on a copy stream, host threads update the master and copy the new bf16 weight back
+# while the backward goes on. Full recompute (MTP depths included), the head's and each MTP
+# depth's loss a tile at a time. Predicted (not measured; no GPU has run this): 119.6 GB on each
+# GPU (21 GB to spare), 202 GB of host memory per rank (1.6 TB for the node), 15.7 s per step,
+# 2,084 tokens/s per GPU, MFU 19.1% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
+# PCIe 35 GB/s, host memory 52 GB/s per rank; docs/memory.md says why not 20%).
 # Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
 #
@@ -32,9 +33,10 @@ OUT=${3:?}
 torchrun --nproc-per-node 8 pretrain_step37.py \
     --hf-config "$HF" --load-hf "$HF" \
     --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 \
-    --bf16 --data-parallel-sharding fsdp --cpu-offload optimizer --recompute-granularity full \
+    --bf16 --data-parallel-sharding fsdp --cpu-offload masters --fsdp-gather-once --optimizer-in-backward \
+    --recompute-granularity full \
     --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \
-    --seq-length 8192 --micro-batch-size 1 --global-batch-size 64 --long-docs truncate \
+    --seq-length 8192 --micro-batch-size 4 --global-batch-size 32 --long-docs truncate \
     --optimizer muon --muon-momentum 0 --lr 2e-4 --adamw-lr 1e-5 --min-lr 2e-5 \
     --lr-warmup-iters 50 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
     --mtp-loss-scale 0.3 --moe-bias-update-rate 0 \

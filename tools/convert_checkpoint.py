@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Move Step-3.7 weights between Hugging Face checkpoints and this project.
+"""Move a registered model family's weights between Hugging Face checkpoints and this project
+(the family from the checkpoint's config.json model_type, or from --model-preset).
 
 Verbs:
   check   DIR [--model-preset NAME | --hf-config PATH]
@@ -11,7 +12,8 @@ Verbs:
           Training checkpoint (any layout; the 'latest' one of a --save directory, or an iter_*
           directory) -> Hugging Face safetensors. With --source (the checkpoint it was imported
           from), the published layout is written and the vision tower copied byte for byte;
-          otherwise transformers' Step3p7TextModel layout (head and MTP beside it). The
+          otherwise the family's own layout (Step-3.7: transformers' Step3p7TextModel layout,
+          head and MTP beside it; Qwen3-MoE: the hub's per-expert layout). The
           config gets pad_token_id from --tokenizer-type/--tokenizer-model, else from --source's
           config, else from the tokenizer the training run recorded.
 
@@ -31,59 +33,95 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from core.hf_checkpoint import check_checkpoint, problems, stale_files  # noqa: E402
 from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
-from models.step37 import Step37Config, Step37Model, count_parameters  # noqa: E402
-from models.step37.config import PRESETS  # noqa: E402
-from models.step37.hf_weights import check_checkpoint, published_name  # noqa: E402
+from models import registry  # noqa: E402
+from models.common.decoder import count_parameters  # noqa: E402
+
+
+def spec_and_config(args, directory: str):
+    """The family and config: ``--hf-config``, else ``--model-preset``, else DIRECTORY's own
+    config.json; a preset of another family than the checkpoint's is refused by name."""
+    registry.import_model_module(getattr(args, "model_module", None))
+    if args.model_preset:
+        spec, cfg = registry.resolve(args.model_preset)
+        own = os.path.join(directory, "config.json")
+        if os.path.exists(own):
+            theirs = registry.spec_for_hf(own)
+            if theirs.family != spec.family:
+                raise ValueError(f"{directory} holds a {theirs.family} checkpoint; --model-preset "
+                                 f"{args.model_preset} is a {spec.family} model")
+        return spec, cfg
+    return registry.resolve(hf_config=args.hf_config or directory)
 
 
 def cmd_check(args) -> int:
-    source = args.hf_config or args.directory
-    cfg = Step37Config.preset(args.model_preset) if args.model_preset else Step37Config.from_hf(source)
+    spec, cfg = spec_and_config(args, args.directory)
     with torch.device("meta"):
-        model = Step37Model(cfg)
+        model = spec.build(cfg)
     report = check_checkpoint(model, args.directory)
-    counts = count_parameters(model, cfg)
-    print(f"model     {counts['total']:,} parameters ({counts['total_without_mtp']:,} without MTP, "
-          f"{cfg.num_layers} layers, {cfg.num_mtp_layers} MTP depths)")
-    print(f"matched   {report['loaded']:,} tensors; vision tower tensors kept aside: {report['vision_tensors']:,}")
-    for key, title in (("missing", "missing"), ("unexpected", "unexpected"), ("misshaped", "mis-shaped")):
+    counts = count_parameters(model)
+    print(f"model     {spec.family}: {counts['total']:,} parameters ({counts['total_without_mtp']:,} without "
+          f"MTP, {cfg.num_layers} layers, {cfg.num_mtp_layers} MTP depths)")
+    dtypes = ", ".join(f"{n:,} {d}" for d, n in sorted(report["dtypes"].items()))
+    print(f"matched   {report['loaded']:,} tensors ({dtypes or 'none'}); tensors kept aside (not the text "
+          f"decoder's, e.g. a vision tower): {report['kept_aside']:,}")
+    for key, title in (("missing", "missing"), ("unexpected", "unexpected"), ("misshaped", "mis-shaped"),
+                       ("wrong_dtype", "dtype")):
         items = report[key]
         print(f"{title:<10}{len(items):,}")
         for item in items[:args.show]:
             if key == "misshaped":
                 ours, theirs, shape, want = item
                 print(f"    {theirs}: checkpoint {shape}, model {want} ({ours})")
+            elif key == "wrong_dtype":
+                ours, theirs, dtype, scales = item
+                quantized = f", quantized: scales beside it ({', '.join(scales[:2])})" if scales else ""
+                print(f"    {theirs}: {dtype}, this tool reads F32 / BF16 / F16 ({ours}{quantized}); "
+                      "dequantize or convert it to bf16 first")
             elif key == "missing":
-                print(f"    {published_name(item, cfg.num_layers)} ({item})")
+                print(f"    {model.hf_weights.published(item)} ({item})")
             else:
                 print(f"    {item}")
         if len(items) > args.show:
             print(f"    ... and {len(items) - args.show} more (--show N to list more)")
-    ok = not report["missing"] and not report["misshaped"]
+    ok = not problems(report)  # an unexpected tensor is a problem too: another model, or scales
     print(f"convert_checkpoint check: {'OK' if ok else 'DOES NOT FIT'}: {report['loaded']:,} matched, "
           f"{len(report['missing']):,} missing, {len(report['unexpected']):,} unexpected, "
-          f"{len(report['misshaped']):,} mis-shaped")
+          f"{len(report['misshaped']):,} mis-shaped, {len(report['wrong_dtype']):,} of an unread dtype")
     return 0 if ok else 1
 
 
 def cmd_export(args) -> int:
     from core.checkpointing import CheckpointError, load_checkpoint, read_meta, resolve
 
-    path = resolve(args.checkpoint)
+    from training.checkpoints import checkpoint_family
+
+    registry.import_model_module(args.model_module)
+    path = resolve(args.checkpoint, "CKPT")
     meta = read_meta(path)
+    spec = registry.spec(checkpoint_family(meta))
     try:
-        cfg = Step37Config(**meta["model"])
+        cfg = spec.config_class(**meta["model"])
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable model config "
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable {spec.family} model config "
                               f"({type(e).__name__}: {e})") from e
+    if args.source and os.path.exists(os.path.join(args.source, "config.json")):
+        theirs = registry.spec_for_hf(args.source)
+        if theirs.family != spec.family:
+            raise ValueError(f"--source {args.source} is a {theirs.family} checkpoint; {path} holds a "
+                             f"{spec.family} model")
     pad_id, pad_from = pad_token_id(args, meta)
-    model = Step37Model(cfg)
+    model = spec.build(cfg)
     load_checkpoint(path, [model])
+    stale = stale_files(args.out, tuple(getattr(model.hf_weights, "side_files", ()))) if os.path.isdir(args.out) else []
     layout = model.save_hf(args.out, source=args.source)
+    if stale:
+        print(f"convert_checkpoint export: removed {len(stale)} file(s) of an earlier export from {args.out}: "
+              f"{', '.join(os.path.basename(p) for p in stale)}")
     set_pad_token_id(os.path.join(args.out, "config.json"), pad_id)
     print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} "
-          f"({layout} layout, {count_parameters(model, cfg)['total']:,} parameters; pad_token_id "
+          f"({spec.family}, {layout} layout, {count_parameters(model)['total']:,} parameters; pad_token_id "
           f"{pad_id} from {pad_from})")
     return 0
 
@@ -131,14 +169,19 @@ def set_pad_token_id(config_path: str, pad_id: int) -> None:
 
 
 def cmd_import(args) -> int:
+    from core.checkpoint_dir import read_pointer
     from core.checkpointing import save_checkpoint
 
-    cfg = (Step37Config.preset(args.model_preset) if args.model_preset
-           else Step37Config.from_hf(args.hf_config or args.directory))
-    model = Step37Model(cfg)
+    latest = read_pointer(args.out) if os.path.isdir(args.out) else None
+    if latest is not None:
+        raise ValueError(f"OUT {args.out} already holds a run's checkpoints ('latest' is {latest}): importing "
+                         "would point 'latest' back to iteration 0; import into an empty directory")
+    spec, cfg = spec_and_config(args, args.directory)
+    model = spec.build(cfg)
     report = model.load_hf(args.directory)
-    path = save_checkpoint(args.out, 0, [model], None, {}, {"model": cfg.to_dict(), "source": args.directory})
-    print(f"convert_checkpoint import: {args.directory} -> {path} ({report['loaded']} tensors; "
+    path = save_checkpoint(args.out, 0, [model], None, {},
+                           {"family": spec.family, "model": cfg.to_dict(), "source": args.directory})
+    print(f"convert_checkpoint import: {args.directory} -> {path} ({spec.family}, {report['loaded']} tensors; "
           f"resume with pretrain_step37.py --load {args.out})")
     return 0
 
@@ -150,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="compare a HF checkpoint with a model config")
     check.add_argument("directory", help="Hugging Face checkpoint directory (safetensors)")
     src = check.add_mutually_exclusive_group()
-    src.add_argument("--model-preset", choices=sorted(PRESETS), help="check against a preset")
+    src.add_argument("--model-preset", help=f"check against a preset ({', '.join(registry.preset_names())})")
     src.add_argument("--hf-config", help="check against this config.json (default: DIRECTORY's own)")
     check.add_argument("--show", type=int, default=20, help="list at most N names per category")
     check.set_defaults(func=cmd_check)
@@ -167,9 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("directory", help="Hugging Face checkpoint directory")
     imp.add_argument("out", help="training checkpoint directory (like --save)")
     src2 = imp.add_mutually_exclusive_group()
-    src2.add_argument("--model-preset", choices=sorted(PRESETS))
+    src2.add_argument("--model-preset", help=f"a preset ({', '.join(registry.preset_names())})")
     src2.add_argument("--hf-config")
     imp.set_defaults(func=cmd_import)
+    for p in (check, exp, imp):
+        p.add_argument("--model-module", help="import this module first (it registers another model family)")
     return ap
 
 
@@ -180,7 +225,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 1
 

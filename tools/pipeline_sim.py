@@ -10,7 +10,8 @@ drawing of the timeline.
 
 The action lists are the ones the executor runs (core/pipeline/schedules.py). Costs are per
 virtual stage (forward; backward = bwd/fwd ratio times it). With a model, the costs are its
-forward FLOPs per token per stage (models/step37/costs.py) and the trainer's default layout
+forward FLOPs per token per stage (core/flops.py over the registered family's block shapes)
+and the trainer's default layout
 (or --pipeline-layout) is compared side by side with the even split: per-stage work and each
 rank's idle fraction, bubble included.
 """
@@ -24,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.pipeline.nccl_replay import NCCLDeadlock, P2PMismatch, replay  # noqa: E402
+from models.registry import preset_names  # noqa: E402
 from core.pipeline.p2p import batches_of, plan_all  # noqa: E402
 from core.pipeline.schedules import build_schedule  # noqa: E402
 from core.pipeline.simulate import (Deadlock, check_schedule, plan_makespan, render_text,  # noqa: E402
@@ -55,13 +57,13 @@ def _idle(result) -> list[float]:
 
 def compare_layouts(sched, args) -> int:
     """The model's stages, even split vs the trainer's layout: work per stage and idle per rank."""
-    from models.step37 import Step37Config
-    from models.step37.costs import stage_flops
-    from models.step37.parallelize import even_layout, stage_layers
+    from core.flops import stage_flops
+    from models.registry import resolve, shapes_of
+    from training.parallelize import even_layout, stage_layers
 
-    cfg = Step37Config.from_hf(args.hf_config) if args.hf_config else Step37Config.preset(args.model_preset)
     S = args.pp * args.vpp
     try:
+        cfg = resolve(args.model_preset, args.hf_config)[1]
         chosen = [len(r) for r in stage_layers(cfg, S, args.pipeline_layout, args.seq_length)]
         even = even_layout(cfg.num_layers, S)
     except ValueError as e:
@@ -70,7 +72,7 @@ def compare_layouts(sched, args) -> int:
     ratio = args.bwd_cost / args.fwd_cost
     runs = {}
     for name, counts in (("even", even), ("default" if not args.pipeline_layout else "given", chosen)):
-        work = [f / 1e9 for f in stage_flops(cfg, counts, args.seq_length)]
+        work = [f / 1e9 for f in stage_flops(shapes_of(cfg), counts, args.seq_length)]
         runs[name] = (counts, work, simulate(sched, work, [w * ratio for w in work]))
     (n1, (c1, w1, r1)), (n2, (c2, w2, r2)) = runs.items()
     i1, i2 = _idle(r1), _idle(r2)
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-cost", type=float, default=2.0, help="backward time of a stage (default 2)")
     ap.add_argument("--stage-costs", help="comma-separated forward cost per virtual stage "
                                           "(overrides --fwd-cost; backward scales with it)")
-    ap.add_argument("--model-preset", help="cost the stages of this model (e.g. step37-flash)")
+    ap.add_argument("--model-preset", help="cost the stages of this model (a preset of any registered "
+                                           f"family: {', '.join(preset_names())})")
     ap.add_argument("--hf-config", help="or of the model of this Hugging Face config.json")
     ap.add_argument("--seq-length", type=int, default=8192, help="tokens per pack, for attention costs")
     ap.add_argument("--pipeline-layout", help="layers per virtual stage (default: the trainer's)")

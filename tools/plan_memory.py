@@ -26,7 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.cli import add_to_parser, from_namespace  # noqa: E402
-from models.step37.time_plan import TimeAssumptions  # noqa: E402
+from training.time_plan import TimeAssumptions  # noqa: E402
 from train_args import SECTIONS, build_parser, sections, validate  # noqa: E402
 from training.plan import DEFAULT_DEVICE_GB, report, search_report  # noqa: E402
 

@@ -1,23 +1,29 @@
 #!/usr/bin/env python3
-"""Tokenize JSONL text or chat data into Megatron-compatible indexed datasets.
+"""Tokenize text or chat data (JSONL, Parquet, Arrow, datasets.save_to_disk folders) into
+Megatron-compatible indexed datasets.
 
 Text:  python tools/preprocess_data.py --input data.jsonl --output-prefix out/corpus \\
            --tokenizer-type huggingface --tokenizer-model ./tokenizer --append-eod --workers 8
        -> out/corpus_text_document.{bin,idx}
-Chat:  python tools/preprocess_data.py --input chats.jsonl --output-prefix out/sft --chat
+Chat:  python tools/preprocess_data.py --input 'sft/*.parquet' --output-prefix out/sft --chat
        -> out/sft_text_document.{bin,idx} and out/sft_loss_mask_document.{bin,idx} (uint8,
           1 on assistant tokens), aligned token for token.
 
-Every rejected row goes to PREFIX_rejects.jsonl with its file, line number, reason and original
-text; rows read always equal rows accepted plus rows rejected. Outputs are published only when
-the run succeeds, and not at all when more than --max-rejected-fraction of the rows is rejected,
-an input file is damaged (a truncated gzip stream, say) or a worker process dies. Ctrl-C and
-SIGTERM stop the run and remove its temporary files. Exit status: 0 published, 1 refused or
-failed, 130 interrupted, 143 terminated.
+Every rejected row goes to PREFIX_rejects.jsonl with its file, line number (JSONL) or row index
+(Parquet, Arrow), reason and original text; rows read always equal rows accepted plus rows
+rejected. A Parquet or Arrow input without a column the run reads stops it before any work. The tool never reads its own
+outputs (a glob's matches named like them are left out, and said) and reads a file given twice
+once. Outputs are published only when the run succeeds, all of a run's datasets together (a chat
+text never without its loss mask), and not at all when more than --max-rejected-fraction of the
+rows is rejected, an input file is damaged (a truncated gzip stream, say), a write fails (a full
+disk: the file is named) or a worker process dies. Ctrl-C and SIGTERM stop the run and remove
+its temporary files. Exit status: 0 published, 1 refused or failed, 130 interrupted, 143
+terminated.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from dataclasses import dataclass
@@ -36,14 +42,24 @@ from data.workers import WorkerDied, WorkerFailed  # noqa: E402
 class PreprocessConfig:
     """Input, tokenizer and output."""
 
-    input: list = option(help="JSONL input: files, globs or .gz files, read in the order given "
-                              "(globs sorted)", nargs="+")
+    input: list = option(help="inputs, read in the order given (globs sorted): JSONL files (.gz "
+                              "too), .parquet files, Arrow IPC files (.arrow, .feather) and "
+                              "datasets.save_to_disk folders", nargs="+")
     output_prefix: str = option(help="writes PREFIX_<key>_document.{bin,idx} and PREFIX_rejects.jsonl")
-    json_keys: list = option(["text"], "text keys to tokenize, one dataset each (a row missing any "
-                                       "of them is rejected)", nargs="+")
-    chat: str = option(None, "chat mode: the key holding the messages list (bare --chat means "
-                             "'messages'); adds PREFIX_loss_mask_document", nargs="?",
+    json_keys: list = option(["text"], "text keys (Parquet / Arrow: columns) to tokenize, one "
+                                       "dataset each (a row missing any of them is rejected)",
+                             nargs="+")
+    chat: str = option(None, "chat mode: the key (column) holding the messages list (bare --chat "
+                             "means 'messages'); adds PREFIX_loss_mask_document", nargs="?",
                        const="messages", metavar="KEY")
+    reasoning_loss: bool = option(True, "chat: an assistant message's reasoning_content (or "
+                                        "thinking), where the chat template renders it, is a "
+                                        "training target (default); --no-reasoning-loss makes it "
+                                        "context, loss mask 0")
+    mask_history: bool = option(False, "chat: only the last turn is a target (the assistant "
+                                       "messages after the last user message); earlier assistant "
+                                       "messages are context, loss mask 0 (default: every "
+                                       "assistant message is a target)")
     tokenizer_type: str = option("byte", "tokenizer kind", choices=TOKENIZER_TYPES)
     tokenizer_model: str = option(None, "Hugging Face tokenizer directory or tokenizer.json; "
                                         "SentencePiece .model file")
@@ -87,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     except (PreprocessError, FileNotFoundError, ValueError, WorkerFailed) as e:
         print(f"preprocess_data: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # writing the outputs: a full disk, a quota, permissions
+        full = " (the disk is full: free space or choose another --output-prefix)" \
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        print(f"preprocess_data: error: cannot write {e.filename or 'the outputs'}: "
+              f"{e.strerror or e}{full}. No dataset was published and the temporary files were "
+              "removed.", file=sys.stderr)
+        return 1
     except WorkerDied as e:
         print(f"preprocess_data: error: {e}. Nothing was published and the temporary files were "
               "removed. A worker killed by SIGKILL was most likely stopped by the out-of-memory "
@@ -101,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.chat:
         outputs += f", {cfg.output_prefix}_loss_mask_document"
     print(f"preprocess_data: {stats.summary()}; wrote {outputs}")
+    for what in stats.removed:
+        print(f"preprocess_data: removed {what}")
     return 0
 
 

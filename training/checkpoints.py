@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from core.checkpointing import (CheckpointError, begin_save, compare_model_config, finish_save,
                                 load_checkpoint, read_meta, resolve)
+from models import registry
 
 
 def schedule_record(args) -> dict:
@@ -21,11 +22,18 @@ def schedule_record(args) -> dict:
             "lr_wsd_decay_iters": s.lr_wsd_decay_iters}
 
 
+def checkpoint_family(meta: dict) -> str:
+    """The model family a checkpoint holds (``registry.LEGACY_FAMILY`` for checkpoints written
+    before families were recorded)."""
+    return meta.get("family") or registry.LEGACY_FAMILY
+
+
 @dataclass
 class Resumed:
     path: str
     iteration: int
     extra: dict  # this rank's loader position, RNG, skipped steps (empty when fine-tuning)
+    note: str = ""  # "resumed from ...": logged by the caller once it accepts the data position
 
 
 class RunCheckpoints:
@@ -75,7 +83,7 @@ class RunCheckpoints:
         self.log.info(f"saved checkpoint {finish_save(pending)}")
 
     # ------------------------------------------------------------------ loading
-    def resume(self, cfg, chunks, optimizer) -> Resumed | None:
+    def resume(self, family: str, cfg, chunks, optimizer) -> Resumed | None:
         """Fill ``chunks`` (and the optimizer, unless told not to) from ``--load``; None when
         there is nothing to load yet."""
         ck = self.args.checkpoint
@@ -91,6 +99,11 @@ class RunCheckpoints:
         meta = read_meta(path)
         if not isinstance(meta.get("model"), dict):
             raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no model config (\"model\")")
+        saved_family = checkpoint_family(meta)
+        if saved_family != family:
+            raise CheckpointError(f"--load {path}: a {saved_family} checkpoint; this run trains a {family} "
+                                  "model (--model-preset / --hf-config). A checkpoint loads only into its own "
+                                  "model family")
         diffs = compare_model_config(meta["model"], cfg.to_dict())
         if diffs and not ck.finetune:
             raise CheckpointError(
@@ -113,9 +126,8 @@ class RunCheckpoints:
         if not ck.load_rng:
             extra.pop("rng", None)
         kept = [what for what, on in (("optimizer", restore_optim), ("RNG", ck.load_rng)) if not on]
-        self.log.info(f"resumed from {path} at iteration {meta['iteration']}"
-                      + (f" (fresh {' and '.join(kept)})" if kept else ""))
-        return Resumed(path, meta["iteration"], extra)
+        return Resumed(path, meta["iteration"], extra, f"resumed from {path} at iteration {meta['iteration']}"
+                       + (f" (fresh {' and '.join(kept)})" if kept else ""))
 
     def _check_schedule(self, saved: dict | None) -> None:
         """Warn when the resumed run's LR schedule is not the one the checkpoint followed."""

@@ -14,14 +14,7 @@ import numpy as np
 from data.indexed_dataset import IndexedDataset
 from data.loader import PackedSource, THDLoader, loss_mask_prefix, open_source, parse_data_path
 from data.packing import cached_plan
-
-
-def split_bounds(num_docs: int, split: str) -> tuple[int, int]:
-    """(end of the train part, end of the validation part) in documents, for ``--split``."""
-    w = [float(x) for x in split.split(",")]
-    train_end = max(1, int(num_docs * w[0] / sum(w)))  # as open_source(train_fraction=...)
-    valid_end = num_docs if w[2] == 0 else int(num_docs * (w[0] + w[1]) / sum(w))
-    return train_end, min(num_docs, max(train_end, valid_end))
+from data.splits import split_bounds
 
 
 def validation_ranges(pairs: list[tuple[float, str]], split: str) -> list[tuple[float, str, int, int]]:
@@ -43,7 +36,7 @@ def _open_part(prefix: str, lo: int, hi: int, seq_length: int, long_docs: str, s
     """Documents ``[lo, hi)`` of ``prefix`` packed on their own (empty documents and documents
     whose loss mask has another length are left out, as ``open_source`` does)."""
     text = IndexedDataset(prefix)
-    mask_prefix = loss_mask_prefix(prefix)
+    mask_prefix = loss_mask_prefix(prefix, cache_dir)
     mask = IndexedDataset(mask_prefix) if mask_prefix else None
     lengths = text.lengths.astype(np.int64)
     if mask is not None:

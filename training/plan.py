@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from models.step37.memory_plan import GB, PlanInputs, as_dict, format_table, plan
-from models.step37.time_plan import TimeAssumptions, format_time, peak_tflops, plan_time, summary
-from models.step37.time_plan import as_dict as time_dict
+from training.memory_plan import GB, PlanInputs, as_dict, format_table, plan
+from training.time_plan import TimeAssumptions, format_time, peak_tflops, plan_time, summary
+from training.time_plan import as_dict as time_dict
 from train_args import RunLayout, model_config
 
 DEFAULT_DEVICE_GB = 141.0  # H200
@@ -32,7 +32,9 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
                       num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,
                       muon_ns_steps=o.muon_ns_steps, dion_rank_fraction=o.dion_rank_fraction,
-                      bf16=m.bf16, device_gb=device_gb, pipeline_layout=p.pipeline_layout)
+                      bf16=m.bf16, store_param_remainders=m.store_param_remainders,
+                      optimizer_in_backward=m.optimizer_in_backward, device_gb=device_gb,
+                      pipeline_layout=p.pipeline_layout)
 
 
 def every_rank(ranks: list, layout: RunLayout) -> list[dict]:
@@ -76,15 +78,22 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
     return 0
 
 
+def search_plan(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_gb: float = 0.0,
+                assumptions: TimeAssumptions | None = None, progress: bool = True) -> list:
+    """Every layout of ``world`` ranks for these flags, planned and ranked (``plan_search.Row``)."""
+    from training.plan_search import search
+
+    base = plan_inputs(args, device_gb=device_gb)
+    return search(model_config(args), world, base, args.data.global_batch_size, assumptions or TimeAssumptions(),
+                  peak_tflops(args.logging.peak_tflops), host_gb, progress=progress)
+
+
 def search_report(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_gb: float = 0.0,
                   assumptions: TimeAssumptions | None = None, top: int = 20, as_json: bool = False,
                   prog: str = "plan_memory") -> int:
     """``--search``: rank every layout of ``world`` ranks for these flags (see plan_search.py)."""
-    from training.plan_search import report as print_rows, search
+    from training.plan_search import report as print_rows
 
-    cfg = model_config(args)
     a = assumptions or TimeAssumptions()
-    peak = peak_tflops(args.logging.peak_tflops)
-    base = plan_inputs(args, device_gb=device_gb)
-    rows = search(cfg, world, base, args.data.global_batch_size, a, peak, host_gb)
-    return print_rows(rows, world, device_gb, host_gb, a, peak, top, as_json, prog)
+    rows = search_plan(args, world, device_gb=device_gb, host_gb=host_gb, assumptions=a)
+    return print_rows(rows, world, device_gb, host_gb, a, peak_tflops(args.logging.peak_tflops), top, as_json, prog)

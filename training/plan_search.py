@@ -5,23 +5,27 @@ predicted step time, those that fit ranked fastest first.
 The model, sequence length, global batch (in packs), precision and optimizer stay as given;
 layers split by cost (the trainer's default layout). Each (pp, vpp, ep) share is built once on
 the meta device (``plan_shares.py``); the rest is arithmetic, so a search over ~1,500 layouts of
-Step-3.7-Flash takes seconds.
+Step-3.7-Flash takes seconds. Any registered model family: the shares and costs come from its
+chunks and shapes.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
 
-from models.step37.config import Step37Config
-from models.step37.memory_plan import GB, PlanInputs, placement, plan
-from models.step37.time_plan import TimeAssumptions, peak_tflops, plan_time
+from training.memory_plan import GB, PlanInputs, placement, plan
+from training.time_plan import TimeAssumptions, peak_tflops, plan_time
 
 # (--data-parallel-sharding, --cpu-offload, --fsdp-gather-once)
 MEMORY_MODES = (("none", "none", False), ("fsdp", "none", False), ("fsdp", "none", True),
                 ("fsdp", "experts", False), ("fsdp", "experts", True), ("fsdp", "all", False),
-                ("fsdp", "all", True), ("fsdp", "optimizer", False))
+                ("fsdp", "all", True), ("fsdp", "optimizer", False), ("none", "masters", False),
+                ("fsdp", "masters", False), ("fsdp", "masters", True))
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# (--store-param-remainders, --optimizer-in-backward): with --bf16, and the latter with Muon at
+# momentum 0 and one micro-batch per rank and step
+MASTER_MODES = ((False, False), (True, False), (False, True), (True, True))
 
 
 @dataclass
@@ -34,6 +38,8 @@ class Row:
     cpu_offload: str
     gather_once: bool
     recompute: str
+    remainders: bool
+    in_backward: bool
     micro_batch_size: int
     num_microbatches: int
     device_gb: float        # busiest rank
@@ -55,6 +61,10 @@ class Row:
             out.append(f"--cpu-offload {self.cpu_offload}")
         if self.gather_once:
             out.append("--fsdp-gather-once")
+        if self.remainders:
+            out.append("--store-param-remainders")
+        if self.in_backward:
+            out.append("--optimizer-in-backward")
         out += [f"--recompute-granularity {self.recompute}", f"--micro-batch-size {self.micro_batch_size}"]
         return " ".join(out)
 
@@ -63,7 +73,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
+def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
     """Every distinct layout: modes that would run identically are listed once (at DP 1 nothing
     shards, so fsdp without offload is plain, and offload puts units on one-rank meshes that
     are always gathered once per step)."""
@@ -73,7 +83,7 @@ def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_siz
         for vpp in ((1, 2) if pp > 1 else (1,)):
             if cfg.num_layers < pp * vpp:
                 continue
-            for ep in (e for e in _divisors(dp) if cfg.num_experts % e == 0):
+            for ep in (e for e in _divisors(dp) if (cfg.num_experts % e == 0 if cfg.num_experts else e == 1)):
                 for mbs in MICRO_BATCH_SIZES:
                     if global_batch_size % (mbs * dp):
                         continue
@@ -81,17 +91,35 @@ def candidates(cfg: Step37Config, world: int, base: PlanInputs, global_batch_siz
                     if vpp > 1 and M % pp:
                         continue
                     for sharding, offload, once in MEMORY_MODES:
-                        if dp == 1 and sharding == "fsdp" and (offload == "none" or once):
+                        if dp == 1 and sharding == "fsdp" and (offload in ("none", "masters") or once):
                             continue
-                        for rc in RECOMPUTE:
-                            out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=sharding,
-                                               cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
-                                               recompute_num_layers=0, micro_batch_size=mbs,
-                                               num_microbatches=M, pipeline_layout=None))
+                        for rem, inb in _master_modes(base, M, dp, sharding, offload):
+                            for rc in RECOMPUTE:
+                                out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, sharding=sharding,
+                                                   cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
+                                                   recompute_num_layers=0, micro_batch_size=mbs,
+                                                   num_microbatches=M, pipeline_layout=None,
+                                                   store_param_remainders=rem, optimizer_in_backward=inb))
     return out
 
 
-def evaluate(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch_size: int,
+def _master_modes(base: PlanInputs, M: int, dp: int, sharding: str, offload: str) -> list:
+    """The (remainders, optimizer in backward) pairs the flags and this layout allow
+    (``core/optim/in_backward.check_in_backward``)."""
+    out = []
+    for rem, inb in MASTER_MODES:
+        if offload == "masters" and (rem or not base.bf16 or M != 1 or (dp > 1 and sharding != "fsdp")):
+            continue
+        if rem and (not base.bf16 or offload != "none"):
+            continue
+        if inb and (base.optimizer != "muon" or base.muon_momentum > 0 or M != 1
+                    or offload not in ("none", "masters") or (dp > 1 and sharding != "fsdp")):
+            continue
+        out.append((rem, inb))
+    return out
+
+
+def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch_size: int,
              host_gb: float) -> Row:
     ranks = plan(cfg, inp)
     st = plan_time(cfg, inp, a, peak, global_batch_size)
@@ -104,12 +132,13 @@ def evaluate(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions, peak: float
     host = max(nodes.values()) / GB
     fits = device <= inp.device_gb and (host_gb <= 0 or host <= host_gb)
     return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
-               inp.recompute, inp.micro_batch_size, inp.num_microbatches, device, host,
+               inp.recompute, inp.store_param_remainders, inp.optimizer_in_backward,
+               inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
                st.mfu, st.bubble, fits)
 
 
-def search(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: int,
+def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
            a: TimeAssumptions | None = None, peak: float | None = None, host_gb: float = 0.0,
            progress: bool = True) -> list[Row]:
     """Every candidate layout, those that fit first, fastest (tokens/s per GPU) first; among
@@ -124,7 +153,7 @@ def search(cfg: Step37Config, world: int, base: PlanInputs, global_batch_size: i
 
 
 HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}  {'sharding':<9}{'offload':<10}{'once':<5}"
-        f"{'recompute':<10}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
+        f"{'recompute':<10}{'masters':<8}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
         f"{'step_s':>8}{'tokens/s/GPU':>13}{'MFU':>7}{'idle':>7}")
 
 
@@ -132,11 +161,16 @@ def format_rows(rows: list[Row], top: int) -> str:
     lines = [HEAD]
     for i, r in enumerate(rows[:top], 1):
         lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}  {r.sharding:<9}{r.cpu_offload:<10}"
-                     f"{'yes' if r.gather_once else 'no':<5}{r.recompute:<10}{r.micro_batch_size:>4}"
+                     f"{'yes' if r.gather_once else 'no':<5}{r.recompute:<10}{_masters(r):<8}{r.micro_batch_size:>4}"
                      f"{r.num_microbatches:>4}{r.device_gb:>8.1f}{r.host_gb_per_node:>13.0f}"
                      f"{'yes' if r.weights_per_microbatch else 'no':>11}{r.step_s:>8.1f}"
                      f"{r.tokens_per_s_per_gpu:>13,.0f}{r.mfu:>7.1%}{r.idle:>7.1%}")
     return "\n".join(lines)
+
+
+def _masters(r: Row) -> str:
+    """fp32: fp32 masters; rem: bf16 + remainder; +ib: Muon steps in the backward."""
+    return ("rem" if r.remainders else "fp32") + ("+ib" if r.in_backward else "")
 
 
 def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: TimeAssumptions, peak: float,
@@ -152,13 +186,14 @@ def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: Tim
     limit = f" and {host_gb:g} GB of host memory per node" if host_gb > 0 else ""
     print(f"{len(fitting)} of {len(rows)} layouts on {world} GPUs fit {device_gb:g} GB per GPU{limit}; "
           f"fastest first (predicted: {a.assumed_mfu:.0%} of {peak:g} TFLOP/s, PCIe {a.pcie_gb_s:g} GB/s, "
-          f"NVLink {a.nvlink_gb_s:g} GB/s, host {a.host_gb_s:g} GB/s, nothing overlapped)")
+          f"NVLink {a.nvlink_gb_s:g} GB/s, host {a.host_gb_s:g} GB/s; only host masters overlap the backward)")
     if not fitting:
         print(f"{prog}: no layout fits; the closest by device memory:")
         print(format_rows(sorted(rows, key=lambda r: r.device_gb), min(top, 5)))
         return 1
     print(format_rows(fitting, top))
-    print("once: --fsdp-gather-once; weights/mb: offloaded weights copied to the GPU for every "
+    print("once: --fsdp-gather-once; masters: fp32, or rem (--store-param-remainders), +ib "
+          "(--optimizer-in-backward); weights/mb: offloaded weights copied to the GPU for every "
           "micro-batch's forward and backward; M: micro-batches per pipeline; GB/GPU: the busiest "
           "rank; idle: pipeline bubble and stage imbalance")
     best = fitting[0]

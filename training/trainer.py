@@ -12,26 +12,30 @@ import torch
 import torch.distributed as dist
 
 from core.checkpointing import CheckpointError, resolve
+from core.flops import device_peak_tflops, training_flops
+from core.init import local_rows, shard_bytes
 from core.logging import RankLogger
+from core.model_api import specs_of
 from core.optim.build import build_optimizer
+from core.optim.in_backward import InBackwardSteps
 from core.optim.lr_schedule import apply_lr, lr_multiplier
 from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from data.loader import THDLoader, open_source, parse_data_path
 from data.tokenizers import build_tokenizer
-from models.step37.costs import device_peak_tflops, training_flops
-from models.step37.materialize import local_rows, shard_bytes
-from models.step37.parallelize import parallelize, stage_layers
-from train_args import RunLayout, evaluates
+from models.registry import shapes_of
+from train_args import RunLayout, aux_loss_coeff, evaluates
 from training.checkpoints import RunCheckpoints, schedule_record
 from training.eval_data import validation_loader
 from training.evaluate import evaluate
+from training.parallelize import parallelize, stage_layers
 
 
 class Trainer:
     def __init__(self, args, layout: RunLayout, ps: ParallelState, start_time: float | None = None):
         """``start_time``: when the job started (``time.time()``), for ``--exit-duration-in-mins``."""
         self.args, self.cfg, self.ps, self.M = args, layout.config, ps, layout.num_microbatches
+        self.spec = layout.spec
         d, s, a = args.data, args.schedule, args
         self.start_time = start_time or time.time()
         torch.manual_seed(s.seed)
@@ -49,13 +53,17 @@ class Trainer:
         self.chunks = parallelize(self.cfg, ps, args, from_checkpoint=self.from_checkpoint)
         self.build_s = time.perf_counter() - t0
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
+        if a.memory.optimizer_in_backward:  # Muon's matrices step in the backward (hooks)
+            self.optimizer.in_backward = InBackwardSteps(self.optimizer.optimizers["muon"], specs_of(self.chunks), ps)
+        shapes = shapes_of(self.cfg)
         self.settings = StepSettings(
             hidden_size=self.cfg.hidden_size, device=local_device(),
             dtype=torch.bfloat16 if a.memory.bf16 else torch.float32,
             mtp_depths=self.cfg.num_mtp_layers, mtp_loss_scale=a.model.mtp_loss_scale,
-            aux_loss_coeff=a.model.moe_aux_loss_coeff, clip_grad=a.optim.clip_grad,
+            aux_loss_coeff=aux_loss_coeff(a, self.cfg), clip_grad=a.optim.clip_grad,
+            model_aux_experts=self.cfg.num_experts if self.spec.model_class.aux_scope == "model" else 0,
             router_bias_rate=a.model.moe_bias_update_rate,
-            flops_of=lambda b: training_flops(self.cfg, _doc_lengths(b)))
+            flops_of=lambda b: training_flops(shapes, _doc_lengths(b)))
         self.peak_tflops = a.logging.peak_tflops or device_peak_tflops()
         is_logger = ps.is_last_stage and ps.dp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
@@ -63,7 +71,7 @@ class Trainer:
         self.log.info(self._startup_summary())
         self.iteration = self.start_iteration = 0
         self.resumed = False
-        self.skipped, self.in_a_row = 0, 0
+        self.skipped, self.in_a_row, self.skip_reason = 0, 0, ""
         self.evaluated_at = None
         self.stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -83,8 +91,8 @@ class Trainer:
     def _meta(self) -> dict:
         a, sizes = self.args, self.ps.sizes
         layers = stage_layers(self.cfg, sizes.pp * sizes.vpp, a.parallel.pipeline_layout, a.data.seq_length)
-        return {"model": self.cfg.to_dict(), "layout": vars(a.parallel), "optimizer": a.optim.optimizer,
-                "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
+        return {"family": self.spec.family, "model": self.cfg.to_dict(), "layout": vars(a.parallel),
+                "optimizer": a.optim.optimizer, "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
                 "tokenizer": {"type": a.data.tokenizer_type, "model": a.data.tokenizer_model,
                               "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id}}
 
@@ -99,7 +107,7 @@ class Trainer:
                 f"peak host memory so far {_size(_peak_host_gib() * 2**30)}")
 
     def maybe_resume(self) -> None:
-        r = self.ckpt.resume(self.cfg, self.chunks, self.optimizer)
+        r = self.ckpt.resume(self.spec.family, self.cfg, self.chunks, self.optimizer)
         if r is None:
             if self.from_checkpoint:  # the parameters were left for it to fill
                 raise CheckpointError(f"--load {self.args.checkpoint.load}: the checkpoint found at "
@@ -107,9 +115,22 @@ class Trainer:
             return
         self.resumed = True
         self.iteration = self.start_iteration = r.iteration
-        state = r.extra.get("loader") or {"global_consumed": self.iteration * self.M * self.ps.sizes.dp,
-                                          "fingerprint": self.loader.fingerprint()}
-        self.loader.load_state_dict(state)
+        ck, train_iters = self.args.checkpoint, self.args.schedule.train_iters
+        if r.iteration > train_iters:
+            raise CheckpointError(f"--load {r.path} is at iteration {r.iteration}, past --train-iters "
+                                  f"{train_iters}: nothing to train. Give a --train-iters above "
+                                  f"{r.iteration}, or --finetune to start a new run from its weights")
+        if "loader" in r.extra:
+            try:
+                ignored = self.loader.load_state_dict(r.extra["loader"], ck.ignore_data_fingerprint)
+            except ValueError as e:
+                raise CheckpointError(f"--load {r.path}: {e}") from None
+            for diff in ignored:
+                self.log.warning(f"--ignore-data-fingerprint: resuming on other data: {diff}")
+        else:  # a weights-only checkpoint (convert_checkpoint.py import): the iteration says where
+            self.loader.consumed = self.iteration * self.M
+        if r.note:  # empty when fine-tuning (it said so itself)
+            self.log.info(r.note)
         if "rng" in r.extra:
             torch.set_rng_state(r.extra["rng"])
         self.skipped = int(r.extra.get("skipped", 0))
@@ -133,12 +154,13 @@ class Trainer:
         if m.skipped:
             self.skipped += 1
             self.in_a_row += 1
-            self.log.warning(f"iteration {self.iteration}: non-finite loss or grad norm "
-                             f"({m.loss}, {m.grad_norm}): step skipped")
+            self.skip_reason = _skip_reason(m, self.args.data.seq_length)
+            self.log.warning(f"iteration {self.iteration}: {self.skip_reason}: step skipped")
         else:
             self.in_a_row = 0
         dt = time.perf_counter() - t0
-        return {"loss": m.loss, "mtp_loss": sum(m.mtp_losses) / len(m.mtp_losses) if m.mtp_losses else None,
+        return {"loss": m.loss if m.num_targets else float("nan"),  # no targets: no loss, not 0
+                "mtp_loss": sum(m.mtp_losses) / len(m.mtp_losses) if m.mtp_losses else None,
                 "lr": a.optim.lr * mult,  # the --lr group (matrices under muon/dion)
                 "grad_norm": m.grad_norm, "tokens_per_sec": m.num_tokens / dt, "step_ms": 1000 * dt,
                 "tflops_per_gpu": m.flops / self.ps.sizes.world / dt / 1e12,
@@ -161,6 +183,8 @@ class Trainer:
                                "before train()")
         s, ck, lg, e = a.schedule, a.checkpoint, a.logging, a.eval
         last = {}
+        self.log.start_at(self.iteration)  # metrics.jsonl: each iteration once, after a resume too
+        skipped_before = self.skipped
         if self.valid is None and a.eval.eval_iters:
             self.log.info("no validation data (--split has no validation part and no --valid-data-path): "
                           "no evaluation")
@@ -169,8 +193,8 @@ class Trainer:
             if self.iteration % lg.log_interval == 0 or self.iteration == s.train_iters:
                 self.log.log_iteration(self.iteration, s.train_iters, last)
             if self.in_a_row > ck.max_skipped_steps:
-                self.log.error(f"{self.in_a_row} non-finite steps in a row (> --max-skipped-steps "
-                               f"{ck.max_skipped_steps}): stopping; lower --lr or check the data")
+                self.log.error(f"{self.in_a_row} steps in a row skipped (> --max-skipped-steps "
+                               f"{ck.max_skipped_steps}), the last for {self.skip_reason}: stopping")
                 self.save()
                 self.ckpt.wait()
                 return 1
@@ -185,7 +209,13 @@ class Trainer:
                 self.save()
                 self.ckpt.wait()
                 return 0
-        ran = self.iteration > self.start_iteration
+        return self._finish(last, self.skipped - skipped_before)
+
+    def _finish(self, last: dict, skipped: int) -> int:
+        """The end of a run that reached --train-iters: final evaluation and save, the summary,
+        and an exit status that says whether anything was trained (``skipped``: this run's)."""
+        s, ck, lg = self.args.schedule, self.args.checkpoint, self.args.logging
+        ran = self.iteration - self.start_iteration
         if ran and self.valid is not None and self.evaluated_at != self.iteration:
             self.evaluate()
         if ran:
@@ -194,6 +224,15 @@ class Trainer:
         n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
         self.log.info(f"optimizer state: {self.optimizer.state_bytes() / max(1, n_params):.2f} bytes "
                       f"per parameter on this rank")
+        if not ran:
+            self.log.info(f"pretrain_step37: the checkpoint is at iteration {self.iteration} = "
+                          f"--train-iters {s.train_iters}: nothing to train (raise --train-iters "
+                          "to train on)")
+            return 0
+        if skipped == ran:
+            self.log.error(f"every step of this run was skipped ({ran}, the last for "
+                           f"{self.skip_reason}): nothing was trained")
+            return 1
         self.log.info(f"pretrain_step37: {self.iteration} iterations ({self.skipped} skipped), final "
                       f"loss {last.get('loss', float('nan')):.4f}; logs in {lg.log_dir or '-'}, "
                       f"checkpoints in {ck.save or '-'}")
@@ -217,6 +256,17 @@ class Trainer:
         if s.exit_interval and self.iteration % s.exit_interval == 0:
             return f"--exit-interval {s.exit_interval}"
         return None
+
+
+def _skip_reason(m, seq_length: int) -> str:
+    """Why a step was skipped, and what to do about it."""
+    if m.num_targets == 0:
+        why = ("--seq-length 1: a pack of one token has no label" if seq_length < 2 else
+               "the packs hold no token with a label (documents of one token, or a loss mask "
+               "that marks nothing)")
+        return f"no training targets ({why})"
+    return (f"a non-finite loss or grad norm ({m.loss}, {m.grad_norm}): lower --lr or check the "
+            "weights and data")
 
 
 def _doc_lengths(batch) -> list[int]:

@@ -41,7 +41,7 @@ def _self_mesh(ps: ParallelState, device_type: str) -> DeviceMesh:
 
 def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "none",
                device_type: str = "cpu", gather_once: bool = False, *, shard: bool = True,
-               bf16: bool = False) -> bool:
+               bf16: bool = False, one_rank_meshes: bool = True) -> bool:
     """Wrap ``chunk``'s units with FSDP2 in place; returns False when there is nothing to do.
 
     ``shard``: dense parameters over DP, experts over expert-DP (nothing to shard at DP 1).
@@ -71,13 +71,14 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
     if resident:  # masters, gradients and optimizer state on the host; compute copies stay
         cpu_offload, gather_once = "all", True
     shard = shard and ps.sizes.dp > 1
-    if not (shard or bf16 or cpu_offload != "none"):
+    self_meshes = (bf16 and one_rank_meshes) or cpu_offload != "none"
+    if not (shard or self_meshes):
         return False
     if shard:
         dp_mesh = DeviceMesh.from_group(ps.group("dp"), device_type)
         if ps.sizes.expert_dp > 1:
             edp_mesh = DeviceMesh.from_group(ps.group("expert_dp"), device_type)
-        elif cpu_offload != "none" or bf16:  # experts whole on each EP rank: a one-rank mesh
+        elif self_meshes:  # experts whole on each EP rank: a one-rank mesh
             edp_mesh = _self_mesh(ps, device_type)
         else:
             edp_mesh = None

@@ -33,10 +33,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in one fp32 bucket (bf16 gradients of remainder-stored
+    parameters are summed in fp32 and rounded once)."""
     if not tensors or group is None:
         return
     flat = _flatten_dense_tensors(tensors)
-    on_wire = flat.to(local_device())  # offloaded gradients sit on the host; NCCL wants the GPU
+    on_wire = flat.to(local_device(), torch.promote_types(flat.dtype, torch.float32))  # NCCL wants the GPU
     dist.all_reduce(on_wire, group=group)
     for t, synced in zip(tensors, _unflatten_dense_tensors(on_wire.to(flat.device), tensors)):
         t.copy_(synced)
@@ -56,17 +58,25 @@ def sync_gradients(specs: list, pstate: ParallelState) -> None:
         _all_reduce_flat([local(p.grad) for p, spec in specs if spec.tied], pstate.group("embedding"))
 
 
-def grad_norm(specs: list, pstate: ParallelState) -> torch.Tensor:
-    """Global L2 norm of the gradient, each distinct parameter counted once (fp64 sum)."""
+def owns(p, spec, pstate: ParallelState) -> bool:
+    """Whether this rank's copy of ``p`` counts in the global grad norm (each distinct parameter
+    once: the first stage's copy of a tied one, every rank's FSDP shard, the first replica of a
+    replicated one)."""
+    if spec.tied and not pstate.is_first_stage:
+        return False  # the copy that is not on the first stage
+    if sharded(p):
+        return True  # a shard: every rank holds a different part
+    return pstate.dp_rank == 0 if spec.replicated_over == "dp" else pstate.expert_dp_rank == 0
+
+
+def grad_norm(specs: list, pstate: ParallelState, extra_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradient, each distinct parameter counted once (fp64 sum);
+    ``extra_sq``: this rank's square norm of gradients already consumed (stepped in the backward)."""
     terms, device = [], local_device()  # offloaded shards sit on the host; NCCL wants the GPU
+    if extra_sq is not None:
+        terms.append(extra_sq.double())
     for p, spec in specs:
-        if spec.tied and not pstate.is_first_stage:
-            continue  # the copy that is not on the first stage
-        if sharded(p):
-            owner = True  # a shard: every rank holds a different part
-        else:
-            owner = pstate.dp_rank == 0 if spec.replicated_over == "dp" else pstate.expert_dp_rank == 0
-        if owner and p.grad is not None:
+        if owns(p, spec, pstate) and p.grad is not None:
             # fp64 accumulation without a full-size fp64 copy (offloaded gradients sit on the host)
             terms.append(torch.linalg.vector_norm(local(p.grad).detach(), dtype=torch.float64) ** 2)
     # one sum on one device (offloaded shards may sit on the host), no per-tensor sync
@@ -78,12 +88,14 @@ def grad_norm(specs: list, pstate: ParallelState) -> torch.Tensor:
 
 
 def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> torch.Tensor:
-    """Scale the gradients of ``params`` (every parameter this rank holds) by
-    ``min(1, max_norm / norm)``; returns the factor used."""
+    """Scale the fp32 gradients of ``params`` (every parameter this rank holds) by
+    ``min(1, max_norm / norm)``; returns the factor used. Gradients in a narrower dtype (bf16, of
+    remainder-stored parameters) are left exact: the optimizer applies the factor in fp32
+    (``CompositeOptimizer.set_grad_scale``) rather than round the scaled gradient to bf16."""
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     copies = {}  # the factor once per (device, dtype), not once per tensor
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and local(p.grad).dtype in (torch.float32, torch.float64):
             g = local(p.grad)
             key = (g.device, g.dtype)
             if key not in copies:

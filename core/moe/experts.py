@@ -30,7 +30,7 @@ def _segment_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor,
         x_NI.new_zeros(0, w_EIO.shape[-1])
 
 
-@torch.library.custom_op("step37::expert_matmul", mutates_args=())
+@torch.library.custom_op("moe::expert_matmul", mutates_args=())
 def _expert_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs: torch.Tensor, grouped: bool) -> torch.Tensor:
     """:func:`_segment_matmul` as an opaque op, for compiled graphs where the traced
     ``grouped_mm`` does not apply: fp32 (torch's tracing rule for grouped_mm admits only bf16,
@@ -44,7 +44,7 @@ def _(x_NI, w_EIO, offs, grouped):
     return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[-1])
 
 
-@torch.library.custom_op("step37::expert_matmul_backward", mutates_args=())
+@torch.library.custom_op("moe::expert_matmul_backward", mutates_args=())
 def _expert_matmul_backward(g_NO: torch.Tensor, x_NI: torch.Tensor, w_EIO: torch.Tensor,
                             offs: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # torch.func: plain autograd is switched off inside a custom op's implementation

@@ -1,9 +1,15 @@
-"""Sigmoid top-k router (Step-3.x / DeepSeek-V3 style).
+"""Top-k routers, in the two forms MoE families use:
 
-Logits in fp32; scores ``sigmoid(logits)``; experts are *chosen* by ``score + bias`` (the
-aux-loss-free balancing bias, a buffer updated outside autograd) but *weighted* by the unbiased
-scores of the chosen experts, renormalised to sum to 1. Padding tokens take part in the maths
-(their outputs are never read) but not in the load statistics or the auxiliary loss.
+* ``score="sigmoid"`` (Step-3.x / DeepSeek-V3): scores ``sigmoid(logits)``; experts are *chosen*
+  by ``score + bias`` (``correction_bias``: the aux-loss-free balancing bias, a buffer updated
+  outside autograd) but *weighted* by the unbiased scores of the chosen experts, renormalised to
+  sum to 1;
+* ``score="softmax"`` (Qwen / Mixtral): scores ``softmax(logits)``; the top-k scores are the
+  weights, renormalised to sum to 1 only with ``renormalize`` (Qwen3's ``norm_topk_prob``).
+
+Logits in fp32 from the router's own weights (under ``--bf16`` the router is an fp32 FSDP unit).
+Padding tokens take part in the maths (their outputs are never read) but not in the load
+statistics or the auxiliary losses.
 """
 from __future__ import annotations
 
@@ -13,27 +19,48 @@ from torch import nn
 
 from core.precision import KeepFP32Buffers
 
+SCORES = ("sigmoid", "softmax")
 
-class SigmoidRouter(KeepFP32Buffers):
+
+class TopKRouter(KeepFP32Buffers):
     fp32_buffers = ("e_score_correction_bias",)  # a balancing state: bf16 would round its steps away
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, score: str = "sigmoid",
+                 correction_bias: bool = True, renormalize: bool = True):
         super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"router score {score!r}: expected one of {', '.join(SCORES)}")
         self.num_experts, self.top_k = num_experts, top_k
+        self.score, self.renormalize = score, renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def reset_buffers(self, device) -> None:
+        """The balancing bias starts at zero (a checkpoint that has it overwrites it)."""
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias = torch.zeros(self.num_experts, device=device)
 
     def forward(self, x_TH: torch.Tensor, valid_T: torch.Tensor | None = None):
-        """Returns ``(weights_TK fp32, experts_TK int64, stats)``; ``stats`` holds per-expert
-        token counts and the switch-style aux loss over valid tokens (both tensors, no sync)."""
-        # fp32 logits from fp32 weights (under --bf16 the router is its own fp32 FSDP unit)
+        """Returns ``(weights_TK fp32, experts_TK int64, stats)``; ``stats`` (tensors, no sync):
+        ``tokens_per_expert`` (routed slots over valid tokens), ``prob_sum`` (each expert's
+        normalised score summed over valid tokens, differentiable), ``num_valid`` and
+        ``aux_loss``, this layer's switch-style auxiliary loss."""
         logits = F.linear(x_TH.to(self.weight.dtype), self.weight).float()
-        scores = torch.sigmoid(logits)
-        _, experts = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1)
-        weights = scores.gather(1, experts)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        stats = self._stats(scores, experts, valid_T)
-        return weights, experts, stats
+        if self.score == "sigmoid":
+            scores = torch.sigmoid(logits)
+            choose = scores if self.e_score_correction_bias is None else \
+                scores + self.e_score_correction_bias.float()
+            _, experts = torch.topk(choose, self.top_k, dim=-1)
+            weights = scores.gather(1, experts)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+            weights, experts = torch.topk(scores, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts, self._stats(scores, experts, valid_T)
 
     def _stats(self, scores_TE, experts_TK, valid_T):
         E, K = self.num_experts, self.top_k
@@ -42,15 +69,16 @@ class SigmoidRouter(KeepFP32Buffers):
         counts = torch.zeros(E, **f32).index_add(
             0, experts_TK.flatten(), keep.repeat_interleave(K))
         n = keep.sum().clamp(min=1)
+        probs = scores_TE if self.score == "softmax" else \
+            scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=1e-20)
+        prob_sum = (probs * keep[:, None]).sum(0)
         # aux = E * sum_e f_e * P_e; f: share of routed slots, P: mean normalised score
-        probs = scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=1e-20)
-        mean_prob = (probs * keep[:, None]).sum(0) / n
-        aux = E * (counts / (n * K) * mean_prob).sum()
-        return {"tokens_per_expert": counts, "aux_loss": aux}
+        aux = E * (counts / (n * K) * (prob_sum / n)).sum()
+        return {"tokens_per_expert": counts, "prob_sum": prob_sum, "num_valid": n, "aux_loss": aux}
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
-        if rate:
+        if rate and self.e_score_correction_bias is not None:
             load = tokens_per_expert.float()
             self.e_score_correction_bias += rate * torch.sign(load.mean() - load)

@@ -12,7 +12,9 @@ import torch
 
 from core.distributed.grads import sharded
 from core.model_api import ParamSpec, iter_params
+from core.optim.adamw import AdamW
 from core.optim.dion import Dion
+from core.optim.masters import masters_of
 from core.optim.muon import Muon
 
 
@@ -38,6 +40,14 @@ class CompositeOptimizer:
     def step(self) -> None:
         for opt in self.optimizers.values():
             opt.step()
+        self.set_grad_scale(None)  # this step's clip factor: not the next backward's (optimizer in backward)
+
+    def set_grad_scale(self, factor) -> None:
+        """A clip factor for the gradients that were not scaled in place (bf16 gradients of
+        remainder-stored parameters): each optimizer applies it in fp32 at the update."""
+        for opt in self.optimizers.values():
+            if hasattr(opt, "grad_scale"):
+                opt.grad_scale = factor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():
@@ -60,15 +70,15 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
         buckets[kind].append(p)
         names[kind].append(name)
     adamw_lr = cfg.adamw_lr if cfg.adamw_lr is not None else cfg.lr
+    masters = masters_of(chunks)  # exact fp32 masters of bf16 parameters (--store-param-remainders)
     groups = [g for g in (
         {"params": buckets["adamw"], "weight_decay": cfg.weight_decay, "lr": adamw_lr, "base_lr": adamw_lr},
         {"params": buckets["adamw_no_wd"], "weight_decay": 0.0, "lr": adamw_lr, "base_lr": adamw_lr},
     ) if g["params"]]
     opts = {}
     if groups:
-        # FSDP mixes DTensor shards and plain tensors in one group: the per-tensor loop handles both
-        opts["adamw"] = torch.optim.AdamW(groups, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                          foreach=False)
+        # torch's AdamW maths one tensor at a time (FSDP mixes DTensor shards and plain tensors)
+        opts["adamw"] = AdamW(groups, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, masters=masters)
     if buckets["matrix"]:
         matrices = [{"params": buckets["matrix"], "base_lr": cfg.lr}]
         if cfg.optimizer == "muon":
@@ -77,8 +87,11 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
                                 ns_steps=cfg.muon_ns_steps, ns_method=cfg.muon_ns_method,
                                 lr_adjust=cfg.muon_lr_adjust,
                                 ns_dtype=torch.float32 if getattr(cfg, "muon_ns_dtype", "bf16") == "fp32"
-                                else torch.bfloat16)
+                                else torch.bfloat16, masters=masters)
         else:
+            if masters.rem:
+                raise ValueError("--optimizer dion with --store-param-remainders is not supported: use muon "
+                                 "or adamw")
             if any(sharded(p) for p in buckets["matrix"]):
                 raise ValueError("--optimizer dion with --data-parallel-sharding fsdp is not supported "
                                  "yet: use muon or adamw")

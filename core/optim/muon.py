@@ -6,6 +6,9 @@ Differences from ``torch.optim.Muon`` (which it equals on 2-D parameters when co
   gradient itself), so the optimizer holds zero bytes for these parameters;
 * 3-D stacked expert weights ``[E, out, in]`` are a batch of E matrices, orthogonalised in one
   batched Newton-Schulz (same result as looping over experts);
+* under FSDP, a row-sharded matrix is orthogonalised by one owner rank, not by every rank of its
+  mesh (``core/optim/muon_split.py``: two all-to-alls, 1/D of the Newton-Schulz work per rank,
+  the same bits); stacks of whole experts on a rank are orthogonalised where they are;
 * ``ns_method="polar_express"``: per-iteration coefficients (Amsel et al. 2025) instead of the
   fixed quintic;
 * offloaded parameters (``--cpu-offload``: masters and gradients in host memory): each matrix's
@@ -24,6 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from core.optim.masters import NO_MASTERS
+from core.optim.muon_split import local_experts, split_orthogonalise, splittable
 from core.parallel_state import local_device
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -92,9 +97,14 @@ def lr_adjustment(shape: torch.Size, rule: str) -> float:
 
 
 class Muon(Optimizer):
+    """``masters``: exact fp32 masters of bf16 parameters (``core/optim/masters.py``); each
+    matrix is updated in fp32 and split back. ``grad_scale``: a clip factor the gradients did not
+    receive (bf16 gradients), applied in fp32 (momentum 0 makes it a no-op but for rounding)."""
+
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.1, ns_steps: int = 5, ns_method: str = "quintic",
-                 lr_adjust: str = "spectral", eps: float = 1e-7, ns_dtype=torch.bfloat16):
+                 lr_adjust: str = "spectral", eps: float = 1e-7, ns_dtype=torch.bfloat16, masters=None,
+                 split: bool = True):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"--muon-momentum must be in [0, 1), got {momentum}")
         if ns_method not in ("quintic", "polar_express"):
@@ -109,32 +119,84 @@ class Muon(Optimizer):
                 if p.dim() < 2:
                     raise ValueError(f"Muon takes matrices (2-D) or expert stacks (3-D); got a "
                                      f"{p.dim()}-D parameter of shape {tuple(p.shape)}")
+        self.masters = masters or NO_MASTERS
+        self.grad_scale = None
+        self.split = split  # Newton-Schulz of row-sharded matrices by one owner each (else on every rank)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            mu = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if mu > 0:  # momentum = 0 keeps no state at all
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    buf = state["momentum_buffer"]
-                    buf.lerp_(g, 1 - mu)
-                    g = g.lerp(buf, mu) if group["nesterov"] else buf
-                sharded = isinstance(g, DTensor)
-                if sharded:  # FSDP: orthogonalise the whole matrix, keep this rank's rows
-                    g = _on_compute_device(g).full_tensor()
-                # offloaded (host) gradients: Newton-Schulz on the GPU, one matrix at a time
-                update = newton_schulz(g.to(local_device()), group["ns_steps"], group["ns_method"],
-                                       group["eps"], group["ns_dtype"])
-                if sharded:
-                    update = _local_rows(update, p)
-                target = p.to_local() if sharded else p
-                target.mul_(1 - group["lr"] * group["weight_decay"])
-                target.add_(update.to(target.device, p.dtype), alpha=-group["lr"] * lr_adjustment(p.shape, group["lr_adjust"]))
+            self.update_many([p for p in group["params"] if p.grad is not None], group)
         return loss
+
+    def _gradient(self, p, group) -> torch.Tensor:
+        """The (momentum) gradient in fp32, as a DTensor when the parameter is sharded."""
+        g = p.grad
+        if g.dtype != torch.float32:  # bf16 (remainder masters): fp32, with the clip factor
+            g = g.float() if self.grad_scale is None else g.float() * self.grad_scale
+        mu = group["momentum"]
+        if mu > 0:  # momentum = 0 keeps no state at all
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g, 1 - mu)
+            g = g.lerp(buf, mu) if group["nesterov"] else buf
+        return g
+
+    def _ns(self, group):
+        return lambda g: newton_schulz(g, group["ns_steps"], group["ns_method"], group["eps"], group["ns_dtype"])
+
+    def orthogonalised(self, p, group) -> torch.Tensor:
+        """Newton-Schulz of the whole matrix's update, this rank's rows (on the compute device)."""
+        g = self._gradient(p, group)
+        if local_experts(g):  # whole experts on this rank: no other rank's rows needed
+            return self._ns(group)(_on_compute_device(g).to_local())
+        sharded = isinstance(g, DTensor)
+        if sharded:  # FSDP: orthogonalise the whole matrix, keep this rank's rows
+            g = _on_compute_device(g).full_tensor()
+        # offloaded (host) gradients: Newton-Schulz on the GPU, one matrix at a time
+        update = self._ns(group)(g.to(local_device()))
+        return _local_rows(update, p) if sharded else update
+
+    @torch.no_grad()
+    def update_many(self, params: list, group, guard: bool = False) -> list:
+        """``update`` of each of ``params`` (every rank of their meshes passes the same list, in
+        the same order): matrices sharded by rows over several ranks are orthogonalised once, by
+        an owner each (``core/optim/muon_split.py``), the rest where they are."""
+        kept = {}
+        by_mesh: dict = {}
+        for p in params:
+            if self.split and splittable(p):
+                by_mesh.setdefault(id(p.device_mesh.get_group()), []).append(p)
+            else:
+                kept[p] = self.update(p, group, guard)
+        for batch in by_mesh.values():
+            grads = [_on_compute_device(self._gradient(p, group)) for p in batch]
+            for p, u in zip(batch, split_orthogonalise(grads, self._ns(group), group["ns_dtype"])):
+                kept[p] = self._apply(p, group, u, guard)
+        return [kept[p] for p in params]
+
+    @torch.no_grad()
+    def update(self, p, group, guard: bool = False):
+        """Update ``p``. ``guard``: keep its value when the update is not finite, without a host
+        read (returns the device bool "updated")."""
+        return self._apply(p, group, self.orthogonalised(p, group), guard)
+
+    def _apply(self, p, group, update: torch.Tensor, guard: bool):
+        """``p *= 1 - lr wd; p -= lr adjust update`` through the master storage."""
+        decay = 1 - group["lr"] * group["weight_decay"]
+        alpha = -group["lr"] * lr_adjustment(p.shape, group["lr_adjust"])
+        keep = torch.isfinite(update).all() if guard else None
+
+        def apply(m, u, *on):
+            u = u.to(m.dtype)
+            if not on:
+                m.mul_(decay)
+                m.add_(u, alpha=alpha)
+            else:  # a NaN or inf anywhere in the gradient spreads to every row of the update
+                m.mul_(torch.where(on[0], decay, 1.0))
+                m.add_(torch.where(on[0], u, 0.0), alpha=alpha)
+        self.masters.update(p, apply, update, *(() if keep is None else (keep,)))
+        return keep

@@ -15,9 +15,18 @@ complete (polled before every action, at the latest at the next wait).
 
 The objective is ``(sum of main + MTP token losses) / num_tokens`` with ``num_tokens`` the
 step's global target count (all micro-batches, all data-parallel ranks), plus ``aux_coeff``
-times each MoE layer's aux loss averaged over micro-batches and DP ranks. Each chunk's forward
-returns a ``StageOutput`` (``core/model_api.py``); the executor sums its losses and its MoE
-routing load over the step's micro-batches.
+times each micro-batch's MoE aux loss averaged over micro-batches and DP ranks. Each chunk's
+forward returns a ``StageOutput`` (``core/model_api.py``); the executor sums its losses and its
+MoE routing load over the step's micro-batches.
+
+A model-wide aux loss (``core.moe.aux``, scope ``model``: router statistics averaged over every
+MoE layer of the model, as transformers computes it) needs the statistics of every stage. With
+``carry_numel`` (experts + 1) they travel with the pipeline's messages: each activation carries
+the routed-slot counts and MoE-layer count of the stages before it, each gradient carries the
+micro-batch's totals back, so every stage adds exactly its share ``coeff * E / (L n)^2 *
+counts . probs_stage`` of the loss (its gradient) at its backward. The carry is one more tensor
+after each message's own in the same ``batch_isend_irecv``, on both sides, so NCCL's in-order
+matching still pairs the right tensors.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from core.distributed.fsdp import set_gradient_sync
+from core.moe.aux import model_aux_share
 from core.parallel_state import ParallelState
 from core.pipeline.p2p import P2POp, plan_all
 from core.pipeline.schedules import Action
@@ -55,8 +65,11 @@ class StepStats:
 class PipelineExecutor:
     def __init__(self, chunks: list, pstate: ParallelState, *, seq_tokens: int, hidden_size: int,
                  dtype: torch.dtype = torch.float32, device="cpu", mtp_loss_scale: float = 0.0,
-                 aux_coeff: float = 0.0):
+                 aux_coeff: float = 0.0, carry_numel: int = 0, nan_on_nonfinite_loss: bool = False):
         self.chunks, self.ps = chunks, pstate
+        # optimizer in backward: a non-finite loss makes every gradient NaN, so no matrix steps
+        self.nan_on_nonfinite_loss = nan_on_nonfinite_loss
+        self.carry_numel = carry_numel if aux_coeff else 0  # router statistics riding on each message
         self.T, self.H, self.dtype, self.device = seq_tokens, hidden_size, dtype, device
         self.mtp_loss_scale, self.aux_coeff = mtp_loss_scale, aux_coeff
         self.pp, self.vpp = pstate.sizes.pp, len(chunks)
@@ -66,7 +79,8 @@ class PipelineExecutor:
         self.peak_held_bytes = 0  # most activation bytes the executor referenced after an action
         self._saved: dict = {}   # (micro-batch, chunk) -> (input, output, aux) until its backward
         self._inbox: dict = {}   # message label -> received tensor, until its action consumes it
-        self._outbox: dict = {}  # message label -> (tensor to send, (micro-batch, chunk) or None)
+        self._outbox: dict = {}  # message label -> (tensor to send, (micro-batch, chunk) or None, carry)
+        self._carries: dict = {}  # message label -> the carry received with it
         self._inflight: list = []  # issued batches not yet seen complete: (works, batch), oldest first
 
     # ------------------------------------------------------------------ p2p
@@ -75,13 +89,19 @@ class PipelineExecutor:
         ops, issued = [], []
         for op in batch:
             if op.op == "send":
-                t = self._outbox[op.label][0]
-                self.p2p_bytes += t.numel() * t.element_size()
-                ops.append(dist.P2POp(dist.isend, t, op.peer))
+                t, _, carry = self._outbox[op.label]
+                tensors = [t, carry] if self.carry_numel else [t]
             else:
                 t = self._inbox[op.label] = torch.empty(self.T, self.H, dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, t, op.peer))
-            issued.append(P2POp(op.op, op.peer, op.label, tuple(t.shape), str(t.dtype)))
+                tensors = [t]
+                if self.carry_numel:
+                    tensors.append(torch.empty(self.carry_numel, dtype=torch.float32, device=self.device))
+                    self._carries[op.label] = tensors[1]
+            for x in tensors:  # the message, then its carry: the same order on both sides
+                if op.op == "send":
+                    self.p2p_bytes += x.numel() * x.element_size()
+                ops.append(dist.P2POp(dist.isend if op.op == "send" else dist.irecv, x, op.peer))
+                issued.append(P2POp(op.op, op.peer, op.label, tuple(x.shape), str(x.dtype)))
         self.trace.append(issued)
         self._inflight.append((dist.batch_isend_irecv(ops), batch))
 
@@ -99,7 +119,7 @@ class PipelineExecutor:
             self._inflight.pop(0)
             for op in batch:
                 if op.op == "send":
-                    _, owner = self._outbox.pop(op.label)
+                    _, owner, _ = self._outbox.pop(op.label)
                     if owner is not None:  # a stage output: backward needs its node, not its values
                         _free_values(self._saved[owner][1])
 
@@ -107,7 +127,7 @@ class PipelineExecutor:
         """Bytes of the distinct tensors the executor references (saved stage inputs and
         outputs, received and unsent buffers); autograd's own saved tensors are not counted."""
         tensors = [t for v in self._saved.values() for t in v if torch.is_tensor(t)]
-        tensors += list(self._inbox.values()) + [t for t, _ in self._outbox.values()]
+        tensors += list(self._inbox.values()) + [t for t, _, _ in self._outbox.values()]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
@@ -153,7 +173,8 @@ class PipelineExecutor:
             i += 1
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
         self._retire(everything=True)
-        assert not (self._saved or self._inbox or self._outbox), "pipeline step ended with tensors in flight"
+        assert not (self._saved or self._inbox or self._outbox or self._carries), \
+            "pipeline step ended with tensors in flight"
         return stats
 
     def _forward(self, a: Action, stage: int, batch, num_tokens: int, n_mb: int, stats: StepStats):
@@ -165,22 +186,46 @@ class PipelineExecutor:
         out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
                     labels=batch.labels)
         stats.add(a.chunk, out)
-        aux = self.aux_coeff * out.aux_loss / n_mb if self.aux_coeff and out.aux_loss is not None else None
+        carry, router = self._carry(stage, a.microbatch, out, n_mb)
+        aux = None
+        if self.aux_coeff and out.aux_loss is not None and router is None:
+            aux = self.aux_coeff * out.aux_loss / n_mb  # this chunk's own (per-layer) aux loss
         if last:
             loss = out.loss_sum + self.mtp_loss_scale * sum(out.mtp_loss_sums)
-            return inp, loss / num_tokens + (aux if aux is not None else 0.0), None
+            total = loss / num_tokens + (aux if aux is not None else 0.0)
+            if router is not None:  # the micro-batch's totals are known here: add this stage's share
+                total = total + router(carry)
+            if self.nan_on_nonfinite_loss:  # x 1.0 when finite (exact); NaN gradients otherwise
+                total = total * torch.where(torch.isfinite(total.detach()), 1.0, float("nan"))
+            return inp, total, None, None, carry
         buf = out.hidden.detach().to(self.dtype).contiguous()
         owner = (a.microbatch, a.chunk) if torch.is_grad_enabled() else None
-        self._outbox[("F", a.microbatch, stage + 1)] = (buf, owner)
-        return inp, out.hidden, aux
+        self._outbox[("F", a.microbatch, stage + 1)] = (buf, owner, carry)
+        return inp, out.hidden, aux, router, None
+
+    def _carry(self, stage: int, microbatch: int, out, n_mb: int):
+        """``(carry to send on, this stage's share of the model-wide aux loss as a function of the
+        micro-batch's totals, or None)``: the counts of the stages so far plus this one's."""
+        if not self.carry_numel:
+            return None, None
+        carry = self._carries.pop(("F", microbatch, stage)) if stage > 0 else \
+            torch.zeros(self.carry_numel, dtype=torch.float32, device=self.device)
+        if out.router_counts is None:
+            return carry, None
+        own = torch.cat([out.router_counts.detach().float(), carry.new_full((1,), float(out.router_layers))])
+        probs, tokens, coeff = out.router_probs, out.router_tokens, self.aux_coeff / n_mb
+        return carry + own, lambda totals: coeff * model_aux_share(totals[:-1], probs, totals[-1], tokens)
 
     def _backward(self, a: Action, stage: int, saved) -> None:
-        inp, out, aux = saved
+        inp, out, aux, router, carry = saved
         if stage == self.num_stages - 1:
             out.backward()
         else:
             grad = self._inbox.pop(("B", a.microbatch, stage)).to(out.dtype)
             tensors, grads = [out], [grad]
+            carry = self._carries.pop(("B", a.microbatch, stage)) if self.carry_numel else None
+            if router is not None:
+                aux = router(carry) if aux is None else aux + router(carry)
             if aux is not None:
                 tensors.append(aux)
                 grads.append(torch.ones_like(aux))
@@ -188,7 +233,7 @@ class PipelineExecutor:
             torch.autograd.Variable._execution_engine.run_backward(
                 tuple(tensors), tuple(grads), False, False, (), True, True)
         if inp is not None:
-            self._outbox[("B", a.microbatch, stage - 1)] = (inp.grad.contiguous(), None)
+            self._outbox[("B", a.microbatch, stage - 1)] = (inp.grad.contiguous(), None, carry)
 
 
 def _free_values(out: torch.Tensor) -> None:

@@ -172,3 +172,5 @@ BACKENDS: dict[str, Callable] = {
     "flex": flex_attention_thd,
     "transformer_engine": transformer_engine_attention,
 }
+
+ATTENTION_BACKENDS = ("auto", *BACKENDS)  # what --attention-backend accepts

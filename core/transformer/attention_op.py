@@ -9,7 +9,7 @@ layout), so the compiled path passes the boundaries as tensors instead:
   pack's length ``T`` (a static bound: flash sizes its grid by it and the blocks past a
   document's end return at once), so no per-batch integer reaches the graph.
 * ``sdpa`` (CPU): one opaque custom op,
-  ``step37::thd_attention``, whose arguments are ``q``, ``k``, ``v`` and the boundaries as a
+  ``thd::attention``, whose arguments are ``q``, ``k``, ``v`` and the boundaries as a
   *host* tensor ``[2, n + 1]`` (real, padded). The op rebuilds the layout from that host
   tensor (no device read) and runs the eager backend; its backward recomputes the attention
   under autograd (one extra attention forward per layer, the price of an opaque kernel).
@@ -32,7 +32,7 @@ def _layout_from_host(cu_host: torch.Tensor) -> DocLayout:
     return DocLayout.from_params(params)
 
 
-@torch.library.custom_op("step37::thd_attention", mutates_args=())
+@torch.library.custom_op("thd::attention", mutates_args=())
 def thd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_host: torch.Tensor,
                   window: int, scale: float, backend: str) -> torch.Tensor:
     """``BACKENDS[backend]`` over the layout in ``cu_host``; ``window`` 0 means full attention."""
@@ -44,7 +44,7 @@ def _(q, k, v, cu_host, window, scale, backend):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("step37::thd_attention_backward", mutates_args=())
+@torch.library.custom_op("thd::attention_backward", mutates_args=())
 def thd_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_host: torch.Tensor, window: int, scale: float,
                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

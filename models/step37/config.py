@@ -14,9 +14,10 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from core.transformer.attention_backends import ATTENTION_BACKENDS
+
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 MLP_TYPES = ("dense", "sparse")
-ATTENTION_BACKENDS = ("auto", "varlen", "sdpa", "flex", "transformer_engine")
 
 # Keys of published / saved configs that carry no information for the text decoder's maths.
 _IGNORED_KEYS = {
@@ -120,6 +121,11 @@ class Step37Config:
                 raise ValueError(f"partial_rotary_factor for {t} must be in (0, 1]")
             if int(self.head_dim * p.get("partial_rotary_factor", 1.0)) % 2:
                 raise ValueError(f"rotary dimension for {t} must be even")
+
+    @property
+    def aux_loss_coeff(self) -> float:
+        """The default router auxiliary-loss weight: none (Step-3.x balances by the bias)."""
+        return 0.0
 
     def num_heads(self, layer_type: str) -> int:
         return self.num_attention_heads if layer_type == "full_attention" else self.num_sliding_attention_heads

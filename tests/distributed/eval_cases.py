@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from core.parallel_state import ParallelSizes, ParallelState
 from models.step37 import Step37Model
-from models.step37.parallelize import parallelize
+from training.parallelize import parallelize
 from tests.distributed.parallel_cases import micro_batches, run_args, settings, tiny_config
 from training.evaluate import forward_only
 

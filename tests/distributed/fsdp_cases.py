@@ -13,7 +13,7 @@ from core.optim.build import build_optimizer
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
 from models.step37 import Step37Model
-from models.step37.parallelize import parallelize
+from training.parallelize import parallelize
 from tests.distributed.parallel_cases import (MTP_SCALE, global_params, micro_batches, rel_err, run_args,
                                               settings, tiny_config)
 

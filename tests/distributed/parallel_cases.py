@@ -15,8 +15,8 @@ from core.train_step import StepSettings, train_step
 from data.indexed_dataset import InMemoryDataset
 from data.packing import plan_packs
 from data.thd import build_thd_batch
-from models.step37 import Step37Config, Step37Model
-from models.step37.parallelize import parallelize
+from models import registry
+from training.parallelize import parallelize
 from train_args import parse
 
 SEQ = 48          # tokens per micro-batch (one pack)
@@ -38,15 +38,19 @@ def micro_batches(dp: int, M: int, vocab: int, seed: int = 0):
     return out
 
 
-def tiny_config(**kw) -> Step37Config:
-    return Step37Config.from_hf(Step37Config.preset("tiny").to_hf(), **kw)
+TINY = {"step37": "tiny", "qwen3_moe": "qwen3-moe-tiny"}
+
+
+def tiny_config(family: str = "step37", **kw):
+    spec = registry.spec(family)
+    return spec.config_class.from_hf(spec.preset(TINY[family]).to_hf(), **kw)
 
 
 def reference(cfg, batches, aux_coeff, router_bias=None):
     """One process, every micro-batch of every DP rank: the objective the layouts must match.
     Returns the model (gradients accumulated), the loss per target token and the routing load
     of the whole step per MoE layer."""
-    model = Step37Model(cfg, seed=0)
+    model = registry.spec_of(cfg).build(cfg, seed=0)
     _set_bias(model, router_bias)
     flat = [b for row in batches for b in row]
     n = sum(int(b.num_target_tokens) for b in flat)
@@ -83,8 +87,9 @@ def run_args(pp: int = 1, vpp: int = 1, ep: int = 1, *flags: str):
 
 
 def settings(cfg, **kw) -> StepSettings:
-    return StepSettings(hidden_size=cfg.hidden_size, mtp_depths=cfg.num_mtp_layers,
-                        mtp_loss_scale=MTP_SCALE, **kw)
+    model_wide = registry.spec_of(cfg).model_class.aux_scope == "model"
+    return StepSettings(hidden_size=cfg.hidden_size, mtp_depths=cfg.num_mtp_layers, mtp_loss_scale=MTP_SCALE,
+                        model_aux_experts=cfg.num_experts if model_wide else 0, **kw)
 
 
 def global_params(chunk, ref: dict):
@@ -126,14 +131,14 @@ def check_pipeline_comm(m, ps, M: int, cfg) -> None:
 
 
 def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0, router_bias=None,
-                 bias_rate=0.0, M=None, flags=()):
+                 bias_rate=0.0, M=None, flags=(), family="step37"):
     """One ``train_step`` (clipped SGD with momentum) of the layout against one process: loss,
     grad norm, clipped gradients, parameters after the update, MoE load statistics. (Not AdamW:
     its first update is ~lr * sign(g), which turns 1e-7-relative noise in near-zero entries into
     full-size steps.) Tolerance 1e-5 relative per tensor: layouts sum the same fp32 terms in
     another order (~1e-7 relative), so 1e-5 leaves 100x margin and still catches a dropped or
     doubled term."""
-    cfg = tiny_config()
+    cfg = tiny_config(family)
     sizes = ParallelSizes(world, pp=pp, ep=ep, vpp=vpp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     M = M or max(2, pp)

@@ -7,7 +7,7 @@ from collections import Counter
 import torch.distributed as dist
 
 from core.parallel_state import ParallelSizes, ParallelState
-from models.step37.parallelize import parallelize
+from training.parallelize import parallelize
 from tests.distributed.harness import run_ranks
 from tests.distributed.parallel_cases import micro_batches, run_args, tiny_config
 from tests.host_reads import HostReads

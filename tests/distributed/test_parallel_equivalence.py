@@ -55,6 +55,14 @@ def test_router_bias_update_uses_the_whole_step_load(tmp_path):
     run_ranks(4, check_layout, 2, 1, 2, "alltoall", 0.0, None, 0.01, tmpdir=str(tmp_path))
 
 
+def test_model_wide_aux_loss_across_pipeline_stages(tmp_path):
+    """Qwen3-MoE's aux loss averages the router statistics over every MoE layer of the model
+    (transformers' form); at PP2 x EP2 the stages' counts travel with the pipeline's messages and
+    each stage adds its exact share: loss, gradients and the update equal one process, and the
+    messages with their carries replay under NCCL's rules."""
+    run_ranks(4, check_layout, 2, 1, 2, "alltoall", 0.05, None, 0.0, None, (), "qwen3_moe", tmpdir=str(tmp_path))
+
+
 def test_allgather_dispatcher_and_aux_loss(tmp_path):
     run_ranks(2, check_layout, 1, 1, 2, "allgather", 0.01, tmpdir=str(tmp_path))
 

@@ -50,7 +50,7 @@ def test_without_cuda_and_tiny_it_exits_2_saying_so():
 
 
 def test_slice_flops_match_a_hand_count():
-    from benchmarks.step37_slice import slice_config, slice_flops
+    from benchmarks.model_slice import slice_config, slice_flops
     from models.step37.config import Step37Config
 
     cfg, idx = slice_config(Step37Config.preset("tiny"))
@@ -64,7 +64,7 @@ def test_slice_flops_match_a_hand_count():
 
 
 def test_check_fails_when_the_weights_are_mapped_wrong(monkeypatch):
-    from benchmarks import step37_slice
+    from benchmarks import model_slice as step37_slice
 
     torch.manual_seed(0)
     assert step37_slice.check_equivalence(torch.device("cpu"))["passed"]

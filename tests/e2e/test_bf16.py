@@ -88,3 +88,19 @@ def test_bf16_resume_is_bitwise_and_checkpoints_cross_precisions(dataset, tmp_pa
     train(["--data-path", dataset, *ADAMW, "--train-iters", "2", "--save", str(tmp_path / "ck32")], tmp_path / "d")
     back = train(args + ["--load", str(tmp_path / "ck32")], tmp_path / "e")
     assert [r["iteration"] for r in back] == [3, 4] and os.path.exists(tmp_path / "e" / "metrics.jsonl")
+
+
+def test_host_masters_match_one_process_at_dp2_and_pp2_ep2(dataset, tmp_path):  # noqa: F811
+    """--cpu-offload masters (fp32 masters and AdamW state on the host, Muon's matrices stepping
+    in the backward) at DP2 and at PP2 x EP2 against one such process taking both packs in one
+    micro-batch, 3 steps; tolerance as for the --bf16 layouts above (1e-3), the first step to
+    fp32 rounding."""
+    common = ["--data-path", dataset, "--train-iters", "3", "--bf16", "--cpu-offload", "masters",
+              "--optimizer", "muon", "--muon-momentum", "0", "--lr", "0.01", "--adamw-lr", "1e-3",
+              "--optimizer-in-backward", "--global-batch-size", "2", "--data-parallel-sharding", "fsdp"]
+    one = _losses(train(common + ["--micro-batch-size", "2"], tmp_path / "one"))
+    for name, world, flags in (("dp2", 2, []), ("pp2_ep2", 4, ["--pipeline-model-parallel-size", "2",
+                                                                 "--expert-model-parallel-size", "2"])):
+        got = _losses(train(common + flags, tmp_path / name, world=world))
+        worst = max(abs(a - b) / a for a, b in zip(one, got))
+        assert len(got) == 3 and abs(got[0] - one[0]) <= 1e-6 * one[0] and worst <= 1e-3, (name, one, got)

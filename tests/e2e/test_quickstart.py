@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,16 +15,21 @@ from data.indexed_dataset import IndexedDataset
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_quickstart_produces_datasets_and_a_loss_curve(tmp_path):
-    """The quickstart as a new user runs it (10 iterations instead of 300 to keep CI short)."""
+def test_quickstart_trains_on_real_text_and_shows_its_loss_and_samples(tmp_path):
+    """The quickstart as a new user runs it (10 iterations instead of 300 to keep CI short): a BPE
+    tokenizer trained on the shipped corpus, the corpus tokenized with it, training with a
+    held-out validation part, the loss curve in TensorBoard and as a PNG beside it, the validation
+    loss against the corpus's unigram entropy, and lines sampled from the checkpoint."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
     from tests.e2e.test_training import free_port
 
     env["MASTER_PORT"] = str(free_port())
+    env["PYTHON"] = sys.executable  # as `make quickstart` passes the interpreter it installed into
     out = subprocess.run(["bash", "examples/quickstart.sh", str(tmp_path), "10"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "rows read 3,000, accepted 3,000" in out.stdout
+    assert "train_tokenizer: byte-level BPE, 1,024 entries" in out.stdout
+    assert "rows read 2,188, accepted 2,188" in out.stdout
     assert "inspect_packs:" in out.stdout and "TensorBoard logs in" in out.stdout
     assert "pretrain_step37: 10 iterations (0 skipped)" in out.stdout
     tb = tmp_path / "tensorboard"
@@ -33,8 +39,19 @@ def test_quickstart_produces_datasets_and_a_loss_curve(tmp_path):
     events = EventAccumulator(str(tb))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [10]  # the loss curve, in TensorBoard
+    assert [e.step for e in events.Scalars("valid/loss")] == [10]
     rows = [json.loads(l) for l in (tb / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [10] and rows[0]["loss"] > 0  # logged at the last step
+    assert [r["iteration"] for r in rows] == [10, 10] and rows[0]["loss"] > 0  # training, validation
+    assert (tb / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    from data.unigram import unigram_entropy
+
+    entropy, _ = unigram_entropy(str(tmp_path / "data" / "pydoc_text_document"), 0, int(2188 * 0.95))
+    seen = re.search(r"plot_loss: validation loss ([\d.]+) nats/token at iteration 10, (NOT )?below the "
+                     r"unigram entropy of the training data ([\d.]+) nats/token", out.stdout)
+    assert seen and float(seen.group(1)) == pytest.approx(rows[1]["valid_loss"], abs=5e-4)
+    assert float(seen.group(3)) == pytest.approx(entropy, abs=5e-4) and 5.5 < entropy < 6.5
+    assert re.search(r"^\[greedy\] 'The' -> '.+'$", out.stdout, re.M)  # the model speaks
+    assert re.search(r"^\[ T=0.8\] 'Return the' -> '.+'$", out.stdout, re.M)
     text = IndexedDataset(tmp_path / "data" / "sample_chat_text_document")
     mask = IndexedDataset(tmp_path / "data" / "sample_chat_loss_mask_document")
     assert len(text) == 1000 and (text.lengths == mask.lengths).all()

@@ -1,5 +1,6 @@
 """GPU-only checks (skipped without CUDA; run by tools/gpu_check.sh): the varlen flash backend
-against per-document SDPA in bf16, grouped_mm in bf16 against a per-expert loop, compiled
+against per-document SDPA in bf16, the chunked loss's bf16 path against fp32 logits,
+grouped_mm in bf16 against a per-expert loop, compiled
 layers (varlen inside the graph) against eager, and short 1-GPU training runs with --bf16:
 eager, --compile, --cpu-offload optimizer and experts. The training flags a test adds come
 last, so they override the defaults (argparse keeps the last value)."""
@@ -35,6 +36,37 @@ def test_varlen_equals_sdpa_in_bf16(window):
     # bf16 inputs, fp32 softmax in both kernels, different blocking: ~1e-2 of the largest value
     assert _rel(varlen_attention(q, k, v, layout, window, 128 ** -0.5),
                 sdpa_attention(q, k, v, layout, window, 128 ** -0.5)) < 2e-2
+
+
+def test_chunked_loss_in_bf16_equals_fp32_logits_without_a_vocabulary_sized_tensor():
+    """The GPU path of core/loss.py: bf16 GEMMs writing fp32 (out_dtype), the gradient tile cast
+    to bf16 for the backward's GEMMs; Step-3.7-Flash's vocabulary and hidden size at T 8192."""
+    import torch.nn.functional as F
+
+    from core.loss import _out_dtype_gemm, linear_cross_entropy
+
+    assert _out_dtype_gemm(torch.device("cuda"), torch.bfloat16), "no fp32-output bf16 GEMM on this torch"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, H, V = 8192, 4096, 128896
+    h = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (T,), device="cuda", generator=g)
+    labels[::5] = -100
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, n = linear_cross_entropy(h, w, labels)
+    loss.backward()
+    peak = torch.cuda.max_memory_allocated() - base - (h.numel() + w.numel()) * 2  # less dh and dW
+    hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = F.cross_entropy(hf @ wf.t(), labels, ignore_index=-100, reduction="sum")
+    ref.backward()
+    # the loss: exact bf16 products summed in fp32 by both (TF32 off by default): fp32 rounding
+    assert abs(float(loss) - float(ref)) <= 1e-4 * abs(float(ref))
+    # gradients: the backward multiplies a bf16 copy of (softmax - onehot) (unit roundoff 2^-8)
+    # and returns bf16; relative to the largest entry, a few roundoffs
+    assert _rel(h.grad, hf.grad) < 2e-2 and _rel(w.grad, wf.grad) < 2e-2
+    assert peak < T * V * 4 / 10  # below a tenth of the fp32 logits (benchmarks/bench_loss.py)
 
 
 def test_grouped_mm_in_bf16():
@@ -83,7 +115,7 @@ def test_compiled_layers_with_varlen_in_bf16_match_eager_without_recompiling():
 
     from core.packed_seq import PackedSeqParams
     from models.step37 import Step37Config, Step37Model
-    from models.step37.compile import apply_compile
+    from core.compile import apply_compile
 
     torch._dynamo.reset()
     cfg = Step37Config.from_hf(Step37Config.preset("tiny").to_hf(), attention_backend="varlen")

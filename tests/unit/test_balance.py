@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from core.pipeline.balance import partition
 from models.step37 import Step37Config
-from models.step37.costs import avg_keys, balanced_layout, stage_flops
-from models.step37.parallelize import even_layout
+from core.flops import avg_keys, balanced_layout, stage_flops
+from models.registry import shapes_of
+from training.parallelize import even_layout
 
 
 def _stage_costs(costs, counts, first, last):
@@ -54,8 +55,8 @@ def test_avg_keys():
 
 def test_step37_flash_pp4_takes_layers_off_the_last_stage():
     cfg = Step37Config.preset("step37-flash")
-    even, balanced = even_layout(45, 4), balanced_layout(cfg, 4, 8192)
+    even, balanced = even_layout(45, 4), balanced_layout(shapes_of(cfg), 4, 8192)
     assert even == [11, 12, 11, 11] and balanced == [14, 14, 14, 3]
-    e, b = stage_flops(cfg, even, 8192), stage_flops(cfg, balanced, 8192)
+    e, b = stage_flops(shapes_of(cfg), even, 8192), stage_flops(shapes_of(cfg), balanced, 8192)
     assert max(e) / min(e) > 1.8  # the last stage does about twice the work of the others
     assert max(b) / min(b) < 1.02 and max(b) < 0.65 * max(e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORBIDDEN = ("embed_tokens", "lm_head", "moe.experts", "num_mtp_layers", "_aux_loss", "last_stats")
@@ -74,3 +75,71 @@ def test_the_check_finds_what_the_first_wave_had():
     for code, what in samples.items():
         assert any(what in v for v in violations(code, "sample.py")), code
     assert violations('"""Docstrings may say embed_tokens and lm_head."""\nx = 1', "ok.py") == []
+
+
+# ---------------------------------------------------------------- layering and family names
+FAMILY_WORDS = re.compile(r"step37|step3p|qwen", re.IGNORECASE)
+ALLOWED_WORDS = re.compile(r"pretrain_step37|step37-trainer")  # the entry script's and the project's name
+LAYERS = {  # package -> packages it must not import (shared/DESIGN.md)
+    "core": ("models", "training", "data", "train_args"),
+    "models": ("training", "train_args", "data"),
+    "data": ("models", "training", "train_args"),
+}
+NO_FAMILY = ["core", "training", "data", "tools", "models/common", "train_args.py", "pretrain_step37.py"]
+
+
+def _python_files(where: str) -> list[str]:
+    path = os.path.join(ROOT, where)
+    if path.endswith(".py"):
+        return [path]
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(path) for f in files if f.endswith(".py"))
+
+
+def layering_violations(source: str, path: str, forbidden: tuple) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for m in modules:
+                if m.split(".")[0] in forbidden:
+                    found.append(f"{path}:{node.lineno}: imports {m}")
+    return found
+
+
+def family_names(source: str, path: str) -> list[str]:
+    """Each line that names a model family outside a docstring (comments and strings count)."""
+    tree = ast.parse(source, path)
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = getattr(node, "body", [])
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                skip |= set(range(body[0].lineno, body[0].end_lineno + 1))
+    return [f"{path}:{i}: {line.strip()}" for i, line in enumerate(source.splitlines(), 1)
+            if i not in skip and FAMILY_WORDS.search(ALLOWED_WORDS.sub("", line))]
+
+
+def test_packages_import_only_the_layers_below_them():
+    found = []
+    for package, forbidden in LAYERS.items():
+        for path in _python_files(package):
+            found += layering_violations(open(path).read(), os.path.relpath(path, ROOT), forbidden)
+    assert not found, "\n".join(found)
+
+
+def test_no_family_is_named_outside_its_folder_and_the_registry():
+    found = []
+    for where in NO_FAMILY:
+        for path in _python_files(where):
+            found += family_names(open(path).read(), os.path.relpath(path, ROOT))
+    assert not found, "model families named outside models/<family>/ and models/registry.py:\n" + "\n".join(found)
+
+
+def test_the_layering_and_name_checks_find_what_they_look_for():
+    assert layering_violations("from training.plan import plan", "core/x.py", LAYERS["core"])
+    assert layering_violations("import data.loader", "core/x.py", LAYERS["core"])
+    assert not layering_violations("from core.init import local_rows", "models/x.py", LAYERS["models"])
+    assert family_names("x = 1  # like Step37's router\n", "core/x.py")
+    assert family_names('CACHE = "qwen3_moe"\n', "training/x.py")
+    assert not family_names('"""Qwen and Step-3.7 in a docstring."""\nprog = "pretrain_step37.py"\n', "train_args.py")

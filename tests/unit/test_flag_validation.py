@@ -40,6 +40,8 @@ BAD = [
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite number > 0"),
     (["--seq-length", "0"], "--seq-length must be >= 1"),
     (["--compile", "--attention-backend", "flex"], "--compile does not support --attention-backend flex "),
+    (["--vocab-size", "0"], "--vocab-size must be >= 1"),
+    (["--vocab-size", "1024", "--load-hf", "x"], "--vocab-size cannot change the vocabulary of --load-hf"),
 ]
 
 
@@ -78,3 +80,14 @@ def test_good_flags_pass():
                   "--train-iters", "80", "--exit-interval", "10", "--keep-last", "0", "--save-interval", "0"])
     assert args.schedule.warmup_iters == 5 and args.schedule.decay_iters == 50
     assert parse(["--data-path", "unused"]).schedule.decay_iters == 100  # --train-iters
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-moe-tiny"])
+def test_vocab_size_resizes_any_familys_preset(preset):
+    """The quickstart's tiny model with a 1,024-entry tokenizer: only the vocabulary changes."""
+    from train_args import model_config
+
+    base = model_config(parse(["--data-path", "unused", "--model-preset", preset]))
+    cfg = model_config(parse(["--data-path", "unused", "--model-preset", preset, "--vocab-size", "1024"]))
+    assert (base.vocab_size, cfg.vocab_size) == (320, 1024)
+    assert {**cfg.to_dict(), "vocab_size": 320} == base.to_dict()

@@ -7,7 +7,18 @@ import pytest
 import torch
 
 from models.step37 import Step37Config, Step37Model
-from models.step37.costs import keys_seen, matmul_params_per_token, training_flops
+from core.flops import keys_seen
+from core.flops import matmul_params_per_token as _params
+from core.flops import training_flops as _flops
+from models.registry import shapes_of
+
+
+def matmul_params_per_token(cfg):
+    return _params(shapes_of(cfg))
+
+
+def training_flops(cfg, lengths):
+    return _flops(shapes_of(cfg), lengths)
 
 
 def _count_from_parameters(cfg: Step37Config) -> int:

@@ -1,5 +1,5 @@
-"""Building on meta and materialising (models/step37/materialize.py) and streaming a checkpoint
-tensor into preallocated storage (hf_weights.CheckpointIndex.read_into). Exact comparisons
+"""Building on meta and materialising (core/init.py, training/startup.py) and streaming a checkpoint
+tensor into preallocated storage (core/hf_checkpoint.CheckpointIndex.read_into). Exact comparisons
 throughout: values are drawn or copied, never summed."""
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import torch
 
 from core.transformer.rotary import inverse_frequencies
 from models.step37 import Step37Config, Step37Model
-from models.step37 import hf_weights, materialize as mat
-from models.step37.hf_weights import CheckpointIndex
+from core import hf_checkpoint as hf_weights
+from core import init as mat
+from training.startup import materialize
+from core.hf_checkpoint import CheckpointIndex
 from tests.distributed.startup_cases import reset_rss_peak
 
 
@@ -64,7 +66,7 @@ def test_meta_build_then_materialize_is_the_direct_build():
     with torch.device("meta"):
         model = Step37Model(cfg, seed=3)
     assert all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
-    mat.materialize(model, "cpu", seed=3)
+    materialize(model, "cpu", seed=3)
     for (n, a), (_, b) in zip(direct.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), n
     for name, b in model.named_buffers():
@@ -74,7 +76,7 @@ def test_meta_build_then_materialize_is_the_direct_build():
             assert torch.equal(b, inverse_frequencies(cfg.head_dim, cfg.rope_parameters[layer_type]))
         else:
             assert name.endswith("e_score_correction_bias") and not b.any(), name
-    norms = [p for n, p in model.named_parameters() if mat.is_norm(n)]
+    norms = [p for n, p in model.named_parameters() if n in mat.constant_values(model)]
     assert norms and not any(p.any() for p in norms)  # RMSNorm scales by 1 + weight
 
 
@@ -87,7 +89,7 @@ def test_materialize_without_init_leaves_parameters_to_a_checkpoint():
     orig = mat.fill_seeded
     try:
         mat.fill_seeded = lambda *a, **k: calls.append(a[1])
-        mat.materialize(model, "cpu", init=False)
+        materialize(model, "cpu", init=False)
     finally:
         mat.fill_seeded = orig
     assert calls == [] and not any(t.is_meta for t in model.parameters())
@@ -101,8 +103,8 @@ def test_an_unknown_buffer_is_an_error():
         model = Step37Model(cfg)
         model.layers["0"].register_buffer("scale", torch.ones(2))
     with pytest.raises(ValueError, match=r"buffer 'layers\.0\.scale': no initial value is known for it; "
-                                         r"add one to models/step37/materialize.py init_buffers"):
-        mat.materialize(model, "cpu")
+                                         r"give DecoderBlock a reset_buffers\(device\) method"):
+        materialize(model, "cpu")
 
 
 def _save(path, tensors):

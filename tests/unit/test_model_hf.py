@@ -11,7 +11,7 @@ import torch
 
 from core.packed_seq import PackedSeqParams
 from models.step37 import Step37Config, Step37Model, count_parameters
-from models.step37.hf_weights import check_checkpoint
+from core.hf_checkpoint import check_checkpoint
 from tests.unit.hf_reference import save_full_model, save_text_model
 from tests.unit.numerics import assert_close_rel
 
@@ -63,7 +63,7 @@ def test_full_model_logits_match_and_export_round_trips(tmp_path):
     hf = save_full_model(str(src), seed=5)
     model = Step37Model(Step37Config.from_hf(str(src)))
     report = model.load_hf(str(src), strict=False)
-    assert report["vision_tensors"] > 0 and report["unexpected"] == []
+    assert report["kept_aside"] > 0 and report["unexpected"] == []
     tokens, pos, psp = thd(LENGTHS, seed=1)
     with torch.no_grad():
         logits = model(tokens, pos, psp)
@@ -169,3 +169,26 @@ def test_flash_preset_equals_transformers_parameter_count():
         hf = Step3p7TextModel(Step3p7TextConfig(**_text_kwargs_for_transformers(kw)))
     hf_total = sum(p.numel() for p in hf.parameters())
     assert hf_total + 128896 * 4096 == 196_956_118_272
+
+
+def test_a_pipeline_stage_reads_its_part_and_still_flags_foreign_tensors(tmp_path):
+    """A stage holds some layers: the other stages' tensors are not unexpected, a tensor no
+    stage has a place for still is (judged against the whole model, built on meta)."""
+    from safetensors.torch import load_file, save_file
+    save_full_model(str(tmp_path), seed=0)
+    cfg = Step37Config.from_hf(str(tmp_path))
+    first = Step37Model(cfg, layers=[0, 1], last=False)
+    report = check_checkpoint(first, str(tmp_path))
+    assert report["missing"] == [] and report["unexpected"] == [] and report["misshaped"] == []
+    last = Step37Model(cfg, layers=list(range(2, cfg.num_layers)), first=False)
+    assert check_checkpoint(last, str(tmp_path))["unexpected"] == []
+    shard = next(f for f in sorted(tmp_path.iterdir()) if f.suffix == ".safetensors")
+    tensors = load_file(str(shard))
+    tensors["model.layers.0.self_attn.bogus.weight"] = torch.zeros(2)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = tmp_path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"]["model.layers.0.self_attn.bogus.weight"] = shard.name
+        index.write_text(json.dumps(data))
+    assert check_checkpoint(last, str(tmp_path))["unexpected"] == ["model.layers.0.self_attn.bogus.weight"]

@@ -6,7 +6,7 @@ import torch
 from core.moe.dispatch import permute, unpermute
 from core.moe.experts import GroupedExperts
 from core.moe.layer import MoELayer
-from core.moe.router import SigmoidRouter
+from core.moe.router import TopKRouter as SigmoidRouter  # the sigmoid form is the default
 from tests.unit.numerics import assert_close_rel
 
 

@@ -1,6 +1,8 @@
 """Pack planner: properties over random inputs, byte-identity with the Python reference."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -104,3 +106,36 @@ def test_cached_plan_builds_once_then_maps(tmp_path):
     assert second.segments.tobytes() == first.segments.tobytes()
     cached_plan(lengths, 256, str(tmp_path / "ds"), seed=4)  # other seed: other files
     assert len(list(tmp_path.iterdir())) == 6
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-40])
+
+
+def _zero(path):
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+@pytest.mark.parametrize("suffix, damage, message", [
+    ("segments.npy", _truncate, "bytes, its meta file records"),
+    ("segments.npy", _zero, "CRC-32 differs"),
+    ("offsets.npy", _zero, "CRC-32 differs"),
+    ("meta.json", lambda p: p.write_text(""), "unreadable \\(JSONDecodeError"),
+])
+def test_a_damaged_cache_entry_is_named_and_rebuilt(tmp_path, suffix, damage, message):
+    """A truncated or zeroed array file, or an empty meta file, crashed with 'mmap length is
+    greater than file size' or a JSONDecodeError naming no file. Now the damaged file is named
+    in a warning, the plan rebuilt (the same bytes as planning afresh) and the entry rewritten."""
+    lengths = np.random.default_rng(1).integers(1, 300, 500)
+    cached_plan(lengths, 256, str(tmp_path / "ds"), seed=3)
+    (path,) = tmp_path.glob(f"ds_packplan_*_{suffix}")
+    damage(path)
+    with pytest.warns(UserWarning, match=f"damaged pack-plan cache entry: {path}.*{message}.*rebuilding"):
+        plan = cached_plan(lengths, 256, str(tmp_path / "ds"), seed=3)
+    fresh = plan_packs(lengths, 256, seed=3)
+    assert plan.segments.tobytes() == fresh.segments.tobytes()
+    assert plan.pack_offsets.tobytes() == fresh.pack_offsets.tobytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rewritten: the next read is clean
+        again = cached_plan(lengths, 256, str(tmp_path / "ds"), seed=3)
+    assert isinstance(again.segments, np.memmap) and again.segments.tobytes() == fresh.segments.tobytes()

@@ -5,28 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 
 import pytest
 
 from models.step37 import Step37Config
+from training.recipe import recipe_flags as read_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "examples", "step37_flash_8xh200_thd_sft.sh")
 
 
-def recipe_flags(hf_dir: str) -> list[str]:
+def recipe_flags(hf_dir: str, recipe: str = RECIPE) -> list[str]:
     """The flags the recipe passes to pretrain_step37.py, with its variables filled in."""
-    text = open(RECIPE).read().replace("\\\n", " ")
-    line = next(l for l in text.splitlines() if "pretrain_step37.py" in l and l.startswith("torchrun"))
-    line = line.split("pretrain_step37.py", 1)[1]
-    line = re.sub(r'"\$HF"', hf_dir, line)
-    line = re.sub(r'"\$DATA"', "/nonexistent/sft_text_document", line)
-    line = re.sub(r'"\$OUT', '"/nonexistent/out', line)
-    return shlex.split(line)
+    return read_recipe(recipe, {"HF": hf_dir, "DATA": "/nonexistent/sft_text_document", "OUT": "/nonexistent/out"})
 
 
 def run(*cmd) -> subprocess.CompletedProcess:
@@ -46,12 +39,13 @@ def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
     assert [r["rank"] for r in ranks] == list(range(8))
     assert {(r["pp_rank"], r["ep_rank"]) for r in ranks} == {(0, e) for e in range(8)}
     inp = plan["inputs"]
-    assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (1, 8, 8, 8)
-    assert inp["sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "optimizer"
+    assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (1, 8, 8, 1)
+    assert inp["sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "masters"
+    assert inp["fsdp_gather_once"] is True and inp["optimizer_in_backward"] is True
     assert all(r["fits"] for r in ranks)
     time = plan["time"]
     assert len(time["ranks"]) == 1 and time["step_s"] == max(r["step_s"] for r in time["ranks"]) > 0
-    assert time["tokens_per_s_per_gpu"] == pytest.approx(64 * 8192 / time["step_s"] / 8)
+    assert time["tokens_per_s_per_gpu"] == pytest.approx(32 * 8192 / time["step_s"] / 8)
 
     table = run("tools/plan_memory.py", "--world-size", "8", *flags)
     dry = run("pretrain_step37.py", *flags, "--dry-run", "8")
@@ -62,13 +56,13 @@ def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
 
     # the recipe runs the search's fastest fitting layout for its model, sequence and batch
     search = run("tools/plan_memory.py", "--search", "--world-size", "8", "--hf-config", str(hf),
-                 "--seq-length", "8192", "--global-batch-size", "64", "--bf16", "--optimizer", "muon",
+                 "--seq-length", "8192", "--global-batch-size", "32", "--bf16", "--optimizer", "muon",
                  "--muon-momentum", "0", "--top", "1")
     assert search.returncode == 0, search.stderr
     top = search.stdout.strip().splitlines()[-1].split()
     assert top and all(f in flags for f in top if f.startswith("--")), top
-    pairs = dict(zip(top[::2], top[1::2]))
-    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items()), (pairs, flags)
+    pairs = {f: v for f, v in zip(top, top[1:] + [""]) if f.startswith("--") and not v.startswith("--")}
+    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if v), (pairs, flags)
 
 
 def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
@@ -82,3 +76,52 @@ def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
     assert gbs.returncode == 2 and "--global-batch-size 6 must be a multiple" in gbs.stderr
     mfu = run("tools/plan_memory.py", "--world-size", "2", "--assumed-mfu", "1.5")
     assert mfu.returncode == 2 and "--assumed-mfu must be in (0, 1], got 1.5" in mfu.stderr
+
+
+def test_qwen3_recipe_runs_the_search_top_row(tmp_path):
+    """examples/qwen3_30b_a3b_8xh200_thd_sft.sh: its layout flags are the search's fastest fitting
+    layout for its model, sequence, batch and precision (searched in this process)."""
+    from models.qwen3_moe import Qwen3MoeConfig
+    from train_args import build_parser, sections
+    from training.plan import plan_inputs
+    from training.plan_search import search
+
+    hf = tmp_path / "Qwen3-30B-A3B"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(Qwen3MoeConfig.preset("qwen3-30b-a3b").to_hf()))
+    flags = recipe_flags(str(hf), os.path.join(ROOT, "examples", "qwen3_30b_a3b_8xh200_thd_sft.sh"))
+    parser = build_parser(require_data=False)
+    args = sections(parser.parse_args(flags), parser)
+    cfg = Qwen3MoeConfig.from_hf(str(hf))
+    top = search(cfg, 8, plan_inputs(args), args.data.global_batch_size, progress=False, host_gb=2000)[0]
+    assert top.fits and top.device_gb <= 141
+    wanted = top.flags().split()
+    pairs = dict(zip(wanted[::2], wanted[1::2]))
+    for flag in (f for f in wanted if f.startswith("--")):
+        assert flag in flags, (flag, flags)
+    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
+
+
+@pytest.mark.parametrize("gpu, device_gb", [("H200", 141), ("H100", 80)])
+def test_two_node_recipe_plans_16_ranks_that_fit(gpu, device_gb):
+    """examples/step37_flash_2node_thd_sft.sh: torchrun over two nodes by c10d rendezvous, and the
+    layout it runs for each GPU kind fits that GPU at 16 ranks with 10 GB to spare (the search's
+    top rows: benchmarks/bench_recipe_plan.py prints them)."""
+    from tools.plan_memory import build_planner_parser
+    from train_args import sections, validate
+    from training.memory_plan import GB, plan
+    from training.plan import plan_inputs
+
+    script = os.path.join(ROOT, "examples", "step37_flash_2node_thd_sft.sh")
+    text = open(script).read()
+    assert "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in text
+    flags = read_recipe(script, {"HF": "/hf", "DATA": "/data", "OUT": "/out"})
+    flags = [f for f in flags if f != "$ONCE"] + (["--fsdp-gather-once"] if gpu == "H200" else [])
+    layout_flags = [f for f in flags if f not in ("--hf-config", "--load-hf", "/hf", "--tokenizer-model")]
+    parser = build_planner_parser()
+    ns = parser.parse_args(["--world-size", "16", "--model-preset", "step37-flash", *layout_flags])
+    args = sections(ns, parser)
+    layout = validate(args, 16, check_files=False)
+    assert (layout.sizes.dp, layout.sizes.ep, layout.sizes.expert_dp, layout.num_microbatches) == (16, 8, 2, 1)
+    ranks = plan(layout.config, plan_inputs(args, layout, device_gb))
+    assert max(r.device_total for r in ranks) / GB <= device_gb - 10

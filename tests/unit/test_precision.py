@@ -29,5 +29,5 @@ def test_need_fp32_gate_round_trips_and_makes_the_router_an_fp32_unit():
     off = Step37Config.from_hf({**hf, "need_fp32_gate": False})
     assert off.need_fp32_gate is False and off.to_hf()["need_fp32_gate"] is False
     fp32_units = [u for u in Step37Model(cfg).fsdp_units() if u.fp32]
-    assert fp32_units and all(type(u.module).__name__ == "SigmoidRouter" for u in fp32_units)
+    assert fp32_units and all(type(u.module).__name__ == "TopKRouter" for u in fp32_units)
     assert not [u for u in Step37Model(off).fsdp_units() if u.fp32]

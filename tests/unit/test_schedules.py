@@ -8,7 +8,7 @@ from core.parallel_state import ParallelSizes
 from core.pipeline.schedules import Action, build_schedule, interleaved_1f1b
 from core.pipeline.simulate import Deadlock, check_schedule, simulate, textbook_bubble
 from models.step37 import Step37Config
-from models.step37.parallelize import even_layout, stage_layers
+from training.parallelize import even_layout, stage_layers
 
 LAYOUTS = [(1, 1, 3), (2, 1, 1), (2, 1, 5), (4, 1, 8), (8, 1, 3), (2, 2, 4), (4, 2, 8), (8, 3, 32), (4, 3, 4)]
 

@@ -1,6 +1,8 @@
 """THD micro-batches and the distributed, resumable loader."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -115,14 +117,79 @@ def test_dp_ranks_never_share_a_pack_and_resume_is_exact(tmp_path):
         got = next(resumed)
         for f in ("tokens", "labels", "position_ids"):
             assert torch.equal(getattr(got, f), getattr(want, f))
-    with pytest.raises(ValueError, match="data loader state does not match"):
+    with pytest.raises(ValueError, match="--seed 5 -> 6"):
         _loader([(1.0, src)], dp_rank=1, dp_size=2, seed=6).load_state_dict(state)
     # another DP size resumes at the same global position: 7 per rank x 2 ranks = 14 on one rank
     single = _loader([(1.0, src)], seed=5)
     single.load_state_dict(state)
     assert single.consumed == 14
-    with pytest.raises(ValueError, match="evenly over 4 data-parallel ranks"):
-        _loader([(1.0, src)], dp_rank=0, dp_size=4, seed=5).load_state_dict({**state, "global_consumed": 14})
+    with pytest.raises(ValueError, match="not a multiple of --micro-batch-size x data-parallel size = 8"):
+        _loader([(1.0, src)], dp_rank=0, dp_size=4, seed=5).load_state_dict({**state, "global_packs": 28})
+
+
+def _rewrite(prefix, docs):
+    with IndexedDatasetWriter(prefix, np.int32) as w:
+        for d in docs:
+            w.add(d)
+
+
+@pytest.mark.parametrize("equal_lengths", [False, True])
+def test_resume_on_the_same_documents_in_another_order_is_refused_naming_the_dataset(tmp_path, equal_lengths):
+    """The same rows preprocessed again in another order into the same prefix: the old
+    fingerprint (prefix, token and document counts, pack count) matched, and the resumed run
+    trained on other packs without a word. The lengths in order catch it; with every document of
+    one length, the sampled tokens do. --ignore-data-fingerprint keeps the position on purpose."""
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 1000, 40) for _ in range(200)] if equal_lengths else _docs(rng, 200, 150)
+    prefix = _dataset(tmp_path, "r", docs)
+    first = _loader([(1.0, open_source(prefix, 128, "split", seed=5))], seed=5)
+    for _ in range(3):
+        next(first)
+    state = first.state_dict()
+    order = rng.permutation(len(docs))
+    _rewrite(prefix, [docs[i] for i in order])
+    again = _loader([(1.0, open_source(prefix, 128, "split", seed=5))], seed=5)
+    with pytest.raises(ValueError, match=f"--data-path {prefix}: its documents are not the "
+                                         "checkpoint's.*--ignore-data-fingerprint"):
+        again.load_state_dict(state)
+    ignored = again.load_state_dict(state, ignore_fingerprint=True)
+    assert len(ignored) == 1 and prefix in ignored[0] and again.consumed == 3
+    _rewrite(prefix, docs)  # the original order back: the state fits again
+    back = _loader([(1.0, open_source(prefix, 128, "split", seed=5))], seed=5)
+    assert back.load_state_dict(state) == [] and back.consumed == 3
+
+
+def test_resume_with_another_micro_batch_size_or_a_moved_dataset_continues_with_the_same_packs(tmp_path):
+    """The state counts packs, not micro-batches, and no path: 3 micro-batches of 2 packs resume
+    as 6 of 1 (docs/checkpoints.md: batch flags may change on a resume), and a copy of the dataset
+    in another directory resumes like the original."""
+    rng = np.random.default_rng(4)
+    prefix = _dataset(tmp_path, "m", _docs(rng, 300, 150))
+    two = _loader([(1.0, open_source(prefix, 128, "split", seed=5))], seed=5, micro_batch_size=2)
+    for _ in range(3):
+        next(two)
+    state = two.state_dict()
+    expected = set().union(*(_pack_ids(next(two)) for _ in range(4)))  # packs 6..13
+    (tmp_path / "moved").mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefix + ext, tmp_path / "moved" / f"m_text_document{ext}")
+    moved = str(tmp_path / "moved" / "m_text_document")
+    one = _loader([(1.0, open_source(moved, 128, "split", seed=5))], seed=5, micro_batch_size=1)
+    assert one.load_state_dict(state) == [] and one.consumed == 6
+    assert set().union(*(_pack_ids(next(one)) for _ in range(8))) == expected
+
+
+def test_a_state_of_the_previous_version_resumes_when_its_sizes_match(tmp_path):
+    """Version 1 counted micro-batches and fingerprinted sizes and counts only (its formula is
+    kept to read such checkpoints): for the same data it resumes, for another --seq-length it is
+    refused."""
+    rng = np.random.default_rng(5)
+    src = open_source(_dataset(tmp_path, "v", _docs(rng, 100, 150)), 128, "split", seed=5)
+    old = {"global_consumed": 3, "fingerprint": _loader([(1.0, src)], seed=5)._legacy_fingerprint()}
+    resumed = _loader([(1.0, src)], seed=5)
+    assert resumed.load_state_dict(old) == [] and resumed.consumed == 3
+    with pytest.raises(ValueError, match="a checkpoint of an older version"):
+        _loader([(1.0, src)], seed=5, seq_length=256).load_state_dict(old)
 
 
 def test_epochs_reshuffle_and_cover_every_pack(tmp_path):

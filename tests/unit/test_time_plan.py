@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from models.step37 import Step37Config
-from models.step37.memory_plan import PlanInputs, plan
-from models.step37.time_plan import TimeAssumptions, plan_time
+from training.memory_plan import PlanInputs, plan
+from training.time_plan import TimeAssumptions, plan_time
 
 TINY = Step37Config.preset("tiny")
 # Forward FLOPs per token of the tiny model at seq_length 64 (hidden 64, head_dim 16, 2 KV heads):
@@ -20,6 +20,7 @@ TINY = Step37Config.preset("tiny")
 #   head 2*64*320 = 40,960; each MTP depth 2*2*64*64 + 36,440 + 36,864 + 40,960 = 130,648
 #   total 290,224 + 40,960 + 2 * 130,648 = 592,480
 TINY_FWD_FLOPS_PER_TOKEN = 592_480
+TINY_HEAD_FLOPS_PER_TOKEN = 40_960  # 2 * 64 * 320, per head (main and each MTP depth)
 TINY_PARAMETERS = 414_592  # every tensor of the model (the memory plan counts them)
 
 
@@ -30,23 +31,38 @@ def _inputs(**kw) -> PlanInputs:
 
 def test_one_rank_step_is_compute_plus_the_optimizer_by_hand():
     """One rank, fp32, AdamW, 2 micro-batches of 64 tokens, at 50% of 1 TFLOP/s:
-    compute 3 (forward + backward) x 592,480 x 64 tokens x 2 / 0.5e12 = 4.5502464e-4 s;
-    AdamW on the device 28 bytes x 414,592 parameters / 1 GB/s = 0.011608576 s; nothing
-    else moves (no pipeline, EP, DP or offload)."""
+    compute (3 (forward + backward) x 592,480 + 3 heads x 40,960 that the chunked loss reruns
+    in its backward) x 64 tokens x 2 / 0.5e12 = 4.8648192e-4 s; AdamW on the device 28 bytes x
+    414,592 parameters / 1 GB/s = 0.011608576 s; nothing else moves (no pipeline, EP, DP or
+    offload). MFU counts the model's FLOPs only (3 x forward, no rerun)."""
     a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
     st = plan_time(TINY, _inputs(), a, peak=1.0)
     assert plan(TINY, _inputs())[0].parameters == TINY_PARAMETERS
     sec = st.ranks[0].seconds
-    compute = 3 * TINY_FWD_FLOPS_PER_TOKEN * 64 * 2 / 0.5e12
+    compute = (3 * TINY_FWD_FLOPS_PER_TOKEN + 3 * TINY_HEAD_FLOPS_PER_TOKEN) * 64 * 2 / 0.5e12
     optimizer = 28 * TINY_PARAMETERS / 1e9
     # sums of a few floats: equal to 1e-12 relative (rounding only)
-    assert sec["compute"] == pytest.approx(compute, rel=1e-12)
+    assert sec["compute"] == pytest.approx(compute, rel=1e-12) == pytest.approx(4.8648192e-4, rel=1e-12)
     assert sec["optimizer"] == pytest.approx(optimizer, rel=1e-12)
     assert {k: v for k, v in sec.items() if k not in ("compute", "optimizer")} == \
         {"all-to-all": 0.0, "p2p": 0.0, "host-device": 0.0, "dp comm": 0.0, "idle": 0.0}
     assert st.step_s == pytest.approx(compute + optimizer, rel=1e-12)
     assert st.tokens_per_s_per_gpu == pytest.approx(2 * 64 / (compute + optimizer), rel=1e-12)
-    assert st.mfu == pytest.approx(compute * 0.5 / (compute + optimizer), rel=1e-12)
+    model_flops = 3 * TINY_FWD_FLOPS_PER_TOKEN * 64 * 2 / 1e12
+    assert st.mfu == pytest.approx(model_flops / (compute + optimizer), rel=1e-12)
+
+
+def test_recompute_reruns_the_layers_and_the_mtp_depths_up_to_their_heads_by_hand():
+    """Full recompute of every layer: the backward adds one forward of the 4 layers (290,224)
+    and of the 2 MTP depths without their heads (2 x 89,688), besides the 3 heads' rerun;
+    selective reruns the depths' layers but not their input projections (2 x 2 x 64 x 128 each)."""
+    a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
+    base = plan_time(TINY, _inputs(), a, peak=1.0).ranks[0].seconds["compute"]
+    per_token = {"full": 290_224 + 2 * 89_688, "selective": 290_224 + 2 * (89_688 - 2 * 2 * 64 * 64)}
+    for mode, extra in per_token.items():
+        sec = plan_time(TINY, _inputs(recompute=mode), a, peak=1.0).ranks[0].seconds
+        # a difference of sums of a few floats: rounding only, 1e-9 relative leaves room
+        assert sec["compute"] - base == pytest.approx(extra * 64 * 2 / 0.5e12, rel=1e-9), mode
 
 
 def test_offloaded_shards_cross_pcie_twice_per_microbatch_by_hand():
@@ -94,3 +110,52 @@ def test_assumptions_are_validated_naming_the_flag():
         TimeAssumptions(assumed_mfu=1.5)
     with pytest.raises(ValueError, match="--pcie-gb-s must be > 0, got 0"):
         TimeAssumptions(pcie_gb_s=0)
+
+
+def test_muon_under_fsdp_counts_the_busiest_owner_not_every_matrix():
+    """DP 4 x EP 2 with FSDP (expert-DP 2): a dense matrix is orthogonalised by one owner of the
+    four (core/optim/muon_split.py), so the rank's dense Newton-Schulz FLOPs are the busiest
+    owner's share, between a quarter of the whole and the whole less the lightest matrix; a
+    stack of whole experts is orthogonalised where it is (exactly half of the stacks' FLOPs at
+    expert-DP 2); the split's traffic is 3/4 of the rank's matrix rows at 4 + 2 bytes."""
+    from core.optim.build import classify
+    from core.optim.muon_split import ns_flops, owners
+    from training.plan_shares import rank_shares
+    from training.time_plan import optimizer_work
+
+    chunk = rank_shares(TINY, 1, 1, 2, None, 64)[0][0]
+    matrices = [s for s in chunk.tensors if classify(s.spec, s.t, "muon") == "matrix"]
+    dense = [tuple(s.t.shape) for s in matrices if not s.expert]
+    experts = [tuple(s.t.shape) for s in matrices if s.expert]
+    assert dense and experts and all(len(x) == 2 for x in dense) and all(len(x) == 3 for x in experts)
+    work = optimizer_work(chunk, 4, 2, "muon", 5, 0.25)
+    own = owners(dense, 4)
+    busiest = max(sum(ns_flops(x, 5) for x, o in zip(dense, own) if o == r) for r in range(4))
+    whole = sum(ns_flops(x, 5) for x in dense)
+    assert work["dense"]["flops"] == pytest.approx(busiest, rel=1e-12)
+    assert whole / 4 <= busiest < whole - min(ns_flops(x, 5) for x in dense)
+    assert work["expert"]["flops"] == pytest.approx(sum(ns_flops(x, 5) for x in experts) / 2, rel=1e-12)
+    # in the backward the batches are smaller: never less work for the busiest owner
+    assert optimizer_work(chunk, 4, 2, "muon", 5, 0.25, True)["dense"]["flops"] >= busiest
+
+    a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1e6, nvlink_gb_s=1.0)
+    inp = _inputs(dp=4, ep=2, sharding="fsdp", optimizer="muon", muon_momentum=0.0, num_microbatches=1)
+    sec = plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds
+    adamw = _inputs(dp=4, ep=2, sharding="fsdp", optimizer="adamw", num_microbatches=1)
+    # what Muon adds to the data-parallel traffic over AdamW's (same shards, same reduce-scatter)
+    extra = sec["dp comm"] - plan_time(TINY, adamw, a, peak=1.0).ranks[0].seconds["dp comm"]
+    assert extra == pytest.approx(3 / 4 * work["dense"]["split"] * 6 / 1e9, rel=1e-9)
+
+
+def test_the_shared_expert_hides_behind_its_layers_dispatch_by_hand():
+    """EP 2, one rank's 64 tokens, 3 MoE layers: each dispatch or combine sends 64 x top-2 x 64
+    fp32 x 1/2 = 16,384 bytes; the forward's 6 all-to-alls at 1 GB/s take 98.304 us, less what
+    each layer's shared expert (6 x 64 x 32 = 12,288 FLOPs per token, 64 tokens at 50% of
+    1 TFLOP/s: 1.572864 us) computes while its dispatch (16.384 us) is in flight; with full
+    recompute the backward's rerun hides as much again."""
+    a = TimeAssumptions(assumed_mfu=0.5, nvlink_gb_s=1.0)
+    shared, dispatch = 12_288 * 64 / 0.5e12, 16_384 / 1e9
+    inp = _inputs(dp=2, ep=2, num_microbatches=1, recompute="full")
+    sec = plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds
+    # forward 6 and backward 6 + 6 (rerun) all-to-alls; 3 + 3 hidden shared-expert forwards
+    assert sec["all-to-all"] == pytest.approx(18 * dispatch - 6 * min(shared, dispatch), rel=1e-9)

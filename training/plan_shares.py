@@ -21,8 +21,7 @@ from core.parallel_state import ParallelSizes, ParallelState
 from core.pipeline.p2p import max_live_buffers, plan_all
 from core.pipeline.schedules import build_schedule
 from core.pipeline.simulate import simulate
-from models.step37.config import Step37Config
-from models.step37.parallelize import build_chunks
+from training.parallelize import build_chunks
 
 ROOT = None  # block of the embedding, final norm and heads (FSDP's root unit)
 
@@ -30,8 +29,8 @@ ROOT = None  # block of the embedding, final norm and heads (FSDP's root unit)
 @dataclass(frozen=True, eq=False)  # hashed by identity (cached tallies)
 class TensorShare:
     """One parameter of a rank's share: ``t`` is its meta tensor (whole on this EP rank, before
-    any FSDP sharding); ``block``: its decoder layer's global index, ``-1 - k`` for MTP depth
-    ``k``, or ``ROOT``."""
+    any FSDP sharding); ``block``: its decoder layer's global index, ``-1 - k`` for extra block
+    ``k`` (an MTP depth), or ``ROOT``."""
 
     t: torch.Tensor
     spec: ParamSpec
@@ -49,27 +48,25 @@ class ChunkShare:
 
     stage: int           # virtual stage index (chunk * pp + pp_rank)
     first: bool          # holds the embedding
-    last: bool           # holds the final norm, head and MTP depths
+    last: bool           # holds the final norm, head and extra (MTP) blocks
     layers: tuple        # global decoder-layer indices, in order
     tensors: tuple       # TensorShare, every parameter of the chunk
 
 
 def _summarise(chunk, stage: int) -> ChunkShare:
     block_of = {}
-    for i, layer in chunk.layers.items():
-        block_of.update({id(p): int(i) for p in layer.parameters()})
-    for k, depth in (chunk.mtp.items() if chunk.mtp is not None else ()):
-        block_of.update({id(p): -1 - int(k) for p in depth.parameters()})
+    for i, block in chunk.blocks():
+        block_of.update({id(p): i for p in block.parameters()})
     fp32 = {id(p) for u in chunk.fsdp_units() if u.fp32 for p in u.module.parameters()}
     specs = chunk.param_specs()
     tensors = tuple(TensorShare(p, specs[name], block_of.get(id(p), ROOT), id(p) in fp32)
                     for name, p in chunk.named_parameters())
-    return ChunkShare(stage, chunk.first, chunk.last, tuple(int(i) for i in chunk.layers), tensors)
+    return ChunkShare(stage, chunk.first, chunk.last, tuple(i for i, _ in chunk.blocks() if i >= 0), tensors)
 
 
 @lru_cache(maxsize=None)
 def block_numel(chunk: ChunkShare) -> dict:
-    """Parameters per FSDP block (decoder layer or MTP depth; ``ROOT`` for the rest)."""
+    """Parameters per FSDP block (decoder layer or extra block; ``ROOT`` for the rest)."""
     out: dict = {}
     for s in chunk.tensors:
         out[s.block] = out.get(s.block, 0) + s.t.numel()
@@ -79,10 +76,10 @@ def block_numel(chunk: ChunkShare) -> dict:
 _SHARES: dict = {}
 
 
-def rank_shares(cfg: Step37Config, pp: int, vpp: int, ep: int, layout: str | None,
+def rank_shares(cfg, pp: int, vpp: int, ep: int, layout: str | None,
                 seq_length: int) -> list[list[ChunkShare]]:
     """Per pipeline rank, its chunks' shares (EP rank 0's; every EP rank's have these shapes)."""
-    key = (repr(cfg), pp, vpp, ep, layout, seq_length)
+    key = (type(cfg).__name__, repr(cfg), pp, vpp, ep, layout, seq_length)
     if key not in _SHARES:
         sizes = ParallelSizes(pp * ep, pp=pp, ep=ep, vpp=vpp)  # dp = ep: the share ignores expert-DP
         out = []

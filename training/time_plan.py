@@ -4,12 +4,16 @@ planner's flags). These are predictions, not measurements.
 
 Per micro-batch and virtual stage (what the pipeline simulator schedules):
 
-- compute: forward FLOPs of the stage (``costs.py``: matmuls, attention over the keys a causal
-  document of ``seq_length`` sees; the last stage adds the head and the MTP depths); backward
+- compute: forward FLOPs of the stage (``core/flops.py`` over the family's block shapes: matmuls, attention over the keys a causal
+  document of ``seq_length`` sees; the last stage adds the head and the extra blocks); backward
   is twice the forward; recompute (full or selective: both rerun every matmul of attention and
-  the FFN) adds one forward of the recomputed layers; at ``assumed_mfu`` of the peak;
+  the FFN) adds one forward of the recomputed layers (and of the extra blocks up to their heads
+  when every layer of the chunk is recomputed); the chunked loss reruns each head's logits in
+  its backward (one more head forward, recompute or not); at ``assumed_mfu`` of the peak;
 - all-to-all: each MoE layer dispatches and combines ``T x top_k x hidden`` activations, of
   which ``(ep - 1) / ep`` leave the rank, in forward, in backward, and again when recomputed;
+  a shared expert's forward runs while its layer's dispatch is in flight (the code overlaps
+  them), hiding up to the dispatch's time;
 - p2p: one ``[T, hidden]`` message per stage boundary each way;
 - weights gathered per pass (FSDP without gather-once): the offloaded fp32 shards host to
   device (4 bytes per shard parameter) and the all-gather of the compute copies, for the forward
@@ -21,12 +25,17 @@ Once per step and rank, after the pipeline: weights gathered once (gather-once, 
 meshes, ``optimizer`` offload), the gradient reduce-scatter (or all-reduce where FSDP does not
 shard) and the shards' device-to-host copy, the tied embedding's all-reduce, and the optimizer:
 AdamW at memory bandwidth (28 bytes per parameter: p, g, m, v read; p, m, v written) on the host
-for offloaded shards, Muon's Newton-Schulz on the GPU matrix by matrix (whole matrices: FSDP
-shards are all-gathered first; offloaded ones travel host to device and back), Dion's power
-iteration likewise.
+for offloaded shards, Muon's Newton-Schulz on the GPU matrix by matrix (row-sharded matrices
+by one owner each, in the batches the code forms: the busiest owner's FLOPs and the two
+all-to-alls; offloaded ones travel host to device and back), Dion's power iteration likewise;
+``cpu_offload="masters"``: the host's updates and their copies.
 
-Nothing overlaps (conservative: FSDP prefetch, copy engines and the shared expert do overlap
-some of it on a GPU). The step is the pipeline's makespan under these per-stage costs (bubble
+One overlap is counted, because the code has it: under ``cpu_offload="masters"`` with
+``optimizer_in_backward`` the host's work on Muon's matrices (updates to the host, master
+updates on worker threads, new weights back) runs while the backward does, and only what
+outlasts the backward (at least the last block's share) adds to the step. Nothing else overlaps
+(conservative: FSDP prefetch, copy engines and the shared expert do overlap some of it on a
+GPU). The step is the pipeline's makespan under these per-stage costs (bubble
 and stage imbalance included, from ``core.pipeline.simulate``) plus the slowest rank's
 once-per-step work.
 """
@@ -37,12 +46,14 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from core.cli import option
+from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim.build import classify
+from core.optim.muon_split import ns_flops, owners
 from core.pipeline.simulate import plan_makespan
-from models.step37.config import Step37Config
-from models.step37.costs import PEAK_TFLOPS, device_peak_tflops, model_costs
-from models.step37.memory_plan import KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, placement
-from models.step37.plan_shares import ChunkShare, rank_shares, schedule_facts
+from core.transformer.block import recomputes_extra_blocks
+from models.registry import shapes_of
+from training.memory_plan import KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, placement
+from training.plan_shares import ChunkShare, rank_shares, schedule_facts
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
 ADAMW_BYTES = 28  # fp32 p, g, m, v read; p, m, v written
@@ -55,15 +66,16 @@ class TimeAssumptions:
 
     assumed_mfu: float = option(0.4, "fraction of the dense bf16 peak (--peak-tflops) that every "
                                      "matmul reaches (Newton-Schulz included)")
-    pcie_gb_s: float = option(25.0, "host-device GB/s per GPU each way (PCIe 5 x16 peaks at 64; "
-                                    "half of a measured ~50, for GPUs that share a switch)")
+    pcie_gb_s: float = option(35.0, "host-device GB/s per GPU each way, pinned memory (PCIe 5 x16 peaks "
+                                    "at 64; H100 / H200 pinned copies measure about 35-55: the low end)")
     nvlink_gb_s: float = option(150.0, "GB/s per GPU for p2p, all-to-all and data-parallel "
                                        "collectives inside a node (NVLink 4: 450 per direction)")
     network_gb_s: float = option(50.0, "GB/s per GPU for groups that span nodes (one 400 Gb/s NIC "
                                        "per GPU)")
     gpus_per_node: int = option(8, "GPUs per node: which groups span nodes, host memory per node")
-    host_gb_s: float = option(20.0, "host memory bandwidth one rank's optimizer step gets on the "
-                                    "host, GB/s (a node's ~400 shared by 8 ranks, halved)")
+    host_gb_s: float = option(52.0, "host memory bandwidth one rank's optimizer step gets on the host, "
+                                    "GB/s (a DGX H100 / H200 node's memory measures about 420-480 GB/s, "
+                                    "shared by its 8 ranks: the low end)")
     hbm_gb_s: float = option(3000.0, "device memory bandwidth of elementwise optimizer updates, "
                                      "GB/s (H200: 4,800 peak)")
 
@@ -112,56 +124,105 @@ class StepTime:
 _COSTS: dict = {}
 
 
-def _costs(cfg: Step37Config, seq_length: int):
-    key = (repr(cfg), seq_length)
+def _costs(cfg, seq_length: int):
+    key = (type(cfg).__name__, repr(cfg), seq_length)
     if key not in _COSTS:
-        _COSTS[key] = model_costs(cfg, seq_length)
+        _COSTS[key] = model_costs(shapes_of(cfg), seq_length)
     return _COSTS[key]
 
 
-def _stage_flops(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
+def _stage_flops(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
     """Forward FLOPs per token of the chunk, and those its recompute repeats."""
     c = _costs(cfg, inp.seq_length)
-    fwd = sum(c.layers[i] for i in chunk.layers) + (c.last_extra if chunk.last else 0.0)
+    fwd = sum(c.blocks[i] for i in chunk.layers) + (c.last_extra if chunk.last else 0.0)
     redo = 0.0
     if inp.recompute != "none":
         n = inp.recompute_num_layers or len(chunk.layers)
-        redo = sum(c.layers[i] for i in chunk.layers[:n])
-    return fwd, redo
+        redo = sum(c.blocks[i] for i in chunk.layers[:n])
+    return fwd, redo + (_last_stage_redo(cfg, chunk, inp) if chunk.last else 0.0)
 
 
-def _moe_layers(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
-    """MoE layers of the chunk (MTP depths included), and how many of them are recomputed."""
-    sparse = [i for i in chunk.layers if cfg.mlp_layer_types[i] != "dense"]
+def _last_stage_redo(cfg, chunk: ChunkShare, inp: PlanInputs) -> float:
+    """What the last stage reruns besides its layers: every head's logits in the chunked loss's
+    backward (``core/loss.py``), and the extra blocks up to their heads when they are recomputed
+    (``full`` also reruns the input projection)."""
+    shapes, c = shapes_of(cfg), _costs(cfg, inp.seq_length)
+    head = 2 * shapes.hidden * shapes.vocab
+    redo = head * (1 + sum(1 for b in shapes.extra if b.head))
+    if inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        for b, flops in zip(shapes.extra, c.extra):
+            proj = 2 * b.input_proj * shapes.hidden if inp.recompute == "selective" else 0
+            redo += flops - (head if b.head else 0) - proj
+    return redo
+
+
+def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
+    """MoE layers of the chunk (extra blocks included), and how many of them are recomputed."""
+    shapes = shapes_of(cfg)
+    sparse = [i for i in chunk.layers if shapes.blocks[i].ffn.moe]
     n = inp.recompute_num_layers or len(chunk.layers)
-    redo = 0 if inp.recompute == "none" else sum(1 for i in chunk.layers[:n] if cfg.mlp_layer_types[i] != "dense")
-    mtp = sum(1 for t in cfg.mtp_mlp_layer_types if t != "dense") if chunk.last else 0
-    return len(sparse) + mtp, redo
+    redo = 0 if inp.recompute == "none" else sum(1 for i in chunk.layers[:n] if shapes.blocks[i].ffn.moe)
+    extra = sum(1 for b in shapes.extra if b.ffn.moe) if chunk.last else 0
+    if extra and inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        redo += extra
+    return len(sparse) + extra, redo
 
 
 @lru_cache(maxsize=4096)
 def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str,
-                   ns_steps: int, dion_fraction: float) -> dict:
-    """Per kind: AdamW and matrix shard parameters, FLOPs of orthogonalising the whole
-    matrices (Newton-Schulz per iteration ``4 m^2 n + 2 m^3`` for m <= n; Dion ``8 m n r``),
-    and the tied parameters' shards."""
-    out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0} for k in KINDS}
+                   ns_steps: int, dion_fraction: float, in_backward: bool = False) -> dict:
+    """Per kind: AdamW and matrix shard parameters, this rank's FLOPs of orthogonalising (Newton-
+    Schulz per iteration ``4 m^2 n + 2 m^3`` for m <= n; Dion ``8 m n r``), the parameters of the
+    row-sharded matrices whose Newton-Schulz is split over their mesh (``split``), and the tied
+    parameters' shards. Muon under FSDP (``core/optim/muon_split.py``): a stack of whole experts
+    is orthogonalised where it is (1/D of the stack's FLOPs); row-sharded matrices are dealt out to
+    owners in batches, and a batch takes as long as its busiest owner (``split_ns_flops``)."""
+    out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0, "split": 0} for k in KINDS}
+    split: dict = {k: [] for k in KINDS}
     for s in chunk.tensors:
         kind = "expert" if s.expert else "dense"
-        shard = _shard_numel(s.t, expert_world if s.expert else dense_world)
+        world = expert_world if s.expert else dense_world
+        shard = _shard_numel(s.t, world)
         o = out[kind]
         o["tied"] += shard if s.spec.tied else 0
         if classify(s.spec, s.t, optimizer) != "matrix":
             o["adamw"] += shard
             continue
         o["matrix"] += shard
-        m, n = sorted(s.t.shape[-2:])
-        batch = s.t.numel() // (m * n)
-        if optimizer == "muon":
-            o["flops"] += batch * ns_steps * (4.0 * m * m * n + 2.0 * m ** 3)
-        else:
-            o["flops"] += batch * 8.0 * m * n * max(1, math.ceil(dion_fraction * m))
+        if optimizer != "muon":
+            m, n = sorted(s.t.shape[-2:])
+            o["flops"] += s.t.numel() // (m * n) * 8.0 * m * n * max(1, math.ceil(dion_fraction * m))
+        elif world > 1 and s.t.dim() == 2:
+            split[kind].append(s)
+            o["split"] += shard
+        else:  # whole matrices here, or whole experts of a row-sharded stack
+            o["flops"] += ns_flops(s.t.shape, ns_steps) / (world if s.t.dim() == 3 else 1)
+    for kind, tensors in split.items():
+        world = expert_world if kind == "expert" else dense_world
+        out[kind]["flops"] += split_ns_flops(tensors, world, ns_steps, in_backward)
     return out
+
+
+def split_ns_flops(tensors: list, world: int, ns_steps: int, in_backward: bool) -> float:
+    """The busiest owner's Newton-Schulz FLOPs summed over the batches the code forms: one batch
+    of every matrix at the optimizer step; in the backward (hooks, last block first) a batch each
+    time the held matrices' FLOPs reach ``world`` times the largest's
+    (``core/optim/in_backward.InBackwardSteps._hold``), the rest at the backward's end."""
+    order = sorted(tensors, key=lambda s: -1 if s.block is None else s.block, reverse=True) \
+        if in_backward else tensors
+    batches, held = [], []
+    for s in order:
+        held.append(tuple(s.t.shape))
+        flops = [ns_flops(x) for x in held]
+        if in_backward and sum(flops) >= world * max(flops):
+            batches.append(held)
+            held = []
+    batches += [held] if held else []
+    total = 0.0
+    for shapes in batches:
+        own = owners(shapes, world)
+        total += max(sum(ns_flops(x, ns_steps) for x, o in zip(shapes, own) if o == r) for r in range(world))
+    return total
 
 
 @lru_cache(maxsize=64)
@@ -193,6 +254,8 @@ class _Ledger:
 
     seconds: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
     bytes: dict = field(default_factory=lambda: {HD: 0.0, NV: 0.0})
+    behind_backward: float = 0.0  # seconds of host work that runs while the backward does (host masters)
+    tail: float = 0.0             # ... of it that cannot start before the backward's end (its last block's)
 
     def move(self, key: str, nbytes: float, bytes_per_s: float, link: str = NV) -> None:
         self.seconds[key] += nbytes / bytes_per_s
@@ -230,7 +293,15 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
             ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[GROUP[k]])
 
 
-def _chunk_passes(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs, eff: float,
+def _shared_flops(cfg, chunk: ChunkShare) -> float:
+    """Forward FLOPs per token of a shared expert (SwiGLU: gate, up, down) of the chunk's MoE
+    layers (the largest, if they differ; 0 without one)."""
+    shapes = shapes_of(cfg)
+    blocks = [shapes.blocks[i] for i in chunk.layers] + (list(shapes.extra) if chunk.last else [])
+    return max((6.0 * shapes.hidden * b.ffn.shared for b in blocks if b.ffn.moe), default=0.0)
+
+
+def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
                   bw: dict) -> tuple[_Ledger, _Ledger]:
     """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
     T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
@@ -243,6 +314,10 @@ def _chunk_passes(cfg: Step37Config, chunk: ChunkShare, inp: PlanInputs, eff: fl
     if a2a:
         f.move("all-to-all", 2 * n_moe * a2a, bw["ep"])
         bk.move("all-to-all", 2 * (n_moe + n_redo) * a2a, bw["ep"])
+        # the shared expert's forward runs while the dispatch is in flight (AllToAllDispatcher)
+        hidden = min(_shared_flops(cfg, chunk) * T / eff, a2a / bw["ep"])
+        f.seconds["all-to-all"] -= n_moe * hidden
+        bk.seconds["all-to-all"] -= n_redo * hidden
     if chunk.stage < inp.pp * inp.vpp - 1:
         f.move("p2p", T * H * b, bw["pp"])
     if chunk.stage > 0:
@@ -255,7 +330,7 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
     """All-reduce of gradients FSDP does not shard, the tied embedding's, and the optimizer."""
     replicas = {"dense": inp.sizes.dp, "expert": inp.sizes.expert_dp}
     work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
-                          inp.muon_ns_steps, inp.dion_rank_fraction)
+                          inp.muon_ns_steps, inp.dion_rank_fraction, inp.optimizer_in_backward)
     pcie, host, hbm = a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, a.hbm_gb_s * 1e9
     for k in KINDS:
         g, w = replicas[k], work[k]
@@ -263,19 +338,53 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
             step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[GROUP[k]])
         if inp.pp > 1 and w["tied"]:  # first and last stage sum the embedding's gradient
             step.move("dp comm", w["tied"] * MASTER, bw["embedding"])
+        if pl.host_masters:
+            _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
+            _host_masters_step(w, inp, pcie, host, eff, step,
+                               len({x.block for x in chunk.tensors if x.block is not None}))
+            continue
         memory = host if pl.offloaded[k] else hbm
         step.seconds["optimizer"] += w["adamw"] * ADAMW_BYTES / memory
         if not w["matrix"]:
             continue
         momentum = inp.optimizer == "dion" or inp.muon_momentum > 0  # a buffer read and written
         step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory + w["flops"] / eff
-        if pl.shard_world[k] > 1:  # the whole matrix before orthogonalising (fp32 gradient shards)
-            step.move("dp comm", (pl.shard_world[k] - 1) * w["matrix"] * MASTER, bw[GROUP[k]])
+        _split_traffic(w, pl.shard_world[k], bw[GROUP[k]], step)
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
             step.move("host-device", 2 * w["matrix"] * MASTER, pcie, HD)
 
 
-def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
+def _split_traffic(w: dict, world: int, bytes_per_s: float, step: _Ledger) -> None:
+    """Split Newton-Schulz's two all-to-alls: this rank's fp32 rows of each matrix to its owner,
+    the bf16 update's rows back (all but the 1/D it owns itself)."""
+    if world > 1 and w["split"]:
+        step.move("dp comm", (world - 1) / world * w["split"] * (MASTER + 2), bytes_per_s)
+
+
+def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: float, step: _Ledger,
+                       units: int) -> None:
+    """``cpu_offload="masters"`` (``core/optim/host_masters.py``), per kind: Muon's
+    Newton-Schulz on the GPU; on worker threads each matrix's bf16 update to the host (2 bytes),
+    its host update (fp32 master read and written, the update read, the new bf16 weight written:
+    12 bytes) and the new weight back to the GPU (2 bytes), during the backward with
+    ``optimizer_in_backward`` (else after it; what the last of the chunk's ``units`` blocks sends
+    cannot start before the backward ends), counted one after the other; the AdamW parameters'
+    fp32 gradients (4 bytes) to the host, their AdamW (28 bytes + 2 for the new weight) after the
+    clip, and their new bf16 weights back (2 bytes)."""
+    step.seconds["optimizer"] += w["flops"] / eff
+    matrix_s = w["matrix"] * (4 / pcie + 12 / host)
+    step.bytes[HD] += 4 * w["matrix"]
+    if inp.optimizer_in_backward:
+        step.behind_backward += matrix_s
+        step.tail += matrix_s / max(1, units)
+    else:
+        step.seconds["optimizer"] += matrix_s
+    step.move("host-device", 4 * w["adamw"], pcie, HD)
+    step.seconds["optimizer"] += w["adamw"] * (ADAMW_BYTES + 2) / host
+    step.move("host-device", 2 * w["adamw"], pcie, HD)
+
+
+def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placement,
               peak: float, pp_rank: int) -> tuple[list, _Ledger]:
     """Per chunk the (forward, backward) ledgers of one micro-batch, and the rank's
     once-per-step ledger."""
@@ -291,7 +400,7 @@ def rank_work(cfg: Step37Config, chunks: list, inp: PlanInputs, a: TimeAssumptio
     return passes, step
 
 
-def plan_time(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions | None = None,
+def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
               peak: float | None = None, global_batch_size: int | None = None) -> StepTime:
     """The step-time prediction of a layout. ``global_batch_size`` in packs (default: micro-
     batches x micro-batch size x DP)."""
@@ -317,6 +426,8 @@ def plan_time(cfg: Step37Config, inp: PlanInputs, a: TimeAssumptions | None = No
             for link in moved:
                 moved[link] += M * ledger.bytes[link]
         sec["idle"] = makespan - M * sum(f.total + bk.total for f, bk in passes)
+        # host work that overlaps the backward: only what outlasts the rank's backward shows
+        sec["optimizer"] += max(step.tail, step.behind_backward - M * sum(bk.total for _, bk in passes))
         ranks.append(RankTime(r, sec, moved))
     slowest = max(ranks, key=lambda x: x.total)
     step_s, world = slowest.total, inp.sizes.world
@@ -340,7 +451,7 @@ def format_time(st: StepTime) -> str:
     a = st.assumptions
     lines = [f"predicted step time in seconds (assumed: {a['assumed_mfu']:.0%} of {st.peak_tflops:g} "
              f"TFLOP/s, PCIe {a['pcie_gb_s']:g} GB/s, NVLink {a['nvlink_gb_s']:g} GB/s, host "
-             f"{a['host_gb_s']:g} GB/s; transfers not overlapped)",
+             f"{a['host_gb_s']:g} GB/s; only host masters' host work overlaps the backward)",
              f"{'rank':<6}" + "".join(f"{k:>13}" for k in BREAKDOWN) + f"{'step':>10}{'PCIe GB':>10}"]
     for r in st.ranks:
         lines.append(f"pp{r.pp_rank:<4}" + "".join(f"{r.seconds[k]:>13.2f}" for k in BREAKDOWN)

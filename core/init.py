@@ -1,5 +1,6 @@
 """Turning a chunk built on the ``meta`` device into real tensors: only what this process holds,
-each tensor written once, from its seed or from a Hugging Face checkpoint.
+each tensor written once, from its seed (a checkpoint may fill them instead:
+``training/startup.py``).
 
 Initial values. A parameter is a stack along dim 0 of *blocks*, each drawn from its own generator
 seeded by the tensor's global name: one block per expert for stacked expert weights (key
@@ -7,16 +8,18 @@ seeded by the tensor's global name: one block per expert for stacked expert weig
 ``name``, or ``name@<block>`` when there are several). Block shapes depend only on the global
 tensor, so a process that holds rows ``[a, b)`` (an expert-parallel slice, an FSDP dim-0 shard)
 draws only the blocks that overlap them and gets exactly the rows one process would have: every
-PP / EP / DP / FSDP layout starts from the same weights. Norm weights start at zero (RMSNorm
-scales by ``1 + weight``), router biases at zero, RoPE frequencies are recomputed in fp32.
+PP / EP / DP / FSDP layout starts from the same weights. A module may give some of its
+parameters a constant instead (``constant_init()``: an RMSNorm's 0 for ``1 + w``, 1 for plain
+``w``); buffers are set by their module's ``reset_buffers()`` (RoPE frequencies recomputed in
+fp32, a router's balancing bias zeroed).
 
 Generator. Blocks are drawn on the rank's compute device (``generator_device``): the CUDA Philox
-generator fills a rank's share of Step-3.7 (billions of values) in well under a second, where the
-CPU's Mersenne Twister draws ~250 M values/s per core, tens of seconds per rank. The price: a GPU
-run starts from other weights than a CPU run with the same seed (and GPU models with different SM
-counts differ too); layouts on the same kind of device always agree. CPU runs, and so the tests,
-use the CPU generator and are deterministic. Pass ``generator_device="cpu"`` to get the CPU's
-values on a GPU (each block is then copied over).
+generator fills a rank's share of a large model (billions of values) in well under a second,
+where the CPU's Mersenne Twister draws ~250 M values/s per core, tens of seconds per rank. The
+price: a GPU run starts from other weights than a CPU run with the same seed (and GPU models
+with different SM counts differ too); layouts on the same kind of device always agree. CPU runs,
+and so the tests, use the CPU generator and are deterministic. Pass ``generator_device="cpu"`` to
+get the CPU's values on a GPU (each block is then copied over).
 """
 from __future__ import annotations
 
@@ -26,8 +29,6 @@ import zlib
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-
-from core.transformer.rotary import inverse_frequencies
 
 INIT_BLOCK_NUMEL = 1 << 22  # 16 MiB of fp32: the largest temporary an initialisation needs
 
@@ -81,43 +82,52 @@ def fill_seeded(out: torch.Tensor, name: str, shape, first_row: int, std: float,
         out[a - first_row:z - first_row].copy_(block[a - lo:z - lo])
 
 
-def is_norm(name: str) -> bool:
-    return "norm" in name.split(".")[-2] if "." in name else False
+def constant_values(model: nn.Module) -> dict[str, float]:
+    """Parameters whose modules give them a constant initial value (``constant_init()``)."""
+    out = {}
+    for prefix, m in model.named_modules():
+        init = getattr(m, "constant_init", None)
+        if callable(init):
+            out.update({f"{prefix}.{n}" if prefix else n: v for n, v in init().items()})
+    return out
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, *, generator_device=None, skip=()) -> None:
-    """Seeded initial values for every parameter of ``model`` but those named in ``skip``, each
-    process writing only the rows it holds (see the module docstring)."""
-    std = model.config.init_std
-    specs = model.param_specs()
+def init_parameters(model: nn.Module, seed: int, std: float, *, generator_device=None, skip=(),
+                    masters=None) -> None:
+    """Seeded initial values (normal, ``std``) for every parameter of ``model`` but those named
+    in ``skip`` and those with a constant, each process writing only the rows it holds (see the
+    module docstring). ``model`` implements ``param_specs()`` (``core/model_api.py``).
+    ``masters`` (``core/optim/masters.py``): parameters it holds get their fp32 value as bf16
+    plus remainder (drawn in fp32 as always, so every storage mode starts from one master)."""
+    specs, constants = model.param_specs(), constant_values(model)
     for name, p in model.named_parameters():
         local, first = local_rows(p)
         if name in skip or local.is_meta or local.numel() == 0:
             continue
-        if is_norm(name):
-            local.zero_()
+        out = torch.empty_like(local, dtype=torch.float32) if masters is not None and p in masters else local
+        if name in constants:
+            out.fill_(constants[name])
         else:
-            fill_seeded(local, name, p.shape, first, std, seed, specs[name].expert_offset,
+            fill_seeded(out, name, p.shape, first, std, seed, specs[name].expert_offset,
                         generator_device or local.device)
+        if out is not local:
+            masters.set_master(p, out)
 
 
 @torch.no_grad()
 def init_buffers(model: nn.Module, device) -> None:
-    """RoPE inverse frequencies (fp32, recomputed: ``to_empty`` leaves them undefined) and router
-    biases (zero: a checkpoint that has them overwrites them)."""
-    cfg = model.config
-    for name, _ in list(model.named_buffers()):
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        if attr == "inv_freq" and owner_name.startswith("rotary."):
-            value = inverse_frequencies(cfg.head_dim, cfg.rope_parameters[owner_name.split(".")[1]])
-        elif attr == "e_score_correction_bias":
-            value = torch.zeros(owner.num_experts)
-        else:
-            raise ValueError(f"buffer {name!r}: no initial value is known for it; add one to "
-                             "models/step37/materialize.py init_buffers")
-        setattr(owner, attr, value.to(device=device, dtype=torch.float32))
+    """Every buffer from its module's ``reset_buffers(device)`` (``to_empty`` leaves them
+    undefined); a buffer whose module has none is an error naming it."""
+    for prefix, m in model.named_modules():
+        own = [n for n, b in m.named_buffers(recurse=False) if b is not None]
+        if not own:
+            continue
+        reset = getattr(m, "reset_buffers", None)
+        if not callable(reset):
+            raise ValueError(f"buffer {(prefix + '.' if prefix else '') + own[0]!r}: no initial value is "
+                             f"known for it; give {type(m).__name__} a reset_buffers(device) method")
+        reset(device)
 
 
 def host_parameters(model: nn.Module) -> set[int]:
@@ -146,24 +156,14 @@ def allocate(model: nn.Module, device) -> None:
         m.to_empty(device="cpu" if places == {True} else device, recurse=False)
 
 
-def materialize(model: nn.Module, device, *, seed: int = 0, hf_path: str | None = None,
-                init: bool = True, generator_device=None, progress: bool = False) -> dict | None:
-    """Allocate ``model`` (built on meta, possibly FSDP-wrapped) on ``device`` and write its
-    weights once: from the Hugging Face checkpoint ``hf_path`` (streamed into this process's
-    rows; tensors it lacks are seeded), else from ``seed``; ``init=False`` leaves the parameters
-    undefined (a training checkpoint fills them next). Buffers are always set. Returns the
-    checkpoint report of the load, if any; ``progress``: a bar over the checkpoint's tensors."""
+def materialize_seeded(model: nn.Module, device, *, seed: int, std: float, init: bool = True,
+                       generator_device=None) -> None:
+    """Allocate ``model`` (built on meta, possibly FSDP-wrapped) on ``device``, set its buffers
+    and, with ``init``, its parameters from ``seed`` (``init=False`` leaves them undefined)."""
     allocate(model, device)
     init_buffers(model, device)
-    report, filled = None, set()
-    if hf_path is not None:
-        from models.step37.hf_weights import load_hf_weights
-
-        report = load_hf_weights(model, hf_path, progress=progress)
-        filled = set(report["filled"])
     if init:
-        init_parameters(model, seed, generator_device=generator_device or device, skip=filled)
-    return report
+        init_parameters(model, seed, std, generator_device=generator_device or device)
 
 
 def shard_bytes(chunks) -> dict:

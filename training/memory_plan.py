@@ -1,6 +1,6 @@
 """Memory plan per rank, without allocating anything: each rank's share of the model is built on
 the meta device for the real layout (``plan_shares.py``, cached), its tensors counted, and
-activations taken from ``activations.py`` times the schedule's peak in-flight micro-batches
+activations taken from ``core/activations.py`` (the family's block shapes) times the schedule's peak in-flight micro-batches
 (from the pipeline simulator).
 
 Parameters, gradients and optimizer state follow what this code allocates: parameters are
@@ -28,15 +28,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
+from core.activations import block_bytes, extra_block_bytes, head_bytes
 from core.optim.build import classify
 from core.parallel_state import ParallelSizes
-from models.step37.activations import head_bytes, layer_bytes
-from models.step37.config import Step37Config
-from models.step37.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
+from core.transformer.block import recomputes_extra_blocks
+from models.registry import shapes_of
+from training.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
 
 GB = 10**9
 MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
-OFFLOAD_MODES = ("none", "all", "experts", "optimizer")
+OFFLOAD_MODES = ("none", "all", "experts", "optimizer", "masters")
 
 
 @dataclass
@@ -58,6 +59,8 @@ class PlanInputs:
     muon_ns_steps: int = 5
     dion_rank_fraction: float = 0.25
     bf16: bool = False              # bf16 compute over fp32 master weights and gradients
+    store_param_remainders: bool = False  # bf16 weight + int16 remainder = the fp32 master
+    optimizer_in_backward: bool = False   # matrices step in the backward; their gradients freed at once
     device_gb: float = 141.0
     pipeline_layout: str | None = None
 
@@ -68,8 +71,23 @@ class PlanInputs:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected one of "
                                  f"{', '.join(allowed)}")
-        if self.cpu_offload != "none" and self.sharding != "fsdp":
+        if self.cpu_offload not in ("none", "masters") and self.sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
+        if self.cpu_offload == "masters" and not self.bf16:
+            raise ValueError("--cpu-offload masters needs --bf16")
+        if self.store_param_remainders and not self.bf16:
+            raise ValueError("--store-param-remainders needs --bf16")
+
+    @property
+    def bf16_params(self) -> bool:
+        """Parameters stored in bf16 (remainders, or host masters): their gradients are bf16."""
+        return self.store_param_remainders or self.cpu_offload == "masters"
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per parameter of a sharded gradient: fp32, or bf16 (rounded once after an fp32
+        reduction) for bf16-stored parameters."""
+        return 2 if self.bf16_params else MASTER
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -94,6 +112,7 @@ class Placement:
     offloaded: dict              # kind -> its shards, gradients and optimizer state on the host
     gather_per_microbatch: bool  # managed units gathered for every forward and backward pass
     sync_every_microbatch: bool  # reduce-scatter on every backward (cpu_offload "optimizer")
+    host_masters: bool = False   # cpu_offload "masters": fp32 masters on the host, bf16 on the device
 
     def copies_weights_per_microbatch(self) -> bool:
         """Host-to-device copies of offloaded shards on every forward and backward."""
@@ -111,14 +130,17 @@ def placement(inp: PlanInputs) -> Placement:
     reduces on every backward."""
     s = inp.sizes
     shard = inp.sharding == "fsdp" and s.dp > 1
-    any_fsdp = shard or inp.bf16 or inp.cpu_offload != "none"
-    expert_managed = (s.expert_dp > 1 or inp.cpu_offload != "none" or inp.bf16) if shard else any_fsdp
+    # bf16-stored parameters at one micro-batch need no one-rank mesh (apply_fsdp one_rank_meshes)
+    one_rank = inp.bf16 and not (inp.bf16_params and inp.num_microbatches == 1)
+    fsdp_offload = inp.cpu_offload not in ("none", "masters")
+    any_fsdp = shard or one_rank or fsdp_offload
+    expert_managed = (s.expert_dp > 1 or fsdp_offload or one_rank) if shard else any_fsdp
     managed = {"dense": any_fsdp, "expert": expert_managed}
-    offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": inp.cpu_offload != "none"}
+    offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": fsdp_offload}
     world = {"dense": s.dp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
     per_mb = shard and not inp.fsdp_gather_once and inp.cpu_offload != "optimizer"
     return Placement(world, managed, {k: managed[k] and offload[k] for k in KINDS}, per_mb,
-                     inp.cpu_offload == "optimizer")
+                     inp.cpu_offload == "optimizer", inp.cpu_offload == "masters")
 
 
 @dataclass
@@ -167,15 +189,25 @@ def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str
     """Per kind: parameters whole (``numel``; ``fp32``: those computing in fp32 under bf16) and
     as this rank's shards (``shard``), and the optimizer state of the shards in bytes."""
     inp = PlanInputs(optimizer=optimizer, muon_momentum=momentum, dion_rank_fraction=dion_fraction)
-    out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0} for k in KINDS}
+    out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0, "fp32_shard": 0, "matrix_shard": 0}
+           for k in KINDS}
     for s in chunk.tensors:
         kind = "expert" if s.expert else "dense"
         numel = _shard_numel(s.t, expert_world if s.expert else dense_world)
         out[kind]["numel"] += s.t.numel()
         out[kind]["fp32"] += s.t.numel() if s.fp32 else 0
         out[kind]["shard"] += numel
+        out[kind]["fp32_shard"] += numel if s.fp32 else 0
+        out[kind]["matrix_shard"] += numel if classify(s.spec, s.t, optimizer) == "matrix" else 0
         out[kind]["optimizer"] += _optimizer_bytes(s.spec, s.t, numel, inp)
     return out
+
+
+def _gradient_bytes(t: dict, inp: PlanInputs) -> int:
+    """One kind's sharded gradients kept until the optimizer step: bf16 for remainder-stored
+    parameters (fp32 routers stay fp32); none for the matrices stepped in the backward."""
+    keep = t["shard"] - (t["matrix_shard"] if inp.optimizer_in_backward else 0)
+    return (keep - t["fp32_shard"]) * inp.grad_bytes + t["fp32_shard"] * MASTER
 
 
 def chunk_tally(chunk: ChunkShare, inp: PlanInputs, pl: Placement) -> dict:
@@ -194,7 +226,7 @@ def _managed_blocks(chunk: ChunkShare, pl: Placement) -> dict:
     return out
 
 
-def rank_memory(cfg: Step37Config, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
+def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
                 pl: Placement | None = None) -> RankMemory:
     """One rank's plan from its chunks' shares (``plan_shares.rank_shares``)."""
     pl = pl or placement(inp)
@@ -202,25 +234,34 @@ def rank_memory(cfg: Step37Config, chunks: list, inp: PlanInputs, pp_rank: int, 
     T, b, H = inp.tokens, inp.act_bytes, cfg.hidden_size
     r = RankMemory(pp_rank, ep_rank)
     dev = dict.fromkeys(("parameters", "gradients", "unsharded grads", "optimizer", "activations",
-                         "p2p buffers", "all-to-all buffers", "gathered layers"), 0)
+                         "recompute working set", "p2p buffers", "all-to-all buffers", "gathered layers"), 0)
     host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
     managed_numel, managed_fp32, managed_dev_grads, largest_block, per_step_gather = 0, 0, 0, 0, 0
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         for kind in KINDS:
             where = host if pl.offloaded[kind] else dev
-            where["parameters"] += t[kind]["shard"] * MASTER
-            where["gradients"] += t[kind]["shard"] * MASTER
-            where["optimizer"] += t[kind]["optimizer"]
+            if pl.host_masters:  # bf16 on the device; fp32 master + bf16 staging in and out on the host
+                bf16 = t[kind]["shard"] - t[kind]["fp32_shard"]  # the fp32 routers stay on the device
+                dev["parameters"] += bf16 * 2 + t[kind]["fp32_shard"] * MASTER
+                host["parameters"] += bf16 * (MASTER + 2)   # fp32 master, the new bf16 weight staged
+                host["gradients"] += bf16 * 2                # the update (or gradient) staged in
+                host["optimizer"] += t[kind]["optimizer"]
+                dev["gradients"] += _gradient_bytes(t[kind], inp)
+            else:
+                where["parameters"] += t[kind]["shard"] * MASTER  # fp32, or bf16 + 2-byte remainder
+                where["gradients"] += _gradient_bytes(t[kind], inp)
+                where["optimizer"] += t[kind]["optimizer"]
             r.parameters += t[kind]["shard"]
             if pl.managed[kind]:
                 managed_numel += t[kind]["numel"]
                 managed_fp32 += t[kind]["fp32"]
-                managed_dev_grads += 0 if pl.offloaded[kind] else t[kind]["shard"] * MASTER
+                managed_dev_grads += 0 if pl.offloaded[kind] else _gradient_bytes(t[kind], inp)
         blocks = _managed_blocks(chunk, pl)
         largest_block = max([largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
         per_step_gather += blocks.get(ROOT, 0)  # FSDP2 keeps the root gathered forward to backward
         dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
+        dev["recompute working set"] = max(dev["recompute working set"], _recompute_working_set(cfg, chunk, T, b, inp))
     # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
     dev["activations"] = dev["activations"] * facts.peak_in_flight[pp_rank] // len(chunks)
     if managed_numel:
@@ -234,6 +275,8 @@ def rank_memory(cfg: Step37Config, chunks: list, inp: PlanInputs, pp_rank: int, 
         else:  # one unit's gradient at a time: autograd's (compute dtype), FSDP's fp32 for the reduce
             largest = max(largest_block, per_step_gather)
             dev["unsharded grads"] = largest * (b + MASTER if b < MASTER else MASTER)
+    elif inp.optimizer_in_backward:  # plain parameters: one block's gradients before its hooks free them
+        dev["unsharded grads"] = max(n for c in chunks for k, n in block_numel(c).items() if k is not ROOT) * b
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
         dev["all-to-all buffers"] = 4 * T * cfg.num_experts_per_tok * H * b
@@ -242,7 +285,7 @@ def rank_memory(cfg: Step37Config, chunks: list, inp: PlanInputs, pp_rank: int, 
     return r
 
 
-def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
+def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
     """Every (pipeline rank, EP rank)'s plan; ranks that differ only in expert-DP replica plan
     the same."""
     sizes = inp.sizes
@@ -257,18 +300,33 @@ def plan(cfg: Step37Config, inp: PlanInputs) -> list[RankMemory]:
     return out
 
 
-def _chunk_activations(cfg: Step37Config, chunk, T: int, b: int, inp: PlanInputs) -> int:
-    total = 0
+def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
+    """What a recomputed layer holds again during its backward: its whole activations less what
+    recompute kept (one layer at a time, the largest of the chunk; recomputed MTP depths too)."""
+    if inp.recompute == "none":
+        return 0
+    shapes = shapes_of(cfg)
+    n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
+    sets = [block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
+            for i in chunk.layers[:n]]
+    if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, inp.recompute)
+                 for k in range(len(shapes.extra))]
+    return max(sets, default=0)
+
+
+def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
+    shapes, total = shapes_of(cfg), 0
     for k, i in enumerate(chunk.layers):
         mode = inp.recompute if (inp.recompute_num_layers <= 0 or k < inp.recompute_num_layers) else "none"
-        total += layer_bytes(cfg, int(i), T, b, mode)
+        total += block_bytes(shapes, int(i), T, b, mode)
     if not chunk.first:
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
     if chunk.last:
-        total += head_bytes(cfg, T, b)
-        for k in range(cfg.num_mtp_layers):  # MTP depths are not recomputed (apply_recompute)
-            total += layer_bytes(cfg, -1 - k, T, b, "none") + head_bytes(cfg, T, b) \
-                + 3 * T * cfg.hidden_size * b  # shifted embedding, eh_proj input
+        total += head_bytes(shapes, T, b)
+        extra = inp.recompute if recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)) else "none"
+        for k in range(len(shapes.extra)):  # extra (MTP) blocks: as apply_recompute sets them
+            total += extra_block_bytes(shapes, k, T, b, extra)
     return total
 
 
@@ -277,9 +335,9 @@ def as_dict(ranks: list[RankMemory]) -> list[dict]:
 
 
 def format_table(ranks: list[RankMemory], inp: PlanInputs) -> str:
-    cols = ["parameters", "gradients", "unsharded grads", "optimizer", "activations", "p2p buffers",
-            "all-to-all buffers", "gathered layers"]
-    short = ["params", "grads", "unshard", "optim", "activ", "p2p", "a2a", "gathered"]
+    cols = ["parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
+            "p2p buffers", "all-to-all buffers", "gathered layers"]
+    short = ["params", "grads", "unshard", "optim", "activ", "recomp", "p2p", "a2a", "gathered"]
     head = f"{'rank':<10}{'params #':>14}" + "".join(f"{s:>10}" for s in short) + \
         f"{'device':>10}{'host':>10}  fits {inp.device_gb:g} GB"
     lines = ["all sizes in GB (1e9 bytes); device columns unless noted; device is the peak (sharded "

@@ -1,0 +1,115 @@
+"""Activation bytes autograd keeps per block and per output head, for one micro-batch of T
+tokens, derived from what core's blocks save for backward (see the comments; the unit tests hold
+the formula within 25% of a measurement with ``core.memory.SavedTensorBytes``).
+
+``b`` is the activation dtype size; norms, softmax statistics, the router and the loss keep fp32.
+Attention assumes a fused kernel (flash / flex / Transformer Engine: no score matrix); what the
+CPU's SDPA keeps on top is :func:`cpu_sdpa_extra_bytes`.
+"""
+from __future__ import annotations
+
+from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+
+F32 = 4
+
+
+def norm_bytes(T: int, n: int, b: int) -> int:
+    # fp32 input (a copy when b < 4, the input itself in fp32), normalised fp32 output, 1/rms
+    return 2 * T * n * F32 + T * F32
+
+
+def swiglu_bytes(T: int, inter: int, b: int, clamped: bool) -> int:
+    # gate, silu(gate), up, product (+ the two clamp outputs when clamped)
+    return T * inter * b * (6 if clamped else 4)
+
+
+def attention_bytes(hidden: int, a: AttentionShape, T: int, b: int) -> int:
+    D, Hq, Hkv, rot = a.head_dim, a.heads, a.kv_heads, a.rotary_dim
+    q = T * Hq * D
+    kv = T * Hkv * D
+    total = norm_bytes(T, hidden, b) + T * hidden * b                  # input norm + its output
+    total += norm_bytes(T, Hq * D, b) + norm_bytes(T, Hkv * D, b)      # q_norm, k_norm
+    total += q * b * (5 if a.gate else 4) + q * b * rot // D           # normed, rotated, embedded q; output (gated)
+    total += kv * b * 3 + kv * b * rot // D                            # normed, rotated, embedded k; v
+    total += T * Hq * (F32 + (b if a.gate else 0))                     # logsumexp, sigmoid(gate)
+    return total
+
+
+def ffn_bytes(hidden: int, f: FFNShape, T: int, b: int) -> int:
+    H = hidden
+    total = norm_bytes(T, H, b) + T * H * b  # post-attention norm and its output
+    if not f.moe:
+        return total + swiglu_bytes(T, f.size, b, f.clamped)
+    E, K = f.experts, f.top_k
+    total += 3 * T * E * F32 + 2 * T * K * F32                   # router scores, probabilities, weights
+    total += T * K * H * b * 2                                   # permuted tokens, expert outputs
+    total += swiglu_bytes(T * K, f.size, b, f.clamped)
+    if f.shared:
+        total += swiglu_bytes(T, f.shared, b, f.shared_clamped)
+    return total
+
+
+def block_bytes(shapes: ModelShapes, block: int, T: int, b: int, recompute: str = "none") -> int:
+    """Bytes kept between forward and backward by decoder layer ``block`` (``-1-k``: extra block
+    k), its own head and input projection excluded (see :func:`extra_block_bytes`)."""
+    H = shapes.hidden
+    if recompute == "full":
+        return T * H * b  # the layer input only
+    if recompute == "selective":  # norms, their outputs and the residual stream stay
+        return 2 * (norm_bytes(T, H, b) + T * H * b)
+    s: BlockShape = shapes.block(block)
+    return attention_bytes(H, s.attention, T, b) + ffn_bytes(H, s.ffn, T, b)
+
+
+def loss_bytes(T: int) -> int:
+    # the chunked cross-entropy (core/loss.py): an fp32 logsumexp and the int64 label per token
+    return T * (F32 + 8)
+
+
+def head_bytes(shapes: ModelShapes, T: int, b: int) -> int:
+    """Final norm and its output (the head's input), and what the chunked cross-entropy keeps:
+    no logits, an fp32 logsumexp and the label per token."""
+    return norm_bytes(T, shapes.hidden, b) + T * shapes.hidden * b + loss_bytes(T)
+
+
+def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: str = "none") -> int:
+    """Extra block ``k``: its layer, its head, and for an input projection the shifted embedding
+    and the projection's input. Under ``full`` recompute everything before its head reruns
+    (``core.transformer.block.RecomputeUnit``): only that part's inputs (the shifted embedding,
+    the previous hidden state) stay, with the head's input and its loss's per-token values;
+    under ``selective`` its layer keeps what a selective decoder layer keeps."""
+    s, H = shapes.extra[k], shapes.hidden
+    if recompute == "full":
+        total = T * H * b * (2 if s.input_proj else 1)
+        return total + (T * H * b + loss_bytes(T) if s.head else 0)
+    total = block_bytes(shapes, -1 - k, T, b, recompute)
+    if s.head:
+        total += head_bytes(shapes, T, b)
+    if s.input_proj:
+        total += 3 * T * H * b
+    return total
+
+
+def cpu_sdpa_extra_bytes(a: AttentionShape, doc_lengths: list, b: int, sharing: int = 1) -> int:
+    """What the CPU ``sdpa`` backend (``core/transformer/sdpa_blocks.py``) keeps on top of a
+    fused (GPU) kernel, for documents laid end to end without padding. Its calls run torch's
+    fused CPU kernel (logsumexp, no score matrix), but a band piece saves padded copies of q,
+    k and v (``blocks * block`` queries; ``width - 1`` more keys) instead of q, k, v, and its
+    additive mask ``[blocks, block, block + width - 1]``, one per micro-batch and window:
+    each of the ``sharing`` layers with this window books its share. The kernel's output is
+    saved apart from the ``[T, H, D]`` copy the gate multiplies (unless that is a view of it)."""
+    from core.transformer.sdpa_blocks import plan_pieces
+
+    H, Hkv, D = a.heads, a.kv_heads, a.head_dim
+    starts = [sum(doc_lengths[:i]) for i in range(len(doc_lengths))]
+    T = sum(doc_lengths)
+    pieces = plan_pieces(starts, T, a.window)
+    total = 0 if len(pieces) == 1 and pieces[0].kind == "causal" else T * H * D * b
+    for p in pieces:
+        if p.kind == "band":
+            n = p.stop - p.start
+            rows = -(-n // p.block) * p.block
+            lookback = 0 if p.block == n else p.width - 1
+            total += (rows - n) * H * D * b + 2 * (rows + lookback - n) * Hkv * D * b
+            total += rows * (p.block + lookback) * b // sharing
+    return total

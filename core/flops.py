@@ -1,0 +1,124 @@
+"""FLOPs of core's blocks from their shapes (``core/shapes.py``): per token of each block, for
+balancing pipeline stages and for the planner, and of a training step on real documents, for
+TFLOP/s and MFU in the logs.
+
+Matmuls only (2 FLOPs per multiply-add; norms, RoPE, routing top-k and the softmax are a few
+percent). Attention reads ``avg_keys`` keys per query: a causal document of ``seq_length``
+tokens (the worst case of a pack) and, on sliding layers, at most ``window`` keys. Backward
+costs about twice the forward everywhere, so forward FLOPs rank the stages as well as the whole
+step does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.pipeline.balance import partition
+from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+
+
+def avg_keys(seq_length: int, window: int | None) -> float:
+    """Mean number of keys a query attends to in a causal document of ``seq_length`` tokens."""
+    n, w = seq_length, window or seq_length
+    full = min(w, n)  # positions >= w - 1 see w keys; earlier ones see i + 1
+    return (full * (full + 1) / 2 + (n - full) * w) / n
+
+
+def keys_seen(n: int, window: int | None) -> int:
+    """Keys summed over the queries of one causal document of ``n`` tokens."""
+    w = min(window or n, n)
+    return w * (w + 1) // 2 + (n - w) * w
+
+
+def attention_params(hidden: int, a: AttentionShape) -> int:
+    """Weights a token multiplies through: q, k, v, the head gate, o."""
+    return hidden * (a.heads * a.head_dim + 2 * a.kv_heads * a.head_dim + (a.heads if a.gate else 0)) \
+        + a.heads * a.head_dim * hidden
+
+
+def ffn_params(hidden: int, f: FFNShape) -> int:
+    """Weights a token multiplies through: the dense SwiGLU, or router, top-k experts and the
+    shared expert."""
+    if not f.moe:
+        return 3 * hidden * f.size
+    return hidden * f.experts + f.top_k * 3 * hidden * f.size + 3 * hidden * f.shared
+
+
+def block_params(hidden: int, vocab: int, b: BlockShape) -> int:
+    return (attention_params(hidden, b.attention) + ffn_params(hidden, b.ffn) + b.input_proj * hidden
+            + (hidden * vocab if b.head else 0))
+
+
+def attention_flops(hidden: int, a: AttentionShape, seq_length: int) -> float:
+    core = 2 * a.heads * a.head_dim * avg_keys(seq_length, a.window)  # q.k and p.v
+    return 2 * (attention_params(hidden, a) + core)
+
+
+def block_flops(hidden: int, vocab: int, b: BlockShape, seq_length: int) -> float:
+    """Forward FLOPs per token of one block (its own head and input projection included)."""
+    return attention_flops(hidden, b.attention, seq_length) + 2 * ffn_params(hidden, b.ffn) \
+        + 2 * b.input_proj * hidden + (2 * hidden * vocab if b.head else 0)
+
+
+@dataclass
+class StageCosts:
+    blocks: list        # per decoder layer
+    first_extra: float  # the embedding (a lookup: nothing to multiply)
+    last_extra: float   # final norm + head, and each extra block (projection, layer, head)
+    extra: list         # per extra block, part of last_extra
+
+
+def model_costs(shapes: ModelShapes, seq_length: int) -> StageCosts:
+    H, V = shapes.hidden, shapes.vocab
+    blocks = [block_flops(H, V, b, seq_length) for b in shapes.blocks]
+    extra = [block_flops(H, V, b, seq_length) for b in shapes.extra]
+    return StageCosts(blocks, 0.0, 2 * H * V + sum(extra), extra)
+
+
+def balanced_layout(shapes: ModelShapes, num_stages: int, seq_length: int) -> list[int]:
+    """Layers per virtual stage that minimise the slowest stage under this cost model."""
+    c = model_costs(shapes, seq_length)
+    return partition(c.blocks, num_stages, c.first_extra, c.last_extra)
+
+
+def stage_flops(shapes: ModelShapes, counts: list[int], seq_length: int) -> list[float]:
+    """Forward FLOPs per token of each virtual stage of a layout."""
+    c = model_costs(shapes, seq_length)
+    out, start = [], 0
+    for s, n in enumerate(counts):
+        out.append(sum(c.blocks[start:start + n]) + (c.first_extra if s == 0 else 0.0)
+                   + (c.last_extra if s == len(counts) - 1 else 0.0))
+        start += n
+    return out
+
+
+def matmul_params_per_token(shapes: ModelShapes) -> int:
+    """Weights each token multiplies through (attention projections, dense MLP or router, top-k
+    routed and shared experts; the head; each extra block's projection, layer and head); the
+    embedding is a lookup. Training costs 6 FLOPs per such weight and token."""
+    H, V = shapes.hidden, shapes.vocab
+    return sum(block_params(H, V, b) for b in shapes.blocks) + H * V + \
+        sum(block_params(H, V, b) for b in shapes.extra)
+
+
+def training_flops(shapes: ModelShapes, doc_lengths: list[int]) -> float:
+    """Forward + backward FLOPs of one micro-batch of real documents (padding excluded):
+    6 x matmul weights per token, plus 12 x heads x head_dim per key each query sees (causal
+    within its document, capped by the window on sliding layers), over every block."""
+    flops = 6.0 * matmul_params_per_token(shapes) * sum(doc_lengths)
+    for b in shapes.blocks + shapes.extra:
+        a = b.attention
+        flops += 12.0 * a.heads * a.head_dim * sum(keys_seen(n, a.window) for n in doc_lengths)
+    return flops
+
+
+# Dense bf16 peaks (TFLOP/s, no sparsity) by device name, for MFU when --peak-tflops is not given.
+PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}
+
+
+def device_peak_tflops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

@@ -1,0 +1,120 @@
+"""``--optimizer-in-backward``: Muon's matrices step inside the backward, each as soon as its
+gradient is final, and that gradient is freed at once, so no whole-model gradient buffer exists.
+
+When a rank runs one micro-batch per step, a parameter's gradient is final when its backward
+has produced it: FSDP calls the parameter's post-accumulate-grad hooks right after it reduce-
+scatters a unit's gradients (so a sharded matrix steps on its reduced shard, and its fp32 remainder
+master is joined, updated and split back), and autograd calls them for a parameter FSDP does not
+manage. The hook orthogonalises the matrix (``Muon.update``), adds the gradient's square norm to
+the step's (on the device), and drops the gradient.
+
+Why clipping does not wait for it: with momentum 0, Muon's update of a gradient ``g`` is
+``NS(g / |g|)``, the same for ``c * g`` with any ``c > 0`` up to rounding, so a global clip factor
+known only after the backward could not change it. The AdamW groups (embeddings, norms, heads,
+routers) keep their gradients to the end of the backward and step after the global norm and the
+clip, as without this flag. Momentum > 0 with clipping would need the factor first: refused.
+
+Non-finite values never reach the host: a matrix whose update is not finite (a NaN or inf in its
+gradient spreads through Newton-Schulz to the whole matrix, on every rank that holds rows of it)
+keeps its value, and the count of such matrices is a device tensor read with the step's metrics.
+A non-finite loss is made a NaN gradient before the backward (``PipelineExecutor``), so every
+matrix keeps its value and the step is skipped as usual.
+"""
+from __future__ import annotations
+
+import torch
+
+from core.distributed.grads import local, owns
+from core.optim.muon_split import ns_flops, splittable
+from core.parallel_state import ParallelState, local_device
+
+
+class InBackwardSteps:
+    """The hooks on one Muon optimizer's matrices; ``begin()`` before each step's backward."""
+
+    def __init__(self, muon, specs: list, ps: ParallelState):
+        device = local_device()
+        self.muon = muon
+        self.sq = torch.zeros((), dtype=torch.float64, device=device)        # their gradients' square norm
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)   # matrices left unchanged
+        spec_of = {id(p): spec for p, spec in specs}
+        self.params = []
+        for group in muon.param_groups:
+            for p in group["params"]:
+                counted = owns(p, spec_of[id(p)], ps)
+                p.register_post_accumulate_grad_hook(self._hook(group, counted))
+                self.params.append(p)
+
+        self.active = True
+        self.held: dict = {}  # mesh -> [(matrix, group)] waiting for their batch (muon_split)
+
+    def begin(self, active: bool = True) -> None:
+        """Before a step's backward; ``active=False`` (a step with no targets, to be skipped):
+        the gradients stay for the step to discard."""
+        self.sq.zero_()
+        self.nonfinite.zero_()
+        self.active = active
+        self.held = {}
+
+    def _hook(self, group: dict, counted: bool):
+        def step(p) -> None:
+            if p.grad is None or not self.active:
+                return
+            with torch.no_grad():
+                if counted:
+                    g = local(p.grad)
+                    self.sq.add_(torch.linalg.vector_norm(g, dtype=torch.float64).to(self.sq.device) ** 2)
+                if self.muon.split and splittable(p):  # one owner orthogonalises it: wait for a batch
+                    self._hold(p, group)
+                    return
+                self._stepped(p, self.muon.update(p, group, guard=True))
+        return step
+
+    def _stepped(self, p, kept) -> None:
+        self.nonfinite.add_((~kept).to(self.nonfinite.device, torch.int64))
+        p.grad = None
+
+    def _hold(self, p, group: dict) -> None:
+        """Row-sharded matrices wait until a batch of them can be dealt out evenly over their mesh:
+        their Newton-Schulz FLOPs reach D times the largest one's (each rank then owns about as
+        much as the largest matrix), or ``end()`` flushes the rest. Every rank of the mesh sees the
+        same hooks in the same order, so the batches, and their all-to-alls, agree."""
+        key = id(p.device_mesh.get_group())
+        batch = self.held.setdefault(key, [])
+        batch.append((p, group))
+        flops = [ns_flops(q.shape) for q, _ in batch]
+        if sum(flops) >= p.device_mesh.size() * max(flops):
+            self._flush(key)
+
+    def _flush(self, key) -> None:
+        batch = self.held.pop(key, [])
+        for group in {id(g): g for _, g in batch}.values():
+            params = [q for q, g in batch if g is group]
+            for q, kept in zip(params, self.muon.update_many(params, group, guard=True)):
+                self._stepped(q, kept)
+
+    def end(self) -> None:
+        """After the step's backward: the matrices still held step now (same order on every rank)."""
+        for key in list(self.held):
+            self._flush(key)
+
+
+def check_in_backward(optimizer: str, momentum: float, clip: float, microbatches: int, dp: int,
+                      sharding: str, cpu_offload: str) -> None:
+    """``ValueError`` naming the flag for what ``--optimizer-in-backward`` cannot serve."""
+    if optimizer != "muon":
+        raise ValueError(f"--optimizer-in-backward steps Muon's matrices: it needs --optimizer muon "
+                         f"(got {optimizer})")
+    if momentum > 0 and clip > 0:
+        raise ValueError(f"--optimizer-in-backward with --clip-grad {clip:g} needs --muon-momentum 0: the "
+                         "clip factor is known only after the backward, and only momentum-free Muon is "
+                         "unchanged by it (or pass --clip-grad 0)")
+    if microbatches != 1:
+        raise ValueError(f"--optimizer-in-backward needs one micro-batch per rank and step, got {microbatches}: "
+                         "set --global-batch-size to --micro-batch-size x data-parallel size")
+    if dp > 1 and sharding != "fsdp":
+        raise ValueError("--optimizer-in-backward at data-parallel size > 1 needs --data-parallel-sharding "
+                         "fsdp: each unit's gradients are reduced when its backward ends, then stepped")
+    if cpu_offload not in ("none", "masters"):
+        raise ValueError(f"--optimizer-in-backward with --cpu-offload {cpu_offload} is not supported "
+                         "(--cpu-offload masters is: its host updates overlap the backward)")

@@ -1,0 +1,110 @@
+"""A pre-norm decoder block on THD input, assembled from core's parts by a family:
+``h = x + attn(norm1(x)); out = h + ffn(norm2(h))``, with activation recompute; and
+:class:`RecomputeUnit`, the recompute of a block built around one (an MTP depth).
+
+The FFN is a dense SwiGLU (returns a tensor) or an MoE layer (returns ``(tensor, stats)``; it also
+takes the valid-token mask); it is registered under the family's own attribute name (``mlp``,
+``moe``...) so parameter names stay the published ones. ``rope_key`` selects this block's cos/sin
+from the per-layer-type table the model computes once per forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from core.moe.layer import MoELayer
+from core.transformer.attention_backends import DocLayout
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class DecoderBlock(nn.Module):
+    recompute: str = "none"  # "full": keep only the input; "selective": drop attention and FFN internals
+
+    def __init__(self, input_norm: nn.Module, attention: nn.Module, post_norm: nn.Module, ffn: nn.Module,
+                 *, ffn_name: str = "mlp", rope_key: str = "default"):
+        super().__init__()
+        self.layer_type = rope_key
+        self.input_layernorm = input_norm
+        self.self_attn = attention
+        self.post_attention_layernorm = post_norm
+        self.ffn_name = ffn_name
+        setattr(self, ffn_name, ffn)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
+
+    def forward(self, x_TH, ropes: dict, layout: DocLayout, valid_T) -> tuple[torch.Tensor, dict | None]:
+        """``(output, MoE statistics or None)``; recompute reruns the maths during backward but
+        its statistics are dropped there, so each micro-batch counts once."""
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x_TH, ropes, layout, valid_T, use_reentrant=False)
+        return self._forward(x_TH, ropes, layout, valid_T)
+
+    def _forward(self, x_TH, ropes, layout, valid_T):
+        h, y = self.attention_block(x_TH, ropes, layout)
+        selective = self.recompute == "selective" and torch.is_grad_enabled()
+        ffn = self.ffn
+        args = (y, valid_T) if isinstance(ffn, MoELayer) else (y,)
+        y = checkpoint(ffn, *args, use_reentrant=False) if selective else ffn(*args)
+        y, stats = y if isinstance(y, tuple) else (y, None)
+        return h + y, stats
+
+    def attention_block(self, x_TH, ropes, layout):
+        """``(residual stream after attention, its post-attention norm)``: the part of the block
+        before the FFN (a unit of its own for ``--compile`` when the FFN communicates)."""
+        selective = self.recompute == "selective" and torch.is_grad_enabled()
+        h_in = self.input_layernorm(x_TH)
+        rope = ropes[self.layer_type]
+        attn = (checkpoint(self.self_attn, h_in, rope, layout, use_reentrant=False)
+                if selective else self.self_attn(h_in, rope, layout))
+        h = x_TH + attn
+        return h, self.post_attention_layernorm(h)
+
+
+class RecomputeUnit(nn.Module):
+    """A block built around decoder blocks (an MTP depth: input norms and projection, a decoder
+    block, a head). Under ``full`` recompute the part of its forward it runs through
+    :meth:`recomputed` keeps only its inputs (its decoder blocks then recompute nothing of their
+    own, or they would run twice); under ``selective`` its decoder blocks drop their attention
+    and FFN internals, the rest keeps what it keeps. Statistics returned by the recomputed part
+    are those of the forward: the rerun's are dropped (as :class:`DecoderBlock`'s)."""
+
+    recompute: str = "none"
+
+    def recomputed(self, fn, *args):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+
+def _set_recompute(block: nn.Module, granularity: str) -> None:
+    outer = isinstance(block, RecomputeUnit)
+    if outer:
+        block.recompute = granularity
+    inner = "none" if outer and granularity == "full" else granularity
+    for m in block.modules():
+        if isinstance(m, DecoderBlock):
+            m.recompute = inner
+
+
+def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0) -> None:
+    """Set activation recompute on the chunk's blocks (``chunk.blocks()``): its decoder layers
+    (ids >= 0; ``num_layers`` > 0: only its first N) and, when all of them are, the extra blocks
+    that follow them (ids < 0, the MTP depths)."""
+    if granularity not in RECOMPUTE:
+        raise ValueError(f"--recompute-granularity {granularity!r}: expected none, selective or full")
+    layers = [m for i, m in chunk.blocks() if i >= 0]
+    chosen = layers if num_layers <= 0 else layers[:num_layers]
+    recompute_extra = recomputes_extra_blocks(num_layers, len(layers))
+    extra = [m for i, m in chunk.blocks() if i < 0] if recompute_extra else []
+    for block in chosen + extra:
+        _set_recompute(block, granularity)
+
+
+def recomputes_extra_blocks(num_layers: int, chunk_layers: int) -> bool:
+    """Whether :func:`apply_recompute` recomputes the extra blocks of a chunk of
+    ``chunk_layers`` decoder layers (the planner asks the same)."""
+    return num_layers <= 0 or num_layers >= chunk_layers

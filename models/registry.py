@@ -1,0 +1,155 @@
+"""Model families by name: what the trainer, the planner and the tools ask instead of importing
+a family (TorchTitan's ``ModelSpec``).
+
+A family is one folder ``models/<family>/`` whose ``__init__.py`` defines ``SPEC``, a
+:class:`ModelSpec`: its config class (Hugging Face ``config.json`` both ways, presets), its model
+chunk class (``models/common/decoder.py``; the weight adapter rides on it as ``weights``) and its
+shapes for the cost models. The family of a run comes from ``--hf-config``'s ``model_type``, or
+from the preset's name; checkpoints record it. A family outside this project registers itself:
+``register(spec)`` in a module named by ``--model-module``.
+
+What every family's config provides (the generic code reads only these): ``num_layers``,
+``hidden_size``, ``vocab_size``, ``head_dim``, ``num_experts`` (0: dense), ``num_experts_per_tok``,
+``num_mtp_layers`` (extra blocks after the last layer), ``max_position_embeddings``,
+``attention_backend``, ``init_std``, ``aux_loss_coeff`` (its default router auxiliary-loss
+weight), ``to_dict()`` and ``to_hf()``; the class gives ``from_hf(path_or_dict, **overrides)`` and
+``preset(name)``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+BUILT_IN = ("models.step37", "models.qwen3_moe")
+LEGACY_FAMILY = "step37"  # what checkpoints hold that were written before families were recorded
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str                      # the name checkpoints record, e.g. "step37"
+    config_class: type               # from_hf(...), preset(name), to_hf(), to_dict()
+    model_class: type                # (config, *, layers, first, last, experts, seed) -> chunk
+    shapes: Callable                 # config -> core.shapes.ModelShapes
+    model_types: tuple = ()          # Hugging Face model_type values this family reads
+    presets: tuple = ()              # preset names (config_class.preset)
+    description: str = ""
+
+    def preset(self, name: str):
+        return self.config_class.preset(name)
+
+    def build(self, config, **kwargs):
+        return self.model_class(config, **kwargs)
+
+
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Add a family; a preset name or model_type another family already has is an error."""
+    for other in _SPECS.values():
+        if other.family == spec.family:
+            if other is spec or other == spec:
+                return spec
+            raise ValueError(f"model family {spec.family!r} is registered twice")
+        clash = (set(other.presets) & set(spec.presets)) | (set(other.model_types) & set(spec.model_types))
+        if clash:
+            raise ValueError(f"model family {spec.family!r}: {sorted(clash)} already belong to "
+                             f"{other.family!r}")
+    _SPECS[spec.family] = spec
+    return spec
+
+
+def _load_built_in() -> None:
+    if not _SPECS:
+        for module in BUILT_IN:
+            register(importlib.import_module(module).SPEC)
+
+
+def import_model_module(name: str | None) -> None:
+    """Import ``--model-module`` (it calls ``register``); a bad name is a clear error."""
+    if not name:
+        return
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        raise ValueError(f"--model-module {name!r}: cannot import it ({e})") from e
+
+
+def families() -> dict[str, ModelSpec]:
+    _load_built_in()
+    return dict(_SPECS)
+
+
+def spec(family: str) -> ModelSpec:
+    specs = families()
+    if family not in specs:
+        raise ValueError(f"unknown model family {family!r}; registered: {', '.join(sorted(specs))}")
+    return specs[family]
+
+
+def preset_names() -> list[str]:
+    return sorted(p for s in families().values() for p in s.presets)
+
+
+def spec_for_preset(name: str) -> ModelSpec:
+    for s in families().values():
+        if name in s.presets:
+            return s
+    raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(preset_names())}")
+
+
+def spec_of(config) -> ModelSpec:
+    """The family of a config object (by its class)."""
+    for s in families().values():
+        if isinstance(config, s.config_class):
+            return s
+    raise ValueError(f"{type(config).__name__} is not the config of a registered model family")
+
+
+def _model_type(raw: dict) -> str | None:
+    text = raw.get("text_config")
+    return raw.get("model_type") or (text.get("model_type") if isinstance(text, dict) else None)
+
+
+def spec_for_hf(path_or_dict) -> ModelSpec:
+    """The family whose ``model_type`` a Hugging Face config (dict, file or directory) names."""
+    raw = read_hf_config(path_or_dict)
+    kind = _model_type(raw)
+    for s in families().values():
+        if kind in s.model_types or (isinstance(raw.get("text_config"), dict)
+                                     and _model_type(raw["text_config"]) in s.model_types):
+            return s
+    known = sorted(t for s in families().values() for t in s.model_types)
+    where = path_or_dict if isinstance(path_or_dict, str) else "config"
+    raise ValueError(f"{where}: model_type {kind!r} is not a registered model family's "
+                     f"(known: {', '.join(known)})")
+
+
+def read_hf_config(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    path = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def resolve(preset: str | None = None, hf_config=None, **overrides):
+    """``(spec, config)`` from a Hugging Face config (wins) or a preset; ``overrides``: config
+    fields that say how to compute (``attention_backend``)."""
+    s = spec_for_hf(hf_config) if hf_config else spec_for_preset(preset)
+    base = s.config_class.from_hf(hf_config).to_hf() if hf_config else s.preset(preset).to_hf()
+    return s, s.config_class.from_hf(base, **overrides)
+
+
+_SHAPES: dict = {}
+
+
+def shapes_of(config):
+    """The family's :class:`~core.shapes.ModelShapes` of ``config`` (cached per config)."""
+    key = (type(config).__name__, repr(config))
+    if key not in _SHAPES:
+        _SHAPES[key] = spec_of(config).shapes(config)
+    return _SHAPES[key]

@@ -1,0 +1,57 @@
+"""--store-param-remainders, --optimizer-in-backward and --cpu-offload masters against --bf16 (fp32
+masters): one rank and EP2 x DP2 with FSDP, AdamW and Muon (momentum 0), the same batches; each
+resumes bitwise.
+
+Tolerances, relative to how far each tensor moved in the steps compared:
+- --optimizer-in-backward alone, clipping off: bitwise (the same gradient, the same update,
+  only earlier); clipping on: momentum-free Muon ignores the clip factor, so its matrices differ
+  only by Newton-Schulz's fp32 rounding of a scaled input (measured 1.6e-5 after a step, 1e-3
+  allowed; in bf16 an input one rounding apart moves the update by 2e-2, hence fp32 here);
+- --store-param-remainders: the masters are exact and updated in fp32 (tests/unit/test_masters.py
+  shows the same gradients give the same masters bit for bit), but the compute value of a master
+  sitting exactly halfway between two bf16 values rounds away from zero where --bf16's rounds to
+  even (no 16-bit remainder can round to even exactly): a few of 414K weights compute one bf16
+  ulp apart from step 1 (measured: the first loss 7e-6 relative apart), and at DP > 1 the reduced
+  gradients are rounded to bf16 once. Muon's update is discontinuous in such noise (Newton-Schulz
+  lifts near-zero singular values toward 1), so only the losses are compared for it (measured
+  2e-5 after 4 steps; 1e-3 allowed); AdamW (eps 1: smooth) masters measured within 2.7% of their
+  movement after a step, 10% allowed;
+- --cpu-offload masters: fp32 masters on the host, their bf16 rounding (to even, as --bf16's
+  cast) on the device, the same fp32 updates: bitwise at one rank; at DP 2 its sharded bf16
+  parameters' reduced gradients are rounded to bf16 once (as with remainders).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.harness import run_ranks
+from tests.distributed.masters_cases import compare_modes, resume_is_bitwise
+
+LAYOUTS = {"one_rank": (1, 1), "ep2_dp2_fsdp": (4, 2)}
+REMAINDERS = {"adamw": (0.10, 1e-3), "muon": (float("inf"), 1e-3)}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_mode_follows_bf16(tmp_path, layout, optimizer):
+    world, ep = LAYOUTS[layout]
+    steps = 4 if optimizer == "muon" else 1
+    bf16_grads = REMAINDERS[optimizer] if world > 1 else (0.0, 0.0)  # host masters: exact at one rank
+    tol = {"in_backward": (0.0, 0.0), "remainders": REMAINDERS[optimizer], "both": REMAINDERS[optimizer],
+           "host": bf16_grads, "host_in_backward": bf16_grads}
+    run_ranks(world, compare_modes, ep, optimizer, 0.0, steps, tol, tmpdir=str(tmp_path))
+
+
+def test_clipping_cannot_change_momentum_free_muon(tmp_path):
+    """The global clip factor is known only after the backward; Muon steps in it unclipped."""
+    run_ranks(1, compare_modes, 1, "muon", 1.0, 1, {"in_backward": (1e-3, 0.0), "remainders": (float("inf"), 1e-3),
+                                                   "both": (float("inf"), 1e-3), "host": (0.0, 0.0),
+                                                   "host_in_backward": (1e-3, 0.0)}, tmpdir=str(tmp_path))
+
+
+@pytest.mark.parametrize("mode, world", [("remainders", 1), ("in_backward", 1), ("both", 4),
+                                         ("host_in_backward", 4)])
+def test_resume_is_bitwise(tmp_path, mode, world):
+    """The checkpoint holds fp32 masters: loading splits them into the same bf16 values and
+    remainders (one rank; and EP2 x DP2, whose shards are DTensors)."""
+    run_ranks(world, resume_is_bitwise, 2 if world == 4 else 1, mode, "muon", str(tmp_path), tmpdir=str(tmp_path))
