@@ -22,7 +22,7 @@ our training step of the same config in a loop, with as many threads, for the wh
 measurement. Each row reports the 1-minute load average (``os.getloadavg``) before and after:
 other users of the cores show up there.
 
-    python benchmarks/bench_cpu_step.py [--configs tiny hidden256] [--load quiet loaded]
+    python benchmarks/bench_cpu_step.py [--configs tiny hidden256 qwen3-moe-tiny] [--load quiet loaded]
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from torch import nn  # noqa: E402
 from benchmarks.model_slice import (CHECK_REL, CHECK_SEQ, _half, init_weights, match_tensors, packed_batch,  # noqa: E402
                                     relative_error)
 
-SEQ = {"tiny": 1024, "hidden256": 4096}
+SEQ = {"tiny": 1024, "hidden256": 4096, "qwen3-moe-tiny": 1024}
 NO_MTP = dict(num_mtp_layers=0, mtp_layer_types=[], mtp_mlp_layer_types=[], mtp_swiglu_limits=[],
               mtp_swiglu_limits_shared=[])  # transformers' Step3p7 has no MTP
 
@@ -52,9 +52,12 @@ NO_MTP = dict(num_mtp_layers=0, mtp_layer_types=[], mtp_mlp_layer_types=[], mtp_
 def model_config(name: str):
     """``tiny``: Step-3.7's preset (hidden 64, window 8) without MTP. ``hidden256``: Step-3.7
     with hidden 256, 4 layers (full, then 3 sliding, window 512), 8 query / 2 KV heads of 32,
-    16 experts top-4."""
+    16 experts top-4. ``qwen3-moe-tiny``: that preset (hidden 64, full attention, 4 layers)."""
+    from models.qwen3_moe import Qwen3MoeConfig
     from models.step37 import Step37Config
 
+    if name == "qwen3-moe-tiny":
+        return dataclasses.replace(Qwen3MoeConfig.preset(name), attention_backend="sdpa")
     cfg = Step37Config.preset("tiny")
     if name == "hidden256":
         hf = cfg.to_hf()
@@ -245,10 +248,10 @@ def report(args, rows: list[dict]) -> None:
         print(f"  {r['config']}: {args.packs} packs of {r['seq']} tokens, {r['docs']} documents (longest {r['longest']}, "
               f"{r['tokens']} real); transformers: {r['batches']} batches, {r['padded']} padded tokens; "
               f"check: largest difference {r['check']:.1e} (tolerance {CHECK_REL:.0e})")
-    print(f"{'config':<11}{'machine':<9}{'load avg':>12}{'ours tok/s':>12}{'transformers':>14}{'ours / tf':>11}")
+    print(f"{'config':<15}{'machine':<9}{'load avg':>12}{'ours tok/s':>12}{'transformers':>14}{'ours / tf':>11}")
     for r in rows:
         load = f"{r['load'][0]:.2f}-{r['load'][1]:.2f}"
-        print(f"{r['config']:<11}{r['mode']:<9}{load:>12}{r['ours']:>12,.0f}{r['hf']:>14,.0f}{r['ours'] / r['hf']:>10.2f}x")
+        print(f"{r['config']:<15}{r['mode']:<9}{load:>12}{r['ours']:>12,.0f}{r['hf']:>14,.0f}{r['ours'] / r['hf']:>10.2f}x")
     print("loaded: a second process trains our model of the same config on the same cores")
     print("reproduce: python benchmarks/bench_cpu_step.py --configs " + " ".join(args.configs) + " --load "
           + " ".join(args.load) + f" --packs {args.packs} --iters {args.iters} --warmup {args.warmup} "
