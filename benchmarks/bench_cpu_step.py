@@ -23,6 +23,18 @@ measurement. Each row reports the 1-minute load average (``os.getloadavg``) befo
 other users of the cores show up there.
 
     python benchmarks/bench_cpu_step.py [--configs tiny hidden256 qwen3-moe-tiny] [--load quiet loaded]
+
+Measured on the shared 2-core development machine (2 threads, 2026-12-01; the cores were never
+quiet: "quiet" means no second job of ours, and the load average column shows the other
+developers' work; ``docs/performance.md`` has the commands):
+
+    config          machine    load avg   ours tok/s  transformers  ours / tf
+    tiny            quiet      7.90-7.43      28,685        14,665      1.96x   (iters 7)
+    tiny            quiet     10.18-9.33       1,345           569      2.36x   (iters 7)
+    tiny            loaded    9.33-12.17         222            69      3.22x   (iters 7)
+    hidden256       quiet     13.35-8.06       2,398           307      7.81x   (iters 3)
+    hidden256       loaded     6.73-5.57         153            93      1.63x   (iters 3)
+    qwen3-moe-tiny  quiet      1.79-2.75       6,471         5,135      1.26x   (iters 5)
 """
 from __future__ import annotations
 
