@@ -14,7 +14,7 @@ gradient drives both backwards. Timed: ``--warmup`` untimed steps, then ``--iter
 forward + backward from the packed batch (rotary tables and masks included), median reported.
 
 * ours: the family's chunk holding those layers (``models/<family>/model.py``) on THD, ``auto``
-  attention (flash ``varlen`` on CUDA, per-document ``sdpa`` on CPU), grouped_mm experts. Built
+  attention (flash ``varlen`` on CUDA, blocked ``sdpa`` on CPU), grouped_mm experts. Built
   on the device (meta, then ``to_empty``) in bf16, with the router in fp32 (what the ``--bf16``
   FSDP path does) and the buffers ``core/precision.py`` keeps in fp32.
 * transformers: its decoder layer (``Step3p7DecoderLayer``, ``Qwen3MoeDecoderLayer``) on the

@@ -20,7 +20,7 @@ from torch import nn
 
 from models import registry
 
-# fp32 on both sides, the same terms summed in other orders (per-document SDPA vs a masked row,
+# fp32 on both sides, the same terms summed in other orders (our blocked SDPA vs a masked row,
 # grouped GEMM vs a per-expert loop): measured <= 2.5e-6 of the largest value on CPU over 10
 # seeds (outputs, input and parameter gradients); 1e-4 leaves 40x for another device's kernels.
 CHECK_REL = 1e-4
@@ -159,28 +159,38 @@ def slice_flops(cfg, doc_lengths) -> float:
     return training_flops(registry.shapes_of(dataclasses.replace(cfg, vocab_size=0)), list(doc_lengths))
 
 
-class _Zeros:
+class _Tokens:
+    """Token ids of every document: zeros (the slice never reads them) or seeded random ids."""
+
+    def __init__(self, vocab: int = 0, seed: int = 0):
+        self.vocab, self.seed = vocab, seed
+
     def get(self, doc, start=0, length=0):
-        return np.zeros(length, dtype=np.int64)
+        if not self.vocab:
+            return np.zeros(length, dtype=np.int64)
+        return np.random.default_rng((self.seed, doc)).integers(0, self.vocab, length, dtype=np.int64)
 
 
-def packed_batch(seq_length: int, seed: int = 0, most_documents: bool = False):
+def packed_batch(seq_length: int, seed: int = 0, most_documents: bool = False, vocab: int = 0, packs: int = 1):
     """One THD pack of ``seq_length`` that our planner makes of log-normal documents (16 packs'
     worth): the plan's first pack (its order is a seeded shuffle: what a loader would take), or
-    the one with the most documents (the check: as many boundaries as possible). A pack's few
-    unfilled slots are padding, folded into its last document as in training."""
+    the one with the most documents (the check: as many boundaries as possible); or the first
+    ``packs`` packs as one micro-batch. A pack's few unfilled slots are padding, folded into its
+    last document as in training. Tokens are zeros, or random ids below ``vocab`` (with
+    next-token labels inside each document)."""
     from data.packing import plan_packs
     from data.thd import build_thd_batch
 
     rng = np.random.default_rng(seed)
     median = min(300.0, seq_length / 8)
     lengths = []
-    while sum(lengths) < 16 * seq_length:
+    while sum(lengths) < max(16, 2 * packs) * seq_length:
         lengths.append(int(np.clip(round(rng.lognormal(math.log(median), 1.0)), 1, seq_length)))
     plan = plan_packs(np.array(lengths), seq_length, seed=seed)
-    p = int(np.argmax(np.diff(plan.pack_offsets))) if most_documents else 0
-    segs = np.asarray(plan.pack(p))
-    return build_thd_batch([segs], _Zeros(), seq_length, pad_id=0), [int(n) for n in segs[:, 2]]
+    first = int(np.argmax(np.diff(plan.pack_offsets))) if most_documents else 0
+    segs = [np.asarray(plan.pack(p)) for p in range(first, first + packs)]
+    batch = build_thd_batch(segs, _Tokens(vocab, seed), seq_length, pad_id=0)
+    return batch, [int(n) for s in segs for n in s[:, 2]]
 
 
 class OursSlice(nn.Module):
@@ -246,12 +256,13 @@ def init_weights(ours: nn.Module, seed: int, std: float, norm_std: float = 0.0, 
     """N(0, std) matrices; norms N(c, norm_std) around their own initial value c (0 for ``1 + w``,
     1 for plain ``w``); the router bias N(0, bias_std) (0: zeros). Drawn on the device, so a
     full-width slice never exists on the host. ``ours``: an ``OursSlice`` (its layers), or any
-    chunk (all of its weights but the RoPE tables)."""
+    chunk (all of its floating-point weights but the RoPE tables)."""
     from core.init import constant_values
 
     module = ours.layers if isinstance(ours, OursSlice) else \
         nn.ModuleDict({n: m for n, m in ours.named_children() if n != "rotary"})
-    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    tensors = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers())
+               if t.is_floating_point()]
     constants = constant_values(module)
     g = torch.Generator(tensors[0][1].device).manual_seed(seed)
     for name, t in tensors:
@@ -275,11 +286,16 @@ def weight_pairs(ours: OursSlice, hf: HFSlice) -> list:
     """``(our name, our tensor, transformers' tensor, half)`` for every tensor of the layers,
     matched through the family's weight adapter (which also knows transformers' in-memory
     names); ``half`` says which half of a fused gate/up tensor is ours."""
-    adapter = ours.chunk.hf_weights
     theirs = dict(hf.layers.named_parameters(prefix="layers")) | dict(hf.layers.named_buffers(prefix="layers"))
+    mine = list(ours.layers.named_parameters(prefix="layers")) + list(ours.layers.named_buffers(prefix="layers"))
+    return match_tensors(mine, theirs, ours.chunk.hf_weights)
+
+
+def match_tensors(mine: list, theirs: dict, adapter) -> list:
+    """``weight_pairs`` over named tensors through a weight ``adapter``: every one of ours and
+    of theirs must be matched."""
     pairs, used = [], set()
-    for name, t in list(ours.layers.named_parameters(prefix="layers")) + \
-            list(ours.layers.named_buffers(prefix="layers")):
+    for name, t in mine:
         match = next(((src.name, src.half) for src in adapter.sources(name) if src.name in theirs), None)
         if match is None:
             raise KeyError(f"bench_gpu: transformers' layers have no tensor for our {name}")

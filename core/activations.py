@@ -90,16 +90,26 @@ def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: st
     return total
 
 
-def cpu_sdpa_extra_bytes(a: AttentionShape, doc_lengths: list, b: int) -> int:
-    """What CPU SDPA keeps on top of a fused (GPU) kernel: it runs the math path when gradients
-    are needed, keeping each document's softmax ``[H, n, keys]`` (keys <= 2*window - 1 on
-    sliding layers, by our blocking) and three head-expanded copies, but no logsumexp."""
-    H, D, w = a.heads, a.head_dim, a.window
-    total = -sum(doc_lengths) * H * F32
-    for n in doc_lengths:
-        if w is not None and n > w:
-            blocks = [(min(qs + w, n) - qs, min(qs + w, n) - max(0, qs - w + 1)) for qs in range(0, n, w)]
-        else:
-            blocks = [(n, n)]
-        total += sum(H * nq * nk * F32 + 3 * H * nq * D * b for nq, nk in blocks)
+def cpu_sdpa_extra_bytes(a: AttentionShape, doc_lengths: list, b: int, sharing: int = 1) -> int:
+    """What the CPU ``sdpa`` backend (``core/transformer/sdpa_blocks.py``) keeps on top of a
+    fused (GPU) kernel, for documents laid end to end without padding. Its calls run torch's
+    fused CPU kernel (logsumexp, no score matrix), but a band piece saves padded copies of q,
+    k and v (``blocks * block`` queries; ``width - 1`` more keys) instead of q, k, v, and its
+    additive mask ``[blocks, block, block + width - 1]``, one per micro-batch and window:
+    each of the ``sharing`` layers with this window books its share. The kernel's output is
+    saved apart from the ``[T, H, D]`` copy the gate multiplies (unless that is a view of it)."""
+    from core.transformer.sdpa_blocks import plan_pieces
+
+    H, Hkv, D = a.heads, a.kv_heads, a.head_dim
+    starts = [sum(doc_lengths[:i]) for i in range(len(doc_lengths))]
+    T = sum(doc_lengths)
+    pieces = plan_pieces(starts, T, a.window)
+    total = 0 if len(pieces) == 1 and pieces[0].kind == "causal" else T * H * D * b
+    for p in pieces:
+        if p.kind == "band":
+            n = p.stop - p.start
+            rows = -(-n // p.block) * p.block
+            lookback = 0 if p.block == n else p.width - 1
+            total += (rows - n) * H * D * b + 2 * (rows + lookback - n) * Hkv * D * b
+            total += rows * (p.block + lookback) * b // sharing
     return total

@@ -8,10 +8,10 @@ reads (their labels are -100 and no real token attends to them).
 
 * ``varlen``: torch's flash ``varlen_attn`` over ``cu_seqlens`` (sliding window, GQA), one
   kernel per layer for the whole pack. CUDA only; the GPU default (``auto``).
-* ``sdpa``: exact, one ``scaled_dot_product_attention`` call per document, causal; a document
-  longer than the window is done in blocks of ``window`` queries against the ``2*window - 1``
-  keys they can see (banded mask), so memory stays O(n * window). The CPU default (``auto``)
-  and the reference.
+* ``sdpa``: exact, a few ``scaled_dot_product_attention`` calls per pack (``sdpa_blocks.py``):
+  query blocks against the keys they can see under one banded, block-diagonal mask across
+  document boundaries, long documents of full-width layers causal and alone; memory
+  O(block x keys a block sees). The CPU default (``auto``) and the reference.
 * ``flex``: ``flex_attention`` with a document + causal + window ``BlockMask``, built once per
   micro-batch and window and shared by the chunk's layers (and recompute); compiled on GPU,
   eager and forward-only on CPU.
@@ -29,9 +29,9 @@ from typing import Callable
 
 import torch
 import torch._dynamo
-import torch.nn.functional as F
 
 from core.packed_seq import PackedSeqParams
+from core.transformer.sdpa_blocks import sdpa_attention
 
 
 @dataclass
@@ -88,37 +88,6 @@ class DocLayout:
         if self.params.cp is not None:
             return self.params.cp.valid.to(device)
         return torch.arange(self.total, device=device) < self.real_end(device)
-
-
-def _band_mask(q_start: int, nq: int, k_start: int, nk: int, window: int, device) -> torch.Tensor:
-    d = (torch.arange(q_start, q_start + nq, device=device)[:, None]
-         - torch.arange(k_start, k_start + nk, device=device)[None, :])
-    return (d >= 0) & (d < window)
-
-
-def sdpa_attention(q, k, v, layout: DocLayout, window: int | None, scale: float) -> torch.Tensor:
-    out = torch.zeros_like(q)
-    gqa = q.shape[1] != k.shape[1]
-    for s, n in zip(layout.starts, layout.lengths):
-        if n == 0:
-            continue
-        if window is None or n <= window:
-            qd, kd, vd = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
-            out[s:s + n] = o.transpose(0, 1)
-            continue
-        # Longer than the window: blocks of `window` queries against the 2*window-1 keys they can
-        # see, so memory is O(n * window) even where a masked kernel keeps the whole score matrix.
-        for qs in range(0, n, window):
-            qe = min(qs + window, n)
-            ks = max(0, qs - window + 1)
-            qd, kd, vd = (t[s + a:s + b].transpose(0, 1) for t, a, b in
-                          ((q, qs, qe), (k, ks, qe), (v, ks, qe)))
-            o = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=_band_mask(qs, qe - qs, ks, qe - ks, window, q.device),
-                scale=scale, enable_gqa=gqa)
-            out[s + qs:s + qe] = o.transpose(0, 1)
-    return out
 
 
 def _varlen_kernel():
