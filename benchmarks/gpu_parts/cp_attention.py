@@ -107,7 +107,7 @@ def compare(heads: int, kv_heads: int, head_dim: int, window: int | None, shards
     ref = _fwd_bwd(run("sdpa"), q, kv, dy, kv_heads)
     layout = DocLayout.from_params(PackedSeqParams(torch.tensor(shard.cu_seqlens, dtype=torch.int32),
                                                    torch.tensor(shard.cu_seqlens_padded, dtype=torch.int32),
-                                                   max(np.diff(shard.cu_seqlens_padded))))
+                                                   int(max(np.diff(shard.cu_seqlens_padded)))))
     whole = sdpa_attention(q_all, kv[:, :kv_heads], kv[:, kv_heads:], layout, window, scale)
     out = {"heads": heads, "kv_heads": kv_heads, "window": window, "queries": T // N,
            "key_rows": int(plan.host.cu_k[-1]), "segments": len(plan.host.cu_q) - 1,
