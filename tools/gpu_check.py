@@ -44,8 +44,9 @@ class Part:
 
 
 def gpu_parts(preset: str, bench_args: list[str]) -> list[Part]:
-    """The parts in the order they run: what is worth most first; (h), the recipe's one-GPU proxy,
-    before the runs (f) and (g) repeat what (a)-(c) already measured."""
+    """The parts in the order they run: what is worth most first; (i), the CP attention (issue
+    22's 128K recipe depends on it and it had never run on a GPU), and (h), the recipe's one-GPU
+    proxy, before the runs (f) and (g) repeat what (a)-(c) already measured."""
     mod = lambda name: [PY, "-m", f"benchmarks.gpu_parts.{name}", "--model-preset", preset, "--json", "{json}"]  # noqa: E731
     pytest = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/gpu/test_cuda_paths.py", "-k"]
     return [
@@ -56,6 +57,8 @@ def gpu_parts(preset: str, bench_args: list[str]) -> list[Part]:
         Part("c", "one MoE layer: syncs, time, MFU, peak memory", mod("moe_layer"), 90),
         Part("d", "head + MTP depths at T 8192: peak memory", mod("head"), 90),
         Part("e", "Newton-Schulz on one EP8 rank's expert stack", mod("newton_schulz"), 45),
+        Part("i", "context-parallel attention: varlen with query != key boundaries; a 128K pack's CP4 shard",
+             mod("cp_attention"), 90),
         Part("h", "one-GPU proxy of a recipe rank vs the planner", mod("proxy"), 150),
         Part("f1", "1-GPU --bf16 tiny training, eager", pytest + ["test_one_gpu_bf16_training_run"], 120),
         Part("f2", "1-GPU --bf16 tiny training, --compile", pytest + ["test_one_gpu_bf16_compiled_training_run"], 180),

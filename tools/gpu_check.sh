@@ -6,7 +6,8 @@
 #   env    versions and the GPU
 #   a      varlen vs sdpa in bf16, fwd+bwd   b      grouped_mm vs the per-expert loop, fwd+bwd
 #   c      one MoE layer: syncs, MFU, peak   d      head + MTP depths at T 8192: peak memory
-#   e      Newton-Schulz on an EP8 stack     h      one-GPU proxy of a recipe rank vs the planner
+#   e      Newton-Schulz on an EP8 stack     i      CP attention: varlen q != k boundaries, 128K shard
+#   h      one-GPU proxy of a recipe rank vs the planner
 #   f1/f2  1-GPU --bf16 training, eager / --compile
 #   g      bench_gpu.py                      tests  the other tests in tests/gpu
 # Each part's output and JSON go to OUT (default runs/gpu_check), one line per finished part to

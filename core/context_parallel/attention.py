@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from core.context_parallel.exchange import CPComm, halo_exchange
 from core.context_parallel.plan import SegmentPlan, full_plan, halo_plan
 from core.distributed.collectives import all_gather
-from core.transformer.attention_backends import _varlen_kernel
+from core.transformer import attention_backends as ab
 
 CP_BACKENDS = ("sdpa", "varlen")  # what --attention-backend may resolve to under CP
 QUERY_BLOCK = 512  # CPU reference: queries per masked sdpa call on full layers (bounds the mask)
@@ -79,10 +79,38 @@ def sdpa_segments(q, k, v, plan: SegmentPlan, window: int | None, scale: float) 
 
 
 def varlen_segments(q, k, v, plan: DevicePlan, window: int | None, scale: float) -> torch.Tensor:
-    """One flash ``varlen_attn`` call: query and key boundaries differ, causal bottom-right."""
-    return _varlen_kernel()(q, k, v, plan.cu_q, plan.cu_k, plan.host.max_q, plan.host.max_k, scale=scale,
-                            window_size=(window - 1, 0) if window is not None else (-1, 0),
-                            enable_gqa=q.shape[1] != k.shape[1])
+    """One flash ``varlen_attn`` call: query and key boundaries differ, causal bottom-right;
+    the keywords this torch's ``varlen_attn`` has (torch 2.11 has no ``enable_gqa``: GQA goes to
+    flash as it is, ``attention_backends.VarlenAPI``)."""
+    if ab.VARLEN is None:
+        raise RuntimeError("--attention-backend varlen needs torch.nn.attention.varlen (torch >= 2.10)")
+    kw = ab.VARLEN.kwargs(window, scale, q.shape[1] != k.shape[1], q.shape[-1])
+    return ab._varlen_kernel()(q, k, v, plan.cu_q, plan.cu_k, plan.host.max_q, plan.host.max_k, **kw)
+
+
+def device_plan(shard, window: int | None, device) -> DevicePlan:
+    """The micro-batch's plan for ``window`` (``None``: full) on ``device``, built once and
+    cached in ``shard.plans``."""
+    key = ("full" if window is None else window, str(device))
+    if key not in shard.plans:
+        host = full_plan(shard) if window is None else halo_plan(shard, window)
+        shard.plans[key] = DevicePlan(host, device)
+    return shard.plans[key]
+
+
+def attend_segments(q, pool, kv_heads: int, plan: DevicePlan, valid, window: int | None, scale: float,
+                    backend: str) -> torch.Tensor:
+    """Steps 3 and 4 of the module docstring, after the exchange: the key buffer cut from
+    ``pool [rows, 2 Hkv, D]`` (K then V heads), one attention call over the segments, padding
+    rows zeroed (``valid [T/N]`` bool). No process group: tests and the GPU check call it with
+    a pool made on one process."""
+    keys = pool.index_select(0, plan.key_index)
+    kb, vb = keys[:, :kv_heads], keys[:, kv_heads:]
+    if backend == "varlen":
+        o = varlen_segments(q, kb.contiguous(), vb.contiguous(), plan, window, scale)
+    else:
+        o = sdpa_segments(q, kb, vb, plan.host, window, scale)
+    return o * valid.to(o.dtype)[:, None, None]
 
 
 class ContextParallel:
@@ -91,28 +119,14 @@ class ContextParallel:
     def __init__(self, comm: CPComm):
         self.comm = comm
 
-    def plan(self, shard, window: int | None, device) -> DevicePlan:
-        key = ("full" if window is None else window, str(device))
-        if key not in shard.plans:
-            host = full_plan(shard) if window is None else halo_plan(shard, window)
-            shard.plans[key] = DevicePlan(host, device)
-        return shard.plans[key]
-
     def __call__(self, q, k, v, layout, window: int | None, scale: float, backend: str) -> torch.Tensor:
         shard = layout.params.cp
         check_shard(self, shard, backend)
-        plan = self.plan(shard, window, q.device)
-        Hkv = k.shape[1]
+        plan = device_plan(shard, window, q.device)
         kv = torch.cat([k, v], dim=1)  # one exchange for both: [T/N, 2 Hkv, D]
         pool = all_gather(kv, self.comm.group) if window is None else \
             halo_exchange(kv, plan.send, plan.recv, self.comm)
-        keys = pool.index_select(0, plan.key_index)
-        kb, vb = keys[:, :Hkv], keys[:, Hkv:]
-        if backend == "varlen":
-            o = varlen_segments(q, kb.contiguous(), vb.contiguous(), plan, window, scale)
-        else:
-            o = sdpa_segments(q, kb, vb, plan.host, window, scale)
-        return o * shard.valid.to(o.dtype)[:, None, None]
+        return attend_segments(q, pool, k.shape[1], plan, shard.valid, window, scale, backend)
 
 
 def check_shard(cp: ContextParallel | None, shard, backend: str) -> None:

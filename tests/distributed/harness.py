@@ -6,7 +6,8 @@ The parent waits at most ``timeout`` seconds in all. A rank still running shortl
 deadline writes its Python stack (all threads) to its log; at the deadline every live rank is
 terminated and the test fails with each rank's log tail. A rank that exits non-zero (``fn``
 raised, a segfault, killed) gets the other ranks terminated at once, rather than leaving them
-blocked in a collective until the deadline."""
+blocked in a collective until the deadline. ``backend`` (default gloo) is the process group's:
+the GPU tests pass ``"cpu:gloo,cuda:nccl"`` (NCCL for CUDA tensors, gloo for CPU ones)."""
 from __future__ import annotations
 
 import datetime
@@ -58,7 +59,7 @@ def _redirect_output(path: str):
     return log
 
 
-def _entry(rank, world, port, fn, args, outdir, deadline, timeout):
+def _entry(rank, world, port, fn, args, outdir, deadline, timeout, backend="gloo"):
     log = _redirect_output(_log_path(outdir, rank))
     try:  # die with the parent (pytest killed by CI) instead of the SIGINT torch arranges
         mp._prctl_pr_set_pdeathsig(signal.SIGKILL)
@@ -79,7 +80,9 @@ def _entry(rank, world, port, fn, args, outdir, deadline, timeout):
     # not the world group's: lower it in this process so their collectives time out too.
     dist.distributed_c10d.default_pg_timeout = pg_timeout
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=pg_timeout)
+        if torch.cuda.is_available() and "nccl" in backend:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=pg_timeout)
         fn(rank, world, *args)
     except BaseException:
         # Report, then exit non-zero without destroying the group (a peer may be blocked in a
@@ -133,8 +136,9 @@ def _exit_status(code, killed_by_us: bool) -> str:
     return f"exit code {code}"
 
 
-def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; AssertionError unless all return.
+def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks (``backend``, default gloo); AssertionError
+    unless all return.
 
     ``fn`` must be importable (module level) since ranks are spawned. Fails after ``timeout``
     seconds in all, with every rank's log tail (including its stack dumped before the deadline)."""
@@ -146,7 +150,7 @@ def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0) -> Non
     start = time.monotonic()
     deadline = start + timeout
     ctx = mp.start_processes(_entry, args=(world, _free_port(), fn, args, tmpdir,
-                                           time.time() + timeout, timeout),
+                                           time.time() + timeout, timeout, backend),
                              nprocs=world, join=False, start_method="spawn")
     timed_out = False
     failed_rank = None  # the rank whose non-zero exit stopped the run

@@ -1,9 +1,11 @@
 """GPU-only checks (skipped without CUDA; run by tools/gpu_check.sh): the varlen flash backend
-against SDPA in bf16, forward and backward (both against fp32 SDPA); the chunked loss's bf16 path
+against SDPA in bf16, forward and backward (both against fp32 SDPA), also with query boundaries unequal to key boundaries (context
+parallelism); the chunked loss's bf16 path
 against fp32 logits; grouped_mm in bf16 against a per-expert loop, forward and backward, with
 experts that get no row (and a batch of none); fp32 layers on CUDA (sdpa, the loop); compiled
 layers (varlen inside the graph) against eager; and short 1-GPU training runs with --bf16:
-eager, --compile, --cpu-offload optimizer and experts. The comparisons are the GPU check's own
+eager, --compile, --cpu-offload optimizer and experts; --optimizer-in-backward's steps on their
+own stream against the step after the backward (bitwise). The comparisons are the GPU check's own
 (``benchmarks/gpu_parts``) at smaller shapes. The training flags a test adds come last, so they
 override the defaults (argparse keeps the last value)."""
 from __future__ import annotations
@@ -31,6 +33,16 @@ def test_varlen_forward_and_backward_are_as_exact_as_sdpa_in_bf16(window):
     from benchmarks.gpu_parts.attention import LENGTHS, compare, layout_of
 
     r = compare(16, 2, 128, window, layout_of(LENGTHS, torch.device("cuda")), torch.device("cuda"), time_it=False)
+    assert r["passed"], r
+
+
+@pytest.mark.parametrize("window", [None, 512])
+def test_cp_varlen_with_query_boundaries_unequal_to_key_boundaries(window):
+    """Context parallelism's flash call (CP4 rank 0's chunks against their documents' prefixes or
+    halos, bottom-right causal) at GQA 16/2: as exact as bf16 sdpa (GPU check part i, smaller)."""
+    from benchmarks.gpu_parts.cp_attention import LENGTHS, compare, shards_of
+
+    r = compare(16, 2, 128, window, shards_of(LENGTHS), torch.device("cuda"))
     assert r["passed"], r
 
 
@@ -187,3 +199,23 @@ def test_one_gpu_bf16_offloaded_training_run(tmp_path, offload):
     host (Muon's Newton-Schulz on the GPU) and the loss falls."""
     _train_tiny(tmp_path, ["--data-parallel-sharding", "fsdp", "--cpu-offload", offload,
                            "--optimizer", "muon", "--muon-momentum", "0", "--lr", "0.02", "--train-iters", "10"])
+
+
+def in_backward_steps_match(rank, world, steps):
+    """Rank body (spawned): Muon (momentum 0, fp32 Newton-Schulz) stepping each matrix in the
+    backward, against the plain Muon step after it: bitwise masters and losses. Same batches,
+    same layout: --bf16 with FSDP on a one-rank mesh (``apply_fsdp``'s one-rank meshes, so its
+    post-reduce hooks call the steps) on ``local_device()``: on CUDA each hook's work runs on
+    ``InBackwardSteps``' own stream after the stream that called it, and ``end()`` makes the
+    compute stream wait. The same kernels on the same inputs on another stream: bitwise."""
+    from tests.distributed.masters_cases import compare_modes
+
+    compare_modes(rank, world, 1, "muon", 0.0, steps, {"in_backward": (0.0, 0.0)}, ("bf16", "in_backward"))
+
+
+def test_optimizer_in_backward_on_its_own_stream_equals_the_step_after_the_backward(tmp_path):
+    """--optimizer-in-backward on CUDA (``core/optim/in_backward.py``: ``_own_stream``, ``end()``)
+    over 3 steps, one rank on a CPU-gloo / CUDA-NCCL process group."""
+    from tests.distributed.harness import run_ranks
+
+    run_ranks(1, in_backward_steps_match, 3, tmpdir=str(tmp_path), timeout=300, backend="cpu:gloo,cuda:nccl")

@@ -91,7 +91,7 @@ def test_the_parts_fit_the_budget_order_and_take_the_model():
     keys = [p.key for p in parts]
     assert keys[:2] == ["build", "env"] and keys.index("a") < keys.index("b") < keys.index("c") < keys.index("g")
     for p in parts:
-        if p.key in ("a", "b", "c", "d", "e", "h", "g"):  # the model-specific ones
+        if p.key in ("a", "b", "c", "d", "e", "i", "h", "g"):  # the model-specific ones
             assert p.cmd[p.cmd.index("--model-preset") + 1] == "qwen3-30b-a3b", p
     assert parts[keys.index("g")].cmd[-1] == "--compile"
     assert gpu_check.BUDGET + 30 <= 8 * 60  # start-up and the table inside 8 minutes

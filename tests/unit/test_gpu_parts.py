@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.gpu_parts import attention, experts, head, moe_layer, newton_schulz
+from benchmarks.gpu_parts import attention, cp_attention, experts, head, moe_layer, newton_schulz
 from tests.unit.test_varlen_adapter import reference_varlen_attn, use_kernel
 
 
@@ -32,6 +32,43 @@ def test_attention_compares_both_kernels_with_fp32(monkeypatch):
     assert set(r["varlen"]) == set(attention.NAMES) and 0 < r["varlen"]["dq"] < 0.05
     assert attention.shapes_of("step37-flash") == [(96, 8, 128, 512), (96, 8, 128, None), (64, 8, 128, 512),
                                                    (64, 8, 128, None)]
+
+
+def test_cp_attention_part_runs_on_the_cpu(tmp_path):
+    """Part (i) with sdpa standing in for flash: the simulated exchange and the code's plans give
+    the unsharded layer's output, and the long pack's key buffer is the planner's."""
+    rc, r = _run(cp_attention, tmp_path)
+    assert rc == 0 and r["passed"], r
+    assert [(row["heads"], row["window"]) for row in r["rows"]] == [(6, 8), (6, None), (4, 8), (4, None)]
+    assert all(row["ref_vs_unsharded"] < 1e-5 for row in r["rows"])
+    # documents of 37, 20, 9, 3 padded to 40, 24, 16, 8: rank 0 holds chunks 0 and 7 of each,
+    # 5 + 3 + 2 + 1 rows twice; full: prefixes 5 + 40, 3 + 24, 2 + 16, 1 + 8 keys
+    full = r["rows"][1]
+    assert (full["queries"], full["segments"], full["key_rows"]) == (22, 8, 99)
+    long = r["long"]  # one document of 512 tokens: (1 + 1/8) x 512 key rows
+    assert long["queries"] == 128 and long["key_rows"] == long["key_rows_predicted"] == 576 and long["finite"]
+
+
+def test_cp_attention_varlen_call_with_torch_2_11_keywords(monkeypatch):
+    """Part (i)'s comparison through the CP varlen call, with torch 2.11's signature (no
+    enable_gqa: passing it raises TypeError) and the documented bottom-right contract standing in
+    for flash: query and key boundaries differ, GQA goes to the kernel as it is."""
+    calls = []
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), k_cache=None, v_cache=None, cache_seqlens=None, cache_batch_idx=None,
+               page_table=None, seqused_k=None):  # torch 2.11's keywords
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                     window_size=window_size, calls=calls)
+
+    use_kernel(monkeypatch, kernel)
+    shards = cp_attention.shards_of(cp_attention.TINY_LENGTHS)
+    for window in (8, None):
+        r = cp_attention.compare(6, 2, 16, window, shards, torch.device("cpu"))
+        assert r["passed"] and 0 < r["varlen"]["dk"] < 0.05, r
+        call = calls[-1]
+        assert call["cu"].tolist() != call["cu_k"].tolist() and call["window"] == ((7, 0) if window else (-1, 0))
+        assert call["max_k"] == (40 if window is None else 12)  # chunk 7 of 40 sees the whole document
 
 
 def test_experts_part_finds_empty_experts_and_compares(tmp_path):

@@ -14,17 +14,20 @@ from tests.unit.numerics import assert_close_rel
 
 def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
                           window_size=(-1, -1), enable_gqa=False, calls=None):
-    """``varlen_attn`` as documented: per segment of ``cu_seq``, query i sees keys j with
-    i - left <= j <= i + right (-1: unbounded), GQA sharing each kv head by H_q / H_kv heads."""
+    """``varlen_attn`` as documented: per segment, query i of the segment's ``cu_seq_q`` rows sees
+    keys j of its ``cu_seq_k`` rows with i' - left <= j <= i' + right (-1: unbounded), where
+    i' = i + n_k - n_q (bottom-right alignment: the last query sits at the last key; i' = i when
+    the boundaries are equal), GQA sharing each kv head by H_q / H_kv heads."""
     calls.append(dict(cu=cu_seq_q, cu_k=cu_seq_k, max_q=max_q, max_k=max_k, scale=scale,
                       window=window_size, gqa=enable_gqa))
     left, right = window_size
     out = torch.zeros_like(query)
     group = query.shape[1] // key.shape[1]
-    for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
-        q, k, v = query[a:b], key[a:b].repeat_interleave(group, 1), value[a:b].repeat_interleave(group, 1)
+    cu_k = cu_seq_q if cu_seq_k is None else cu_seq_k
+    for a, b, ka, kb in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        q, k, v = query[a:b], key[ka:kb].repeat_interleave(group, 1), value[ka:kb].repeat_interleave(group, 1)
         s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-        d = torch.arange(b - a)[:, None] - torch.arange(b - a)[None, :]
+        d = torch.arange((kb - ka) - (b - a), kb - ka)[:, None] - torch.arange(kb - ka)[None, :]
         ok = ((d <= left) | (left < 0)) & ((-d <= right) | (right < 0))
         p = s.masked_fill(~ok, float("-inf")).softmax(-1)
         out[a:b] = torch.einsum("hqk,khd->qhd", p, v.double()).to(query.dtype)
