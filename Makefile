@@ -28,7 +28,7 @@ install-test: torch
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 
 test: install-test
-	$(PYTHON) -m pytest -q -n 2 --durations=15 tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 quickstart: install-quickstart
 	PYTHON=$(PYTHON) bash examples/quickstart.sh $(QUICKSTART_DIR)

@@ -62,3 +62,20 @@ def any_tokenizer(request, hf_tokenizer_dir, sp_model_path):
 
     model = {"byte": None, "huggingface": hf_tokenizer_dir, "sentencepiece": sp_model_path}
     return build_tokenizer(request.param, model[request.param])
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` (the Makefile's): pytest-xdist tells its scheduler an item's
+    ``xdist_group`` by a suffix on the node id that it writes to ``item._nodeid``, which pytest 9.2
+    no longer reads (node ids are ``item._id``, a ``NodeId``): the groups are silently ignored
+    (pytest-xdist issue #1386, fix pending in #1388). Until then, put the suffix where pytest reads
+    it; a no-op where xdist's own write took effect."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        suffixed = item.__dict__.get("_nodeid")
+        if isinstance(suffixed, str) and suffixed != item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(suffixed)

@@ -208,3 +208,95 @@ def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0, backen
             (log if log is not None else "<no log file>")
         blocks.append(block)
     raise AssertionError("\n".join(blocks))
+
+
+# --- Cases sharing one spawn ------------------------------------------------------------------
+# Each spawned rank spends about 3 s of CPU importing torch and the model code before it does
+# anything: on 2 cores that is most of a small case's time (world 4: ~12 CPU-s per start). Cases
+# that need the same number of ranks therefore run one after another in one spawn, each test
+# still passing or failing on its own case.
+
+CASE_DIR = object()  # an argument of a case replaced by that case's own directory
+
+
+class Prepared:
+    """An argument of a case made in the parent before the first spawn that needs it:
+    ``make(directory)``, called once per :class:`SharedRanks`, and its value passed instead."""
+
+    def __init__(self, make):
+        self.make = make
+
+
+def _case_done_path(outdir: str, index: int, rank: int) -> str:
+    return os.path.join(outdir, f"case{index}.rank{rank}.done")
+
+
+def _run_cases(rank, world, cases, outdir):
+    """Rank side of :class:`SharedRanks`: each ``(fn, args)`` in turn, a barrier after each (the
+    next case starts on a quiet group), then a marker that this rank finished it."""
+    for index, (fn, args) in enumerate(cases):
+        print(f"[harness] rank {rank}: case {index} {fn.__name__}{tuple(args)!r}", flush=True)
+        fn(rank, world, *args)
+        dist.barrier()
+        open(_case_done_path(outdir, index, rank), "w").close()
+
+
+def _slug(key) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in "-".join(map(str, key)))
+
+
+class SharedRanks:
+    """Cases ``key -> (world, fn, args)`` run in one spawn of ranks per world size.
+
+    :meth:`check` of a key runs, the first time a case of that world size is asked for, every
+    case of that size in one ``run_ranks`` (the sum of their timeouts as its deadline), then says
+    for its own key: passed (every rank finished it), failed (with ``run_ranks``' report: each
+    rank's traceback and log), or, for a case after the failing one, which never ran, runs it
+    alone on fresh ranks, so one failure is reported by its own test only and every other case
+    keeps a result of its own."""
+
+    def __init__(self, root: str, cases: dict, timeout: float = 240.0):
+        self.root, self.cases, self.timeout = root, dict(cases), timeout
+        self.outcome: dict = {}  # key -> None (passed) or the failure's text
+        self.prepared: dict = {}  # id(Prepared) -> its value
+
+    def _resolve(self, key, args):
+        path = os.path.join(self.root, "cases", _slug(key))
+        os.makedirs(path, exist_ok=True)
+        out = []
+        for a in args:
+            if isinstance(a, Prepared):
+                if id(a) not in self.prepared:
+                    made = os.path.join(self.root, "prepared", str(len(self.prepared)))
+                    os.makedirs(made)
+                    self.prepared[id(a)] = a.make(made)
+                a = self.prepared[id(a)]
+            out.append(path if a is CASE_DIR else a)
+        return tuple(out)
+
+    def _run_world(self, world: int) -> None:
+        keys = [k for k, (w, _, _) in self.cases.items() if w == world and k not in self.outcome]
+        outdir = os.path.join(self.root, f"world{world}_{len(self.outcome)}")
+        batch = [(self.cases[k][1], self._resolve(k, self.cases[k][2])) for k in keys]
+        try:
+            run_ranks(world, _run_cases, batch, outdir, tmpdir=outdir, timeout=self.timeout * len(keys))
+            error = None
+        except AssertionError as e:
+            error = f"(cases of {world} ranks run in one spawn: {keys})\n{e}"
+        for index, key in enumerate(keys):
+            if all(os.path.exists(_case_done_path(outdir, index, r)) for r in range(world)):
+                self.outcome[key] = None
+            else:  # the one that failed; the rest did not run and stay pending
+                self.outcome[key] = error or f"case {key} finished on no rank's record"
+                break
+
+    def check(self, key) -> None:
+        world, fn, args = self.cases[key]
+        if key not in self.outcome:
+            self._run_world(world)
+        if key not in self.outcome:  # after a failed case: on its own ranks
+            path = os.path.join(self.root, "alone", _slug(key))
+            run_ranks(world, fn, *self._resolve(key, args), tmpdir=path, timeout=self.timeout)
+            self.outcome[key] = None
+        if self.outcome[key] is not None:
+            raise AssertionError(self.outcome[key])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import run_ranks
 from tests.distributed.parallel_cases import check_layout
 
 LAYOUTS = {  # name: (world, pp, ep, cp, family)
@@ -20,9 +19,15 @@ LAYOUTS = {  # name: (world, pp, ep, cp, family)
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_cp_layout_matches_one_process(tmp_path, name):
-    world, pp, ep, cp, family = LAYOUTS[name]
+def _case(world, pp, ep, cp, family):
     bias_rate = 0.01 if family == "step37" else 0.0  # Qwen3-MoE's softmax routers have no balancing bias
-    run_ranks(world, check_layout, pp, 1, ep, "alltoall", 0.01, None, bias_rate, None, (), family, cp,
-              tmpdir=str(tmp_path))
+    return world, check_layout, (pp, 1, ep, "alltoall", 0.01, None, bias_rate, None, (), family, cp)
+
+
+# name -> (world, fn, args): the cases of one world size share one spawn (tests/distributed/conftest.py)
+CASES = {name: _case(*layout) for name, layout in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_cp_layout_matches_one_process(shared_ranks, case):
+    shared_ranks.check((__name__, case))

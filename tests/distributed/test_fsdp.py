@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.fsdp_cases import check_fsdp
-from tests.distributed.harness import run_ranks
 
 CASES = {  # name: (world, pp, ep, offload, recompute, optimizer)
     "dp2_adamw": (2, 1, 1, "none", "none", "adamw"),
@@ -22,7 +21,10 @@ CASES = {  # name: (world, pp, ep, offload, recompute, optimizer)
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_fsdp_matches_one_unsharded_process(tmp_path, name):
-    world, pp, ep, offload, recompute, optimizer, *gather_once = CASES[name]
-    run_ranks(world, check_fsdp, pp, ep, offload, recompute, optimizer, *gather_once, tmpdir=str(tmp_path))
+# name -> (world, fn, args): the cases of one world size share one spawn (tests/distributed/conftest.py)
+CASES = {name: (world, check_fsdp, rest) for name, (world, *rest) in CASES.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp_matches_one_unsharded_process(shared_ranks, case):
+    shared_ranks.check((__name__, case))

@@ -107,3 +107,44 @@ def test_crashed_rank_gets_the_others_terminated(tmp_path):
 def test_all_reduce_passes(tmp_path):
     run_ranks(2, all_reduce_sum, str(tmp_path), tmpdir=str(tmp_path), timeout=60)
     _assert_gone(_pids(str(tmp_path), 2))
+
+
+def count_spawn(rank, world, outdir, name):
+    """Appends this process's pid to ``outdir/name`` (one line per rank and call)."""
+    with open(os.path.join(outdir, name), "a") as f:
+        f.write(f"{os.getpid()}\n")
+    dist.barrier()
+
+
+def rank1_raises_in_case(rank, world):
+    dist.barrier()
+    if rank == 1:
+        raise ValueError("case two broke")
+    dist.barrier()
+
+
+def test_shared_ranks_run_a_world_once_and_keep_each_case_its_own_result(tmp_path):
+    """Four cases of 2 ranks, the third failing: the first two pass from the one spawn, the third
+    reports its own error, the third (which never ran there) runs alone on fresh ranks and
+    passes; a case of another world size has its own spawn."""
+    from tests.distributed.harness import SharedRanks
+
+    out = str(tmp_path)
+    cases = {"a": (2, count_spawn, (out, "a")), "a2": (2, count_spawn, (out, "a2")),
+             "b": (2, rank1_raises_in_case, ()),
+             "c": (2, count_spawn, (out, "c")), "d": (1, count_spawn, (out, "d"))}
+    shared = SharedRanks(str(tmp_path / "runs"), cases, timeout=60)
+    shared.check("a")  # runs a and a2, then b fails: c never started in that spawn
+    assert not os.path.exists(tmp_path / "c")
+    shared.check("a2")
+    with pytest.raises(AssertionError) as err:
+        shared.check("b")
+    assert "ValueError: case two broke" in str(err.value) and "['a', 'a2', 'b', 'c']" in str(err.value)
+    shared.check("c")  # alone
+    shared.check("d")
+    pids = {n: open(tmp_path / n).read().split() for n in ("a", "a2", "c", "d")}
+    assert len(pids["a"]) == len(pids["c"]) == 2 and len(pids["d"]) == 1
+    assert sorted(pids["a"]) == sorted(pids["a2"])  # the same two ranks ran both
+    assert not set(pids["a"]) & set(pids["c"])  # c: fresh processes
+    with pytest.raises(AssertionError):  # a failure is reported again, not rerun into a pass
+        shared.check("b")

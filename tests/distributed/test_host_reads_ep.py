@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch.distributed as dist
 
 from core.parallel_state import ParallelSizes, ParallelState
 from training.parallelize import parallelize
-from tests.distributed.harness import run_ranks
 from tests.distributed.parallel_cases import micro_batches, run_args, tiny_config
 from tests.host_reads import HostReads
 
@@ -27,5 +27,10 @@ def count_reads_ep2(rank, world):
     dist.barrier()
 
 
-def test_all_to_all_reads_only_its_split_sizes(tmp_path):
-    run_ranks(2, count_reads_ep2, tmpdir=str(tmp_path))
+# in the spawn of the other 2-rank cases (tests/distributed/conftest.py)
+CASES = {"ep2": (2, count_reads_ep2, ())}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_all_to_all_reads_only_its_split_sizes(shared_ranks, case):
+    shared_ranks.check((__name__, case))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
 from tests.distributed.parallel_cases import check_layout
 
 LAYOUTS = {  # name: (world, pp, vpp, ep)
@@ -24,50 +23,67 @@ LAYOUTS = {  # name: (world, pp, vpp, ep)
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(tmp_path, name):
-    world, pp, vpp, ep = LAYOUTS[name]
-    run_ranks(world, check_layout, pp, vpp, ep, tmpdir=str(tmp_path))
+# name -> (world, fn, args); the tests of one world size share one spawn (tests/distributed/conftest.py)
+CASES = {name: (world, check_layout, (pp, vpp, ep)) for name, (world, pp, vpp, ep) in LAYOUTS.items()}
+CASES.update({
+    "compiled": (4, check_layout, (2, 1, 2, "alltoall", 0.0, None, 0.0, None,
+                                   ("--compile", "--compile-backend", "aot_eager"))),
+    "pp4_8_micro_batches": (4, check_layout, (4, 1, 1, "alltoall", 0.0, None, 0.0, 8)),
+    "router_bias": (4, check_layout, (2, 1, 2, "alltoall", 0.0, None, 0.01)),
+    "qwen3_moe_aux": (4, check_layout, (2, 1, 2, "alltoall", 0.05, None, 0.0, None, (), "qwen3_moe")),
+    "allgather_aux": (2, check_layout, (1, 1, 2, "allgather", 0.01)),
+    "ep_rank_without_tokens": (2, check_layout, (1, 1, 2, "alltoall", 0.0,
+                                                 torch.tensor([100.0] * 4 + [0.0] * 4))),
+})
 
 
-def test_compiled_layers_match_one_process(tmp_path):
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_layout_matches_one_process(shared_ranks, case):
+    shared_ranks.check((__name__, case))
+
+
+@pytest.mark.parametrize("case", ["compiled"])
+def test_compiled_layers_match_one_process(shared_ranks, case):
     """PP2 x EP2 with --compile: the dense layers and MTP depths are whole fullgraph graphs,
     the MoE layers compiled around their all-to-all; equal to one eager process within the
     layouts' 1e-5, and a second step on packs with other document boundaries compiles nothing
     new. Backend aot_eager (dynamo + AOTAutograd, no code generation): it proves the tracing
     and the graphs on four CPU ranks in seconds; inductor's code is checked at one rank in
     tests/unit/test_compile.py."""
-    run_ranks(4, check_layout, 2, 1, 2, "alltoall", 0.0, None, 0.0, None,
-              ("--compile", "--compile-backend", "aot_eager"), tmpdir=str(tmp_path))
+    shared_ranks.check((__name__, case))
 
 
-def test_executor_releases_sent_activations(tmp_path):
+@pytest.mark.parametrize("case", ["pp4_8_micro_batches"])
+def test_executor_releases_sent_activations(shared_ranks, case):
     """PP4 with 8 micro-batches: every stage but the last sends 8 activations; each is released
     once its batch is retired, so the executor never holds more than the plan's live buffers
     (keeping a sent output's values until its backward, as the first wave did, exceeds them on
     the middle stages), and nothing at the end."""
-    run_ranks(4, check_layout, 4, 1, 1, "alltoall", 0.0, None, 0.0, 8, tmpdir=str(tmp_path))
+    shared_ranks.check((__name__, case))
 
 
-def test_router_bias_update_uses_the_whole_step_load(tmp_path):
+@pytest.mark.parametrize("case", ["router_bias"])
+def test_router_bias_update_uses_the_whole_step_load(shared_ranks, case):
     """PP2 x EP2 (DP 2): the aux-loss-free bias moves by the sign of the load summed over every
     micro-batch and DP rank of the step (not the last micro-batch's), equal to one process."""
-    run_ranks(4, check_layout, 2, 1, 2, "alltoall", 0.0, None, 0.01, tmpdir=str(tmp_path))
+    shared_ranks.check((__name__, case))
 
 
-def test_model_wide_aux_loss_across_pipeline_stages(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_moe_aux"])
+def test_model_wide_aux_loss_across_pipeline_stages(shared_ranks, case):
     """Qwen3-MoE's aux loss averages the router statistics over every MoE layer of the model
     (transformers' form); at PP2 x EP2 the stages' counts travel with the pipeline's messages and
     each stage adds its exact share: loss, gradients and the update equal one process, and the
     messages with their carries replay under NCCL's rules."""
-    run_ranks(4, check_layout, 2, 1, 2, "alltoall", 0.05, None, 0.0, None, (), "qwen3_moe", tmpdir=str(tmp_path))
+    shared_ranks.check((__name__, case))
 
 
-def test_allgather_dispatcher_and_aux_loss(tmp_path):
-    run_ranks(2, check_layout, 1, 1, 2, "allgather", 0.01, tmpdir=str(tmp_path))
+@pytest.mark.parametrize("case", ["allgather_aux"])
+def test_allgather_dispatcher_and_aux_loss(shared_ranks, case):
+    shared_ranks.check((__name__, case))
 
 
-def test_ep_rank_that_receives_no_tokens(tmp_path):
+@pytest.mark.parametrize("case", ["ep_rank_without_tokens"])
+def test_ep_rank_that_receives_no_tokens(shared_ranks, case):
     """Bias every token to experts 0-3 (EP rank 0): EP rank 1 gets nothing, forward and backward."""
-    bias = torch.tensor([100.0] * 4 + [0.0] * 4)
-    run_ranks(2, check_layout, 1, 1, 2, "alltoall", 0.0, bias, tmpdir=str(tmp_path))
+    shared_ranks.check((__name__, case))

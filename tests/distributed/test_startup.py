@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import Prepared, run_ranks
 from tests.distributed.startup_cases import (ALLOWANCE, PEAK_FACTOR, check_hf_streaming,
                                              check_startup_memory, source_model)
 from tests.distributed.parallel_cases import tiny_config
@@ -27,20 +27,23 @@ LAYOUTS = {  # name: (world, pp, ep, flags)
 }
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("hf")
-    source_model(tiny_config()).save_hf(str(path))  # transformers' layout: fused gate_up halves
-    return str(path)
+def _hf_dir(path: str) -> str:
+    source_model(tiny_config()).save_hf(path)  # transformers' layout: fused gate_up halves
+    return path
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_every_layout_holds_the_rows_of_one_process(tmp_path, hf_dir, name):
-    world, pp, ep, flags = LAYOUTS[name]
-    run_ranks(world, check_hf_streaming, pp, ep, flags, hf_dir, tmpdir=str(tmp_path), timeout=180)
+HF_DIR = Prepared(_hf_dir)
+# name -> (world, fn, args): the cases of one world size share one spawn (tests/distributed/conftest.py)
+CASES = {name: (world, check_hf_streaming, (pp, ep, flags, HF_DIR)) for name, (world, pp, ep, flags) in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_every_layout_holds_the_rows_of_one_process(shared_ranks, case):
+    shared_ranks.check((__name__, case))
 
 
 def test_peak_host_memory_of_a_1b_model_at_pp2_ep2(tmp_path):
+    # ranks of its own, not shared: a peak of host memory is measured (see startup_cases)
     run_ranks(4, check_startup_memory, 2, 2, FSDP, str(tmp_path), tmpdir=str(tmp_path), timeout=240)
     rows = [json.load(open(tmp_path / f"memory{r}.json")) for r in range(4)]
     total = sum(r["parameters"] for r in rows)  # FSDP: no replicas (plus the MTP embedding copy)

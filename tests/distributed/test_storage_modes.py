@@ -24,34 +24,45 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import CASE_DIR
 from tests.distributed.masters_cases import compare_modes, resume_is_bitwise
 
 LAYOUTS = {"one_rank": (1, 1), "ep2_dp2_fsdp": (4, 2)}
 REMAINDERS = {"adamw": (0.10, 1e-3), "muon": (float("inf"), 1e-3)}
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_mode_follows_bf16(tmp_path, layout, optimizer):
+def _follows(layout, optimizer):
     world, ep = LAYOUTS[layout]
     steps = 4 if optimizer == "muon" else 1
     bf16_grads = REMAINDERS[optimizer] if world > 1 else (0.0, 0.0)  # host masters: exact at one rank
     tol = {"in_backward": (0.0, 0.0), "remainders": REMAINDERS[optimizer], "both": REMAINDERS[optimizer],
            "host": bf16_grads, "host_in_backward": bf16_grads}
-    run_ranks(world, compare_modes, ep, optimizer, 0.0, steps, tol, tmpdir=str(tmp_path))
+    return world, compare_modes, (ep, optimizer, 0.0, steps, tol)
 
 
-def test_clipping_cannot_change_momentum_free_muon(tmp_path):
+RESUMES = [("remainders", 1), ("in_backward", 1), ("both", 4), ("host_in_backward", 4)]
+# name -> (world, fn, args): the cases of one world size share one spawn (tests/distributed/conftest.py)
+CASES = {f"{layout}-{optimizer}": _follows(layout, optimizer) for layout in LAYOUTS for optimizer in REMAINDERS}
+CASES["clip"] = (1, compare_modes, (1, "muon", 1.0, 1, {
+    "in_backward": (1e-3, 0.0), "remainders": (float("inf"), 1e-3), "both": (float("inf"), 1e-3),
+    "host": (0.0, 0.0), "host_in_backward": (1e-3, 0.0)}))
+CASES.update({f"resume-{mode}-{world}": (world, resume_is_bitwise, (2 if world == 4 else 1, mode, "muon", CASE_DIR))
+              for mode, world in RESUMES})
+
+
+@pytest.mark.parametrize("case", [k for k in CASES if k != "clip" and not k.startswith("resume-")])
+def test_each_mode_follows_bf16(shared_ranks, case):
+    shared_ranks.check((__name__, case))
+
+
+@pytest.mark.parametrize("case", ["clip"])
+def test_clipping_cannot_change_momentum_free_muon(shared_ranks, case):
     """The global clip factor is known only after the backward; Muon steps in it unclipped."""
-    run_ranks(1, compare_modes, 1, "muon", 1.0, 1, {"in_backward": (1e-3, 0.0), "remainders": (float("inf"), 1e-3),
-                                                   "both": (float("inf"), 1e-3), "host": (0.0, 0.0),
-                                                   "host_in_backward": (1e-3, 0.0)}, tmpdir=str(tmp_path))
+    shared_ranks.check((__name__, case))
 
 
-@pytest.mark.parametrize("mode, world", [("remainders", 1), ("in_backward", 1), ("both", 4),
-                                         ("host_in_backward", 4)])
-def test_resume_is_bitwise(tmp_path, mode, world):
+@pytest.mark.parametrize("case", [f"resume-{mode}-{world}" for mode, world in RESUMES])
+def test_resume_is_bitwise(shared_ranks, case):
     """The checkpoint holds fp32 masters: loading splits them into the same bf16 values and
     remainders (one rank; and EP2 x DP2, whose shards are DTensors)."""
-    run_ranks(world, resume_is_bitwise, 2 if world == 4 else 1, mode, "muon", str(tmp_path), tmpdir=str(tmp_path))
+    shared_ranks.check((__name__, case))

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.e2e.test_training import dataset, train  # noqa: F401  (the fixture)
+from tests.e2e.test_training import train
 
 ADAMW = ["--optimizer", "adamw", "--lr", "5e-3"]
 
@@ -17,7 +17,7 @@ def _losses(rows):
     return [r["loss"] for r in rows]
 
 
-def test_small_updates_move_fp32_masters_and_checkpoints_hold_them(dataset, tmp_path):  # noqa: F811
+def test_small_updates_move_fp32_masters_and_checkpoints_hold_them(dataset, tmp_path):
     """AdamW at lr 1e-5 with weight decay 0.1: each step moves a weight by ~1e-5, below bf16's
     resolution at the init scale (0.02 x 2^-8 = 8e-5), so a bf16 weight would not move at all."""
     from core.checkpointing import load_checkpoint
@@ -43,7 +43,7 @@ def test_small_updates_move_fp32_masters_and_checkpoints_hold_them(dataset, tmp_
     assert checked > 20
 
 
-def test_bf16_tracks_fp32_but_is_not_fp32(dataset, tmp_path):  # noqa: F811
+def test_bf16_tracks_fp32_but_is_not_fp32(dataset, tmp_path):
     args = ["--data-path", dataset, *ADAMW, "--train-iters", "20"]
     fp32 = _losses(train(args, tmp_path / "fp32"))
     bf16 = _losses(train(args + ["--bf16"], tmp_path / "bf16"))
@@ -53,7 +53,7 @@ def test_bf16_tracks_fp32_but_is_not_fp32(dataset, tmp_path):  # noqa: F811
     assert worst <= 0.03, f"bf16 loss differs from fp32 by {100 * worst:.2f}%"
 
 
-def test_bf16_layouts_match_one_bf16_process(dataset, tmp_path):  # noqa: F811
+def test_bf16_layouts_match_one_bf16_process(dataset, tmp_path):
     """PP2 x EP2, PP2 x FSDP DP2 and CP2 x EP2 (the EP group is the CP group) under --bf16
     against one --bf16 process, 3 steps; every run pads documents to 4 (what CP2 pads to), so
     all plan the same packs. The first step's loss agrees to fp32 rounding (measured: bitwise;
@@ -78,10 +78,12 @@ def test_bf16_layouts_match_one_bf16_process(dataset, tmp_path):  # noqa: F811
         assert len(got) == 3 and first <= first_tol and worst <= 1e-3, f"{name}: {worst:.2e} ({one} vs {got})"
 
 
-def test_bf16_resume_is_bitwise_and_checkpoints_cross_precisions(dataset, tmp_path):  # noqa: F811
+def test_bf16_resume_is_bitwise_and_checkpoints_cross_precisions(dataset, adamw4, tmp_path):
+    """The runs saved from: the shared ones of tests/e2e/conftest.py (these flags, checkpoints at
+    2 and 4), read only."""
     args = ["--data-path", dataset, *ADAMW, "--train-iters", "4", "--bf16"]
-    full = train(args + ["--save", str(tmp_path / "ck"), "--save-interval", "2"], tmp_path / "a")
-    start = str(tmp_path / "ck" / "iter_0000002")
+    full, ck = adamw4(True)
+    start = str(ck / "iter_0000002")
     resumed = train(args + ["--load", start], tmp_path / "b")
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert _losses(resumed) == _losses(full[2:])  # exactly
@@ -89,12 +91,11 @@ def test_bf16_resume_is_bitwise_and_checkpoints_cross_precisions(dataset, tmp_pa
     assert [r["iteration"] for r in fp32] == [3, 4]
     assert all(abs(a - b) <= 0.03 * a for a, b in zip(_losses(full[2:]), _losses(fp32)))
     # and an fp32 checkpoint resumes under --bf16
-    train(["--data-path", dataset, *ADAMW, "--train-iters", "2", "--save", str(tmp_path / "ck32")], tmp_path / "d")
-    back = train(args + ["--load", str(tmp_path / "ck32")], tmp_path / "e")
+    back = train(args + ["--load", str(adamw4(False)[1] / "iter_0000002")], tmp_path / "e")
     assert [r["iteration"] for r in back] == [3, 4] and os.path.exists(tmp_path / "e" / "metrics.jsonl")
 
 
-def test_host_masters_match_one_process_at_dp2_and_pp2_ep2(dataset, tmp_path):  # noqa: F811
+def test_host_masters_match_one_process_at_dp2_and_pp2_ep2(dataset, tmp_path):
     """--cpu-offload masters (fp32 masters and AdamW state on the host, Muon's matrices stepping
     in the backward) at DP2 and at PP2 x EP2 against one such process taking both packs in one
     micro-batch, 3 steps; tolerance as for the --bf16 layouts above (1e-3), the first step to

@@ -4,7 +4,7 @@ ranks and full recompute, and its checkpoints cross CP sizes both ways. (--bf16 
 tests/e2e/test_bf16.py; every CP layout's step: tests/distributed/test_cp_layouts.py.)"""
 from __future__ import annotations
 
-from tests.e2e.test_training import dataset, train  # noqa: F401  (the fixture)
+from tests.e2e.test_training import train
 
 PAD4 = ["--document-pad-multiple", "4"]  # what CP2 pads to: one process then plans the same packs
 CP2 = ["--context-parallel-size", "2"]
@@ -19,7 +19,7 @@ def _col(rows: list, key: str) -> list:
     return [r[key] for r in rows if key in r]
 
 
-def test_cp2_trains_like_one_process_and_resumes_across_cp_sizes(dataset, tmp_path):  # noqa: F811
+def test_cp2_trains_like_one_process_and_resumes_across_cp_sizes(dataset, tmp_path):
     """fp32, 3 steps, one evaluation at the end. CP2 (FSDP over the two CP ranks' dense
     replicas, full recompute) logs the training and validation losses of one process within
     1e-5 relative: the losses are sums of the same per-token terms, but each CP rank sums its

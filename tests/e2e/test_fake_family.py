@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.e2e.test_training import ROOT, dataset, train  # noqa: F401  (fixture)
+from tests.e2e.test_training import ROOT, train
 
 FAKE = ["--model-module", "tests.fake_family", "--model-preset", "fake-dense-tiny", "--optimizer", "adamw",
         "--lr", "3e-3"]

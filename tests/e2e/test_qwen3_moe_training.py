@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 from tests.e2e.test_run_control import launch, training_rows, valid_rows
-from tests.e2e.test_training import dataset, train  # noqa: F401  (fixture)
+from tests.e2e.test_training import train
 
 QWEN = ["--model-preset", "qwen3-moe-tiny", "--optimizer", "adamw", "--lr", "3e-3", "--train-iters", "6",
         "--split", "90,10,0", "--eval-interval", "3", "--eval-iters", "1"]

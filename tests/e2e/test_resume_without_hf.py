@@ -7,10 +7,10 @@ import os
 import shutil
 
 from models.step37 import Step37Config, Step37Model
-from tests.e2e.test_training import dataset, train  # noqa: F401  (dataset: a fixture)
+from tests.e2e.test_training import train
 
 
-def test_resume_from_our_checkpoint_never_reads_the_hf_checkpoint(dataset, tmp_path):  # noqa: F811
+def test_resume_from_our_checkpoint_never_reads_the_hf_checkpoint(dataset, tmp_path):
     hf = tmp_path / "hf"
     Step37Model(Step37Config.preset("tiny"), seed=5).save_hf(str(hf))
     args = ["--data-path", dataset, "--load-hf", str(hf), "--optimizer", "adamw", "--lr", "1e-3",

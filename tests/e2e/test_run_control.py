@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tests.e2e.test_training import COMMON, ROOT, dataset, free_port, train  # noqa: F401  (fixture)
+from tests.e2e.test_training import COMMON, ROOT, free_port, train
 
 ADAMW = ["--optimizer", "adamw", "--lr", "1e-3"]
 MUON = ["--optimizer", "muon", "--muon-momentum", "0.9", "--lr", "0.02"]
@@ -55,12 +55,16 @@ def test_evaluation_logs_validation_loss_and_changes_no_training_loss(dataset, t
         assert abs(a["valid_loss"] - b["valid_loss"]) <= 1e-5 * a["valid_loss"], (a, b)
 
 
-def test_exit_interval_and_a_longer_run_resume_onto_the_same_schedule(dataset, tmp_path):
+def test_exit_interval_and_a_longer_run_resume_onto_the_same_schedule(dataset, muon8, tmp_path):
     """Stopped by --exit-interval 3 and resumed; trained 5 of a fixed 8-iteration schedule and
     resumed with --train-iters 8: both log bitwise the losses and learning rates of one
-    uninterrupted run (Muon with momentum, so the optimizer state matters)."""
-    base = ["--data-path", dataset, *MUON, "--lr-decay-iters", "8"]
-    full = train(base + ["--train-iters", "8"], tmp_path / "full")
+    uninterrupted run (Muon with momentum, so the optimizer state matters; the shared run of
+    tests/e2e/conftest.py, these flags)."""
+    from tests.e2e.conftest import MUON8
+
+    assert MUON8 == [*MUON, "--lr-decay-iters", "8"]
+    base = ["--data-path", dataset, *MUON8]
+    full = muon8
     out, stopped = launch(base + ["--train-iters", "8", "--exit-interval", "3", "--save", str(tmp_path / "a")],
                           tmp_path / "stopped")
     assert out.returncode == 0 and "--exit-interval 3: saving and exiting at iteration 3" in out.stdout, out.stderr

@@ -17,8 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.e2e.test_training import dataset  # noqa: F401  (a fixture)
-
 COMMON = ["--model-preset", "tiny", "--seq-length", "128", "--global-batch-size", "4",
           "--log-interval", "1", "--seed", "7", "--optimizer", "adamw", "--lr", "1e-3"]
 
@@ -41,7 +39,7 @@ def rows(log_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run4(dataset, tmp_path_factory):  # noqa: F811
+def run4(dataset, tmp_path_factory):
     """4 iterations, checkpoints at 2 and 4, metrics of every iteration."""
     d = tmp_path_factory.mktemp("run4")
     assert run(["--data-path", dataset, "--train-iters", "4", "--save", str(d / "ck"),
@@ -49,7 +47,7 @@ def run4(dataset, tmp_path_factory):  # noqa: F811
     return d, rows(d / "log")
 
 
-def test_steps_without_targets_fail_with_exit_1(dataset, capsys):  # noqa: F811
+def test_steps_without_targets_fail_with_exit_1(dataset, capsys):
     """--seq-length 1: no pack holds a label. It reported 'final loss 0.0000', exit 0; now each
     step is skipped (no update: weight decay would still move the weights) and the run fails."""
     assert run(["--data-path", dataset, "--train-iters", "3", "--seq-length", "1"]) == 1
@@ -58,7 +56,7 @@ def test_steps_without_targets_fail_with_exit_1(dataset, capsys):  # noqa: F811
     assert "every step of this run was skipped (3" in err and "nothing was trained" in err
 
 
-def test_a_run_whose_every_step_is_non_finite_exits_1(dataset, tmp_path, capsys):  # noqa: F811
+def test_a_run_whose_every_step_is_non_finite_exits_1(dataset, tmp_path, capsys):
     """A NaN in the initial weights: every step skipped, fewer than --max-skipped-steps (10), so
     the run used to finish with exit 0."""
     from safetensors.torch import load_file, save_file
@@ -75,7 +73,7 @@ def test_a_run_whose_every_step_is_non_finite_exits_1(dataset, tmp_path, capsys)
     assert "every step of this run was skipped (3, the last for a non-finite loss" in err
 
 
-def test_resuming_into_the_same_log_dir_logs_each_iteration_once(dataset, run4, tmp_path, capsys):  # noqa: F811
+def test_resuming_into_the_same_log_dir_logs_each_iteration_once(dataset, run4, tmp_path, capsys):
     """Interrupted after iteration 4 with its last checkpoint at 2: the resumed run logs 3 and 4
     again. They are logged once (the resumed values, bitwise the first run's), and the first
     run's rows past the checkpoint are kept aside, not lost."""
@@ -91,7 +89,7 @@ def test_resuming_into_the_same_log_dir_logs_each_iteration_once(dataset, run4, 
     assert [r["iteration"] for r in superseded] == [3, 4]
 
 
-def test_train_iters_below_the_checkpoint_is_an_error_and_equal_is_a_no_op(dataset, run4, capsys):  # noqa: F811
+def test_train_iters_below_the_checkpoint_is_an_error_and_equal_is_a_no_op(dataset, run4, capsys):
     """Both exited 0 with 'final loss nan'."""
     d, _ = run4
     assert run(["--data-path", dataset, "--train-iters", "3", "--load", str(d / "ck")]) == 1
@@ -101,7 +99,7 @@ def test_train_iters_below_the_checkpoint_is_an_error_and_equal_is_a_no_op(datas
     assert "at iteration 4 = --train-iters 4: nothing to train" in out and "loss nan" not in out
 
 
-def test_a_data_change_on_resume_is_a_clear_error_unless_overridden(dataset, run4, capsys):  # noqa: F811
+def test_a_data_change_on_resume_is_a_clear_error_unless_overridden(dataset, run4, capsys):
     """It was a ValueError traceback after 'resumed from ...'."""
     d, _ = run4
     args = ["--data-path", dataset, "--train-iters", "3", "--seq-length", "64",
@@ -116,7 +114,7 @@ def test_a_data_change_on_resume_is_a_clear_error_unless_overridden(dataset, run
     assert "resumed from" in cap.out
 
 
-def test_micro_batch_size_may_change_on_resume(dataset, run4, tmp_path):  # noqa: F811
+def test_micro_batch_size_may_change_on_resume(dataset, run4, tmp_path):
     """docs/checkpoints.md: batch flags may change on a resume. The same packs per iteration,
     grouped 2 per micro-batch: the uninterrupted losses (1e-6 relative: the micro-batches sum
     their gradients in another order). It was refused, as a traceback."""

@@ -7,27 +7,13 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-import pytest
+import shutil
 
-from data.indexed_dataset import IndexedDatasetWriter
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["--model-preset", "tiny", "--seq-length", "128", "--global-batch-size", "4",
           "--log-interval", "1", "--seed", "7", "--lr-warmup-iters", "2"]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    """A small corpus: 12 documents repeated, so a tiny model can memorise it."""
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 256, rng.integers(20, 90)) for _ in range(12)]
-    prefix = str(tmp_path_factory.mktemp("data") / "rep_text_document")
-    with IndexedDatasetWriter(prefix, np.uint16) as w:
-        for _ in range(20):
-            for d in docs:
-                w.add(d)
-    return prefix
 
 
 def free_port() -> int:
@@ -65,14 +51,16 @@ def test_overfits_a_small_repeated_dataset(dataset, tmp_path):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_compile_trains_like_eager(dataset, tmp_path, bf16):
+def test_compile_trains_like_eager(dataset, adamw4, tmp_path, bf16):
     """--compile through the trainer (with --bf16: the compiled layers under FSDP2's mixed
     precision hooks). Backend aot_eager: dynamo + AOTAutograd without code generation runs the
-    same kernels as eager. Inductor is checked in tests/unit/test_compile.py."""
-    args = ["--data-path", dataset, "--train-iters", "4", "--optimizer", "adamw", "--lr", "5e-3"] + \
-        (["--bf16"] if bf16 else [])
-    eager = train(args, tmp_path / "eager")
-    compiled = train(args + ["--compile", "--compile-backend", "aot_eager"], tmp_path / "compiled")
+    same kernels as eager. Inductor is checked in tests/unit/test_compile.py. The eager run is
+    the shared one of tests/e2e/conftest.py (it also saves checkpoints, which changes no loss)."""
+    from tests.e2e.conftest import ADAMW4
+
+    eager, _ = adamw4(bf16)
+    compiled = train(["--data-path", dataset, *ADAMW4] + (["--bf16"] if bf16 else []) +
+                     ["--compile", "--compile-backend", "aot_eager"], tmp_path / "compiled")
     errs = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(compiled, eager)]
     assert errs[0] <= 1e-6, errs  # the first step: measured identical in fp32 and bf16
     # fp32: every step measured identical. bf16: the compiled graph rounds some bf16
@@ -83,13 +71,16 @@ def test_compile_trains_like_eager(dataset, tmp_path, bf16):
     assert len(compiled) == len(eager) == 4
 
 
-def test_resume_is_bitwise_identical(dataset, tmp_path):
-    args = ["--data-path", dataset, "--optimizer", "muon", "--muon-momentum", "0.9", "--lr", "0.02"]
-    full = train(args + ["--train-iters", "8"], tmp_path / "full")
+def test_resume_is_bitwise_identical(dataset, muon8, tmp_path):
+    """The uninterrupted run: the shared Muon run of tests/e2e/conftest.py (these flags, no
+    checkpoints)."""
+    from tests.e2e.conftest import MUON8
+
+    full = muon8
+    args = ["--data-path", dataset, *MUON8]
     train(args + ["--train-iters", "8", "--save", str(tmp_path / "ck"), "--save-interval", "4"],
           tmp_path / "a")
     # interrupted at 4: drop the later checkpoint, resume from iteration 4
-    import shutil
     shutil.rmtree(tmp_path / "ck" / "iter_0000008")
     (tmp_path / "ck" / "latest").write_text("iter_0000004")
     resumed = train(args + ["--train-iters", "8", "--load", str(tmp_path / "ck")], tmp_path / "b")
@@ -127,19 +118,20 @@ def test_flag_errors_name_the_flag(dataset, tmp_path):
     assert mom.returncode == 2 and "--muon-momentum must be in [0, 1)" in mom.stderr
 
 
-def test_export_to_hf_and_import_back(dataset, tmp_path):
+def test_export_to_hf_and_import_back(adamw4, tmp_path):
+    """The checkpoint: the shared fp32 AdamW run's last (tests/e2e/conftest.py), read only."""
     import torch
 
     from core.checkpointing import load_checkpoint
     from models.step37 import Step37Config, Step37Model
 
-    train(["--data-path", dataset, "--train-iters", "2", "--save", str(tmp_path / "ck")], tmp_path / "tb")
+    _, ck = adamw4(False)
     run = lambda *a: subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, a)],
                                     cwd=ROOT, capture_output=True, text=True)
-    out = run("export", tmp_path / "ck", tmp_path / "hf")
-    assert out.returncode == 0 and "(iteration 2)" in out.stdout, out.stderr
+    out = run("export", ck, tmp_path / "hf")
+    assert out.returncode == 0 and "(iteration 4)" in out.stdout, out.stderr
     trained = Step37Model(Step37Config.preset("tiny"))
-    load_checkpoint(str(tmp_path / "ck"), [trained])
+    load_checkpoint(str(ck), [trained])
     from_hf = Step37Model(Step37Config.from_hf(str(tmp_path / "hf")))
     assert from_hf.load_hf(str(tmp_path / "hf"))["missing"] == []
     for (n, a), (_, b) in zip(trained.named_parameters(), from_hf.named_parameters()):

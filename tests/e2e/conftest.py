@@ -1,0 +1,74 @@
+"""The corpus every e2e test trains on, and training runs that several tests compare with.
+
+A run of the entry script costs about 3 s of CPU to start (imports) plus 0.2-0.3 s per tiny
+iteration, so a run that two tests would each start is started once here and its rows and
+checkpoints shared (read-only: a test that changes a checkpoint directory copies it first).
+The tests that share a run are put in one xdist group (``--dist loadgroup``, the Makefile's),
+so that one worker starts it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data.indexed_dataset import IndexedDatasetWriter
+
+SHARED_RUNS = ("muon8", "adamw4")
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> str:
+    """A small corpus: 12 documents repeated, so a tiny model can memorise it."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 256, rng.integers(20, 90)) for _ in range(12)]
+    prefix = str(tmp_path_factory.mktemp("data") / "rep_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(20):
+            for d in docs:
+                w.add(d)
+    return prefix
+
+
+MUON8 = ["--optimizer", "muon", "--muon-momentum", "0.9", "--lr", "0.02", "--lr-decay-iters", "8"]
+
+
+@pytest.fixture(scope="session")
+def muon8(dataset, tmp_path_factory) -> list[dict]:
+    """Muon with momentum (its optimizer state matters on a resume), 8 iterations of an
+    8-iteration cosine schedule, no checkpoint (so a save that changed the run would show): the
+    uninterrupted run of the resume tests of test_training and test_run_control. Its rows."""
+    from tests.e2e.test_training import train
+
+    d = tmp_path_factory.mktemp("muon8")
+    return train(["--data-path", dataset, *MUON8, "--train-iters", "8"], d / "log")
+
+
+ADAMW4 = ["--optimizer", "adamw", "--lr", "5e-3", "--train-iters", "4", "--save-interval", "2"]
+
+
+@pytest.fixture(scope="session")
+def adamw4(dataset, tmp_path_factory):
+    """``adamw4(bf16)``: AdamW at lr 5e-3, 4 iterations, checkpoints at 2 and 4, in fp32 or under
+    --bf16, each run once: the eager runs the --compile tests compare with and the runs and
+    checkpoints of the --bf16 resume test; the fp32 run's checkpoint is the one the export test
+    converts. Returns (its metrics rows, its --save directory)."""
+    from tests.e2e.test_training import train
+
+    runs = {}
+
+    def get(bf16: bool):
+        if bf16 not in runs:
+            d = tmp_path_factory.mktemp("adamw4_bf16" if bf16 else "adamw4_fp32")
+            rows = train(["--data-path", dataset, *ADAMW4, "--save", str(d / "ck")] + (["--bf16"] if bf16 else []),
+                         d / "log")
+            runs[bf16] = rows, d / "ck"
+        return runs[bf16]
+
+    return get
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in SHARED_RUNS:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(f"e2e-{name}"))
