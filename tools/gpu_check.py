@@ -13,7 +13,7 @@ left is ``not run``. Exit: 0 when every part passed, 1 otherwise, 2 without CUDA
 ``GPU_CHECK_FAKE_PARTS`` (a JSON list of ``{"key", "name", "cmd", "timeout"}``) replaces the
 parts and skips the CUDA check: how the CPU tests exercise the runner, timeouts included.
 
-    python tools/gpu_check.py [--out DIR] [--model-preset step37-flash] [--budget 450] [--only a,b]
+    python tools/gpu_check.py [--out DIR] [--model-preset PRESET] [--budget 450] [--only a,b]
 """
 from __future__ import annotations
 
@@ -43,11 +43,12 @@ class Part:
     results: dict = field(default_factory=dict)
 
 
-def gpu_parts(preset: str, bench_args: list[str]) -> list[Part]:
+def gpu_parts(preset: str | None, bench_args: list[str]) -> list[Part]:
     """The parts in the order they run: what is worth most first; (i), the CP attention (issue
     22's 128K recipe depends on it and it had never run on a GPU), and (h), the recipe's one-GPU
     proxy, before the runs (f) and (g) repeat what (a)-(c) already measured."""
-    mod = lambda name: [PY, "-m", f"benchmarks.gpu_parts.{name}", "--model-preset", preset, "--json", "{json}"]  # noqa: E731
+    model = ["--model-preset", preset] if preset else []  # else the parts' own default full-width preset
+    mod = lambda name: [PY, "-m", f"benchmarks.gpu_parts.{name}", *model, "--json", "{json}"]  # noqa: E731
     pytest = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/gpu/test_cuda_paths.py", "-k"]
     return [
         Part("build", "the C++ extension, built in place for this Python", [PY, "tools/build_ext.py"], 120),
@@ -63,7 +64,7 @@ def gpu_parts(preset: str, bench_args: list[str]) -> list[Part]:
         Part("f1", "1-GPU --bf16 tiny training, eager", pytest + ["test_one_gpu_bf16_training_run"], 120),
         Part("f2", "1-GPU --bf16 tiny training, --compile", pytest + ["test_one_gpu_bf16_compiled_training_run"], 180),
         Part("g", "bench_gpu.py: two full-width layers, ours vs transformers",
-             [PY, "benchmarks/bench_gpu.py", "--model-preset", preset, "--json", "{json}", *bench_args], 150),
+             [PY, "benchmarks/bench_gpu.py", *model, "--json", "{json}", *bench_args], 150),
         Part("tests", "the other GPU tests (tests/gpu)",
              [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/gpu", "-k",
               "not test_one_gpu_bf16_training_run and not test_one_gpu_bf16_compiled_training_run"], 180),
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "gpu_check"), help="logs, JSON results and "
                     "results.jsonl go here (default runs/gpu_check)")
-    ap.add_argument("--model-preset", default="step37-flash", help="the model of the model-specific parts")
+    ap.add_argument("--model-preset", help="a registered full-width preset for the model-specific parts (default: "
+                    "the parts' own, benchmarks/gpu_parts/common.py)")
     ap.add_argument("--budget", type=float, default=BUDGET, help=f"seconds for every part together ({BUDGET:g})")
     ap.add_argument("--only", help="comma-separated part keys to run (default: all)")
     ap.add_argument("--bench-args", default="", help="extra flags for bench_gpu.py, e.g. '--compile'")

@@ -13,7 +13,7 @@
 # Each part's output and JSON go to OUT (default runs/gpu_check), one line per finished part to
 # OUT/results.jsonl; one table at the end. Exits 2, saying so, where CUDA is absent (nothing run),
 # 1 if any part failed, hung or was not run, else 0.
-#   bash tools/gpu_check.sh [--out DIR] [--model-preset step37-flash] [--only a,b] [--bench-args "--compile"]
+#   bash tools/gpu_check.sh [--out DIR] [--model-preset PRESET] [--only a,b] [--bench-args "--compile"]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

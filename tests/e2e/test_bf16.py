@@ -98,8 +98,11 @@ def test_bf16_resume_is_bitwise_and_checkpoints_cross_precisions(dataset, adamw4
 def test_host_masters_match_one_process_at_dp2_and_pp2_ep2(dataset, tmp_path):
     """--cpu-offload masters (fp32 masters and AdamW state on the host, Muon's matrices stepping
     in the backward) at DP2 and at PP2 x EP2 against one such process taking both packs in one
-    micro-batch, 3 steps; tolerance as for the --bf16 layouts above (1e-3), the first step to
-    fp32 rounding."""
+    micro-batch, 3 steps; tolerance as for the --bf16 layouts above (1e-3), the first step too:
+    on the CPU bf16 attention runs in query blocks over the micro-batch (core/transformer/
+    sdpa_blocks.py), so one process's two-pack micro-batch sums each document's keys in other
+    blocks than a rank's one pack (measured 8.6e-5 relative at DP2; the fp32 weights and their
+    bf16 copies are the same)."""
     common = ["--data-path", dataset, "--train-iters", "3", "--bf16", "--cpu-offload", "masters",
               "--optimizer", "muon", "--muon-momentum", "0", "--lr", "0.01", "--adamw-lr", "1e-3",
               "--optimizer-in-backward", "--global-batch-size", "2", "--data-parallel-sharding", "fsdp"]
@@ -108,4 +111,4 @@ def test_host_masters_match_one_process_at_dp2_and_pp2_ep2(dataset, tmp_path):
                                                                  "--expert-model-parallel-size", "2"])):
         got = _losses(train(common + flags, tmp_path / name, world=world))
         worst = max(abs(a - b) / a for a, b in zip(one, got))
-        assert len(got) == 3 and abs(got[0] - one[0]) <= 1e-6 * one[0] and worst <= 1e-3, (name, one, got)
+        assert len(got) == 3 and worst <= 1e-3, (name, one, got)

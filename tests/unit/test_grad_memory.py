@@ -27,9 +27,9 @@ def _params(n: int, numel: int, dtype=torch.float32):
 
 
 def _state():
-    """One stage, DP rank 0 of a DP group whose all-reduce is faked (a one-rank sum)."""
-    return SimpleNamespace(group=lambda kind: object() if kind == "dp" else None, ranks=lambda kind: [0],
-                           is_first_stage=True, dp_rank=0, expert_dp_rank=0)
+    """One stage, DP (and CP) rank 0 of a DP x CP group whose all-reduce is faked (a one-rank sum)."""
+    return SimpleNamespace(group=lambda kind: object() if kind == "dp_cp" else None, ranks=lambda kind: [0],
+                           is_first_stage=True, dp_rank=0, cp_rank=0, expert_dp_rank=0)
 
 
 def test_buckets_are_consecutive_and_bounded():

@@ -135,7 +135,7 @@ def test_compiled_varlen_grid_is_the_longest_document_without_recompiling(monkey
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v, layout: compiled_attention(q, k, v, layout, 4, 0.3, "varlen"),
                        backend=backend, fullgraph=True)
-    for lengths in ([5, 9, 3], [20, 4], [2, 3, 4, 5, 6, 4]):  # 24 tokens each, other boundaries
+    for lengths in ([5, 9, 3, 7], [20, 4], [2, 3, 4, 5, 6, 4]):  # 24 tokens each, other boundaries
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
         layout = ab.DocLayout.from_params(PackedSeqParams(cu, cu.clone(), max(lengths)))
         q, k, v = (torch.randn(24, h, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
