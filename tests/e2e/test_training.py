@@ -25,19 +25,58 @@ def free_port() -> int:
 
 
 def train(args: list[str], log_dir, world: int = 1, check: bool = True) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
-    env["OMP_NUM_THREADS"] = "1"
-    if world == 1:
-        cmd = [sys.executable, "pretrain_step37.py"]
+    """The run's metrics.jsonl rows. One process runs in this one (``run_in_process``) unless it
+    compiles (dynamo's caches would outlive it); several ranks under torchrun, one thread each."""
+    argv = COMMON + args + ["--log-dir", str(log_dir)]
+    if world == 1 and "--compile" not in args:
+        rc, why = run_in_process(argv)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--master-port", str(free_port()), "pretrain_step37.py"]
-    out = subprocess.run(cmd + COMMON + args + ["--log-dir", str(log_dir)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = [sys.executable, "pretrain_step37.py"] if world == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+             "--master-port", str(free_port()), "pretrain_step37.py"]
+        out = subprocess.run(cmd + argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        rc, why = out.returncode, out.stdout[-3000:] + out.stderr[-5000:]
     if check:
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+        assert rc == 0, why
     path = os.path.join(str(log_dir), "metrics.jsonl")
     return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+
+
+def run_in_process(argv: list[str]) -> tuple[int, str]:
+    """``pretrain_step37.main(argv)`` in this process, as a new interpreter would run it: one
+    intra-op thread (what OMP_NUM_THREADS=1 gives the subprocess; --cpu-offload raises it, as
+    there), no rank variables; afterwards the SIGTERM handler, the RNG, the thread count and the
+    process group are put back (a new interpreter costs about 3 CPU-seconds of imports per run)."""
+    import signal
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    import pretrain_step37
+
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+             if k in os.environ}
+    handler, rng, threads, cwd = signal.getsignal(signal.SIGTERM), torch.get_rng_state(), torch.get_num_threads(), \
+        os.getcwd()
+    torch.set_num_threads(1)
+    try:
+        os.chdir(ROOT)
+        return int(pretrain_step37.main(argv) or 0), ""
+    except SystemExit as e:  # argparse
+        return (e.code if isinstance(e.code, int) else 1), str(e)
+    except Exception:  # what would end the subprocess with a traceback
+        return 1, traceback.format_exc()[-5000:]
+    finally:
+        os.chdir(cwd)
+        signal.signal(signal.SIGTERM, handler)
+        torch.set_rng_state(rng)
+        torch.set_num_threads(threads)
+        os.environ.update(saved)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_overfits_a_small_repeated_dataset(dataset, tmp_path):
