@@ -93,19 +93,14 @@ def cmd_check(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from core.checkpointing import CheckpointError, load_checkpoint, read_meta, resolve
+    from core.checkpointing import load_checkpoint, read_meta, resolve
 
-    from training.checkpoints import checkpoint_family
+    from training.checkpoints import checkpoint_model
 
     registry.import_model_module(args.model_module)
     path = resolve(args.checkpoint, "CKPT")
     meta = read_meta(path)
-    spec = registry.spec(checkpoint_family(meta))
-    try:
-        cfg = spec.config_class(**meta["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable {spec.family} model config "
-                              f"({type(e).__name__}: {e})") from e
+    spec, cfg = checkpoint_model(path, meta)
     if args.source and os.path.exists(os.path.join(args.source, "config.json")):
         theirs = registry.spec_for_hf(args.source)
         if theirs.family != spec.family:

@@ -28,10 +28,10 @@ from models import registry  # noqa: E402
 
 def load_model(load_dir: str, model_module: str | None = None):
     """(model with the checkpoint's weights, its meta.json, its path), for any registered family."""
-    from core.checkpointing import CheckpointError, load_checkpoint
+    from core.checkpointing import load_checkpoint
     from core.checkpoint_dir import resolve
     from core.checkpoint_reader import read_meta
-    from training.checkpoints import checkpoint_family
+    from training.checkpoints import checkpoint_model
 
     if not os.path.exists(load_dir):
         raise FileNotFoundError(f"--load {load_dir}: no such checkpoint directory (train with "
@@ -39,12 +39,7 @@ def load_model(load_dir: str, model_module: str | None = None):
     registry.import_model_module(model_module)
     path = resolve(load_dir)
     meta = read_meta(path)
-    spec = registry.spec(checkpoint_family(meta))
-    try:
-        cfg = spec.config_class(**meta["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable {spec.family} model config "
-                              f"({type(e).__name__}: {e})") from e
+    spec, cfg = checkpoint_model(path, meta)
     model = spec.build(cfg)
     load_checkpoint(path, [model])
     return model.eval(), meta, path

@@ -28,6 +28,17 @@ def checkpoint_family(meta: dict) -> str:
     return meta.get("family") or registry.LEGACY_FAMILY
 
 
+def checkpoint_model(path: str, meta: dict):
+    """``(family spec, model config)`` the checkpoint at ``path`` (its ``meta``) was saved with;
+    a ``CheckpointError`` naming its meta.json when the config does not build."""
+    spec = registry.spec(checkpoint_family(meta))
+    try:
+        return spec, spec.config_class(**meta["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable {spec.family} model config "
+                              f"({type(e).__name__}: {e})") from e
+
+
 @dataclass
 class Resumed:
     path: str
