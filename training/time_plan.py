@@ -167,16 +167,25 @@ def _last_stage_redo(cfg, chunk: ChunkShare, inp: PlanInputs) -> float:
     return redo
 
 
+def _moe_blocks(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[set, set]:
+    """The chunk's MoE blocks (layer indices, ``-1 - k`` for extra block ``k``), and those of
+    them recomputed."""
+    shapes = shapes_of(cfg)
+    moe = {i for i in chunk.layers if shapes.blocks[i].ffn.moe}
+    n = inp.recompute_num_layers or len(chunk.layers)
+    redo = set() if inp.recompute == "none" else moe & set(chunk.layers[:n])
+    if chunk.last:
+        extra = {-1 - k for k, b in enumerate(shapes.extra) if b.ffn.moe}
+        moe |= extra
+        if inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+            redo |= extra
+    return moe, redo
+
+
 def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
     """MoE layers of the chunk (extra blocks included), and how many of them are recomputed."""
-    shapes = shapes_of(cfg)
-    sparse = [i for i in chunk.layers if shapes.blocks[i].ffn.moe]
-    n = inp.recompute_num_layers or len(chunk.layers)
-    redo = 0 if inp.recompute == "none" else sum(1 for i in chunk.layers[:n] if shapes.blocks[i].ffn.moe)
-    extra = sum(1 for b in shapes.extra if b.ffn.moe) if chunk.last else 0
-    if extra and inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
-        redo += extra
-    return len(sparse) + extra, redo
+    moe, redo = _moe_blocks(cfg, chunk, inp)
+    return len(moe), len(redo)
 
 
 @lru_cache(maxsize=4096)
@@ -231,14 +240,20 @@ def split_ns_flops(tensors: list, world: int, ns_steps: int, in_backward: bool) 
     """The busiest owner's Newton-Schulz FLOPs summed over the batches the code forms
     (``core/optim/muon_split.batches``): over the matrices in parameter order at the optimizer
     step, in the order their gradients become final in the backward (``InBackwardSteps``)."""
+    return sum(flops for _, flops in split_batches(tensors, world, ns_steps, in_backward))
+
+
+def split_batches(tensors: list, world: int, ns_steps: int, in_backward: bool) -> list:
+    """``(the tensor that closes it, its busiest owner's FLOPs)`` per batch of ``split_ns_flops``."""
     order = sorted(tensors, key=_hook_order) if in_backward else tensors
     shapes = [tuple(s.t.shape) for s in order]
-    total = 0.0
+    out = []
     for idx in batches(shapes, world):
         batch = [shapes[j] for j in idx]
         own = owners(batch, world)
-        total += max(sum(ns_flops(x, ns_steps) for x, o in zip(batch, own) if o == r) for r in range(world))
-    return total
+        out.append((order[idx[-1]],
+                    max(sum(ns_flops(x, ns_steps) for x, o in zip(batch, own) if o == r) for r in range(world))))
+    return out
 
 
 @lru_cache(maxsize=64)
@@ -417,17 +432,7 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
     T, H, b = inp.tokens, cfg.hidden_size, inp.act_bytes
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep / bw["ep"]
     shared = min(_shared_flops(cfg, chunk) * T / eff, a2a) if inp.moe_dispatcher == "alltoall" else 0.0
-    shapes = shapes_of(cfg)
-    n = inp.recompute_num_layers or len(chunk.layers)
-    redone = set(chunk.layers[:n]) if inp.recompute != "none" else set()
-    if chunk.last and shapes.extra and inp.recompute != "none" and \
-            recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
-        redone |= {-1 - k for k in range(len(shapes.extra))}
-
-    def moe(block):
-        if block is None:
-            return False
-        return (shapes.extra[-1 - block] if block < 0 else shapes.blocks[block]).ffn.moe
+    moe, redone = _moe_blocks(cfg, chunk, inp)
 
     mid: dict = {}   # block -> seconds queued inside its backward
     end: dict = {}   # block -> seconds queued after it (FSDP's post-reduce hooks)
@@ -444,14 +449,8 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
         book = end if pl.managed[kind] else mid
         book[s.block] = book.get(s.block, 0.0) + flops / eff
     for kind, tensors in split.items():
-        world = pl.shard_world[kind]
-        for idx in batches([tuple(x.t.shape) for x in tensors], world):
-            batch = [tuple(tensors[j].t.shape) for j in idx]
-            own = owners(batch, world)
-            busiest = max(sum(ns_flops(x, inp.muon_ns_steps) for x, o in zip(batch, own) if o == r)
-                          for r in range(world))
-            closing = tensors[idx[-1]].block
-            end[closing] = end.get(closing, 0.0) + busiest / eff
+        for closing, busiest in split_batches(tensors, pl.shard_world[kind], inp.muon_ns_steps, True):
+            end[closing.block] = end.get(closing.block, 0.0) + busiest / eff
     backlog = hidden = 0.0
 
     def wait(seconds):
@@ -460,10 +459,10 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
         hidden, backlog = hidden + took, backlog - took
 
     for block in sorted({s.block for s in chunk.tensors}, key=_block_order):
-        if moe(block) and a2a:
+        if block in moe and a2a:
             wait((2 * a2a - shared if block in redone else 0.0) + a2a)
         backlog += mid.get(block, 0.0)
-        if moe(block) and a2a:
+        if block in moe and a2a:
             wait(a2a)
         backlog += end.get(block, 0.0)
     return hidden

@@ -78,52 +78,47 @@ def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
     assert mfu.returncode == 2 and "--assumed-mfu must be in (0, 1], got 1.5" in mfu.stderr
 
 
+def _assert_recipe_is_the_search_top_row(tmp_path, config_class, preset: str, script: str,
+                                         device_gb: float) -> list[str]:
+    """The recipe's layout flags are the search's fastest fitting layout for its model, sequence,
+    batch and precision (searched in this process), on the busiest GPU within ``device_gb``."""
+    from train_args import build_parser, sections
+    from training.plan import plan_inputs
+    from training.plan_search import search
+
+    hf = tmp_path / preset
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(config_class.preset(preset).to_hf()))
+    flags = recipe_flags(str(hf), os.path.join(ROOT, "examples", script))
+    parser = build_parser(require_data=False)
+    args = sections(parser.parse_args(flags), parser)
+    top = search(config_class.from_hf(str(hf)), 8, plan_inputs(args), args.data.global_batch_size,
+                 progress=False, host_gb=2000)[0]
+    assert top.fits and top.device_gb <= device_gb
+    wanted = top.flags().split()
+    pairs = dict(zip(wanted[::2], wanted[1::2]))
+    for flag in (f for f in wanted if f.startswith("--")):
+        assert flag in flags, (flag, flags)
+    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
+    return wanted
+
+
 def test_qwen3_recipe_runs_the_search_top_row(tmp_path):
     """examples/qwen3_30b_a3b_8xh200_thd_sft.sh: its layout flags are the search's fastest fitting
     layout for its model, sequence, batch and precision (searched in this process)."""
     from models.qwen3_moe import Qwen3MoeConfig
-    from train_args import build_parser, sections
-    from training.plan import plan_inputs
-    from training.plan_search import search
 
-    hf = tmp_path / "Qwen3-30B-A3B"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(Qwen3MoeConfig.preset("qwen3-30b-a3b").to_hf()))
-    flags = recipe_flags(str(hf), os.path.join(ROOT, "examples", "qwen3_30b_a3b_8xh200_thd_sft.sh"))
-    parser = build_parser(require_data=False)
-    args = sections(parser.parse_args(flags), parser)
-    cfg = Qwen3MoeConfig.from_hf(str(hf))
-    top = search(cfg, 8, plan_inputs(args), args.data.global_batch_size, progress=False, host_gb=2000)[0]
-    assert top.fits and top.device_gb <= 141
-    wanted = top.flags().split()
-    pairs = dict(zip(wanted[::2], wanted[1::2]))
-    for flag in (f for f in wanted if f.startswith("--")):
-        assert flag in flags, (flag, flags)
-    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
+    _assert_recipe_is_the_search_top_row(tmp_path, Qwen3MoeConfig, "qwen3-30b-a3b",
+                                         "qwen3_30b_a3b_8xh200_thd_sft.sh", 141)
 
 
 def test_long_context_recipe_runs_the_search_top_row(tmp_path):
     """examples/step37_flash_8xh200_128k_cp_sft.sh: its layout flags (context parallel 4 among
-    them) are the search's fastest fitting layout at 131,072 tokens and 2 packs per step."""
-    from train_args import build_parser, sections
-    from training.plan import plan_inputs
-    from training.plan_search import search
-
-    hf = tmp_path / "Step-3.7-Flash"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(Step37Config.preset("step37-flash").to_hf()))
-    flags = recipe_flags(str(hf), os.path.join(ROOT, "examples", "step37_flash_8xh200_128k_cp_sft.sh"))
-    parser = build_parser(require_data=False)
-    args = sections(parser.parse_args(flags), parser)
-    top = search(Step37Config.from_hf(str(hf)), 8, plan_inputs(args), args.data.global_batch_size,
-                 progress=False, host_gb=2000)[0]
-    assert top.fits and top.device_gb <= 141 - 10
-    wanted = top.flags().split()
+    them) are the search's fastest fitting layout at 131,072 tokens and 2 packs per step, with
+    10 GB to spare."""
+    wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
+                                                  "step37_flash_8xh200_128k_cp_sft.sh", 141 - 10)
     assert "--context-parallel-size" in wanted
-    pairs = dict(zip(wanted[::2], wanted[1::2]))
-    for flag in (f for f in wanted if f.startswith("--")):
-        assert flag in flags, (flag, flags)
-    assert all(flags[flags.index(k) + 1] == v for k, v in pairs.items() if not v.startswith("--")), (pairs, flags)
 
 
 @pytest.mark.parametrize("gpu, device_gb", [("H200", 141), ("H100", 80)])
