@@ -200,14 +200,30 @@ class MemoryArgs:
                                         choices=("none", "selective", "full"))
     recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all, "
                                           "and the MTP depths)")
+    recompute_chunks: int = option(1, "with full recompute: each recomputed layer and MTP depth runs its "
+                                      "forward, and later its rerun and backward, N token chunks of the "
+                                      "micro-batch at a time (cut at document boundaries; at pack "
+                                      "boundaries when N divides --micro-batch-size), its gradients summed "
+                                      "over the chunks before they are reduced: the backward's working set "
+                                      "and all-to-all buffers of one chunk, one layer's gradients at a "
+                                      "time, so --optimizer-in-backward and --cpu-offload masters serve "
+                                      "several packs per rank (core/transformer/chunked.py)")
+    offload_recompute_inputs: bool = option(False, "with full recompute: the input each recomputed layer "
+                                                   "keeps for its backward waits in pinned host memory "
+                                                   "(copied out on a stream of its own, back when the "
+                                                   "layer's backward starts)")
     dry_run: int = option(0, "plan a run on this many ranks and exit: each rank's share built on the "
                              "meta device, parameter counts and memory (no data needed; the same "
                              "plan as tools/plan_memory.py --world-size N)")
 
     def __post_init__(self):
-        require(self, recompute_num_layers=AT_LEAST_0, dry_run=AT_LEAST_0)
+        require(self, recompute_num_layers=AT_LEAST_0, dry_run=AT_LEAST_0, recompute_chunks=AT_LEAST_1)
         if self.recompute_num_layers and self.recompute_granularity == "none":
             raise ValueError("--recompute-num-layers needs --recompute-granularity selective or full")
+        for flag, on in (("--recompute-chunks", self.recompute_chunks > 1),
+                         ("--offload-recompute-inputs", self.offload_recompute_inputs)):
+            if on and self.recompute_granularity != "full":
+                raise ValueError(f"{flag} needs --recompute-granularity full (it runs the recomputed layers)")
         if self.cpu_offload not in ("none", "masters") and self.data_parallel_sharding != "fsdp":
             raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
         if self.cpu_offload == "masters" and not (self.bf16 or self.params_dtype == "bf16"):
@@ -494,6 +510,9 @@ def _check_context_parallel(args, cp: int) -> None:
                          f"({'--document-pad-multiple' if d.document_pad_multiple else '2 x --context-parallel-size'})")
     if cp == 1:
         return
+    if args.memory.recompute_chunks > 1:
+        raise ValueError("--recompute-chunks with --context-parallel-size > 1 is not supported: a CP shard's "
+                         "documents are cut by the shard, not at its boundaries")
     if m.compile:
         raise ValueError("--compile with --context-parallel-size > 1 is not supported: the K/V exchanges are "
                          "host-planned collectives inside each attention layer")
@@ -507,6 +526,9 @@ def _check_against_model(args, cfg) -> None:
     if d.seq_length > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {d.seq_length} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
+    if args.model.compile and (mem.recompute_chunks > 1 or mem.offload_recompute_inputs):
+        raise ValueError("--compile with --recompute-chunks or --offload-recompute-inputs is not supported: "
+                         "the chunked recompute runs each layer's chunks eagerly around its FSDP hooks")
     if mem.recompute_num_layers > cfg.num_layers:
         raise ValueError(f"--recompute-num-layers {mem.recompute_num_layers} exceeds the model's "
                          f"{cfg.num_layers} layers")

@@ -69,7 +69,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         if comm is not None:
             apply_context_parallel(chunk, comm)
-        apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers)
+        apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
+                        mem.offload_recompute_inputs)
         apply_fsdp(chunk, ps, "none" if host else mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
                    shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16,
                    one_rank_meshes=not (masters is not None and one_microbatch))

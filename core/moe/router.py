@@ -76,15 +76,9 @@ class TopKRouter(KeepFP32Buffers):
             both = torch.cat([counts, n.reshape(1)])
             dist.all_reduce(both, group=self.stats_group)
             counts, n = both[:-1], both[-1]
-        n = n.clamp(min=1)
         probs = scores_TE if self.score == "softmax" else \
             scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=1e-20)
-        prob_sum = (probs * keep[:, None]).sum(0)
-        # aux = E * sum_e f_e * P_e; f: share of routed slots, P: mean normalised score. Under
-        # CP, f and n are the pack's and prob_sum this shard's: the CP ranks' aux losses sum to
-        # the pack's, and each one's gradient is its shard's part of the pack's
-        aux = E * (counts / (n * K) * (prob_sum / n)).sum()
-        return {"tokens_per_expert": counts, "prob_sum": prob_sum, "num_valid": n, "aux_loss": aux}
+        return router_stats(counts, (probs * keep[:, None]).sum(0), n, K)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
@@ -92,3 +86,15 @@ class TopKRouter(KeepFP32Buffers):
         if rate and self.e_score_correction_bias is not None:
             load = tokens_per_expert.float()
             self.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+
+
+def router_stats(counts_E, prob_sum_E, valid_tokens, top_k: int) -> dict:
+    """A router's statistics from its sums over tokens (also how chunks of a micro-batch combine:
+    ``core/transformer/chunked.py``). aux = E * sum_e f_e * P_e; f: share of routed slots, P: mean
+    normalised score. Under CP, f and n are the pack's and prob_sum this shard's: the CP ranks'
+    aux losses sum to the pack's, and each one's gradient is its shard's part of the pack's."""
+    n = valid_tokens.clamp(min=1)
+    aux = counts_E.numel() * (counts_E / (n * top_k) * (prob_sum_E / n)).sum()
+    return {"tokens_per_expert": counts_E, "prob_sum": prob_sum_E, "num_valid": n, "aux_loss": aux,
+            "valid_tokens": valid_tokens}
+

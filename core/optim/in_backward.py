@@ -5,7 +5,7 @@ When a rank runs one micro-batch per step, a parameter's gradient is final when 
 has produced it: FSDP calls the parameter's post-accumulate-grad hooks right after it reduce-
 scatters a unit's gradients (so a sharded matrix steps on its reduced shard, and its fp32 remainder
 master is joined, updated and split back), and autograd calls them for a parameter FSDP does not
-manage. The hook orthogonalises the matrix (``Muon.update``), adds the gradient's square norm to
+manage (under ``--recompute-chunks`` only after the block's last chunk: ``PENDING``). The hook orthogonalises the matrix (``Muon.update``), adds the gradient's square norm to
 the step's (on the device), and drops the gradient.
 
 Why clipping does not wait for it: with momentum 0, Muon's update of a gradient ``g`` is
@@ -42,6 +42,7 @@ import torch
 from core.distributed.grads import local, owns, square_norm
 from core.optim.muon_split import closes_batch, splittable
 from core.parallel_state import ParallelState, local_device
+from core.transformer.chunked import PENDING
 
 
 class InBackwardSteps:
@@ -74,8 +75,8 @@ class InBackwardSteps:
 
     def _hook(self, group: dict, counted: bool):
         def step(p) -> None:
-            if p.grad is None or not self.active:
-                return
+            if p.grad is None or not self.active or getattr(p, PENDING, False):
+                return  # PENDING: a chunked block's gradient still accumulates (core/transformer/chunked.py)
             with torch.no_grad(), self._own_stream(p.grad):
                 if counted:
                     g = local(p.grad)

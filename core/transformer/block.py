@@ -15,12 +15,27 @@ from torch.utils.checkpoint import checkpoint
 
 from core.moe.layer import MoELayer
 from core.transformer.attention_backends import DocLayout
+from core.transformer.chunked import chunked_recompute
 
 RECOMPUTE = ("none", "selective", "full")
 
 
-class DecoderBlock(nn.Module):
-    recompute: str = "none"  # "full": keep only the input; "selective": drop attention and FFN internals
+class _Recomputed:
+    """The full-recompute settings a block reads (``apply_recompute`` sets them)."""
+
+    recompute: str = "none"
+    recompute_chunks: int = 1      # token chunks run one after another (core/transformer/chunked.py)
+    offload_inputs: bool = False   # kept inputs wait in host memory
+
+    def _full(self, fn, *args):
+        """``fn(*tensors, ropes, layout, valid)`` under full recompute, keeping only its inputs."""
+        if self.recompute_chunks > 1 or self.offload_inputs:
+            return chunked_recompute(self, fn, args[:-3], *args[-3:], self.recompute_chunks, self.offload_inputs)
+        return checkpoint(fn, *args, use_reentrant=False)
+
+
+class DecoderBlock(_Recomputed, nn.Module):
+    # recompute "full": keep only the input; "selective": drop attention and FFN internals
 
     def __init__(self, input_norm: nn.Module, attention: nn.Module, post_norm: nn.Module, ffn: nn.Module,
                  *, ffn_name: str = "mlp", rope_key: str = "default"):
@@ -40,7 +55,7 @@ class DecoderBlock(nn.Module):
         """``(output, MoE statistics or None)``; recompute reruns the maths during backward but
         its statistics are dropped there, so each micro-batch counts once."""
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_TH, ropes, layout, valid_T, use_reentrant=False)
+            return self._full(self._forward, x_TH, ropes, layout, valid_T)
         return self._forward(x_TH, ropes, layout, valid_T)
 
     def _forward(self, x_TH, ropes, layout, valid_T):
@@ -64,7 +79,7 @@ class DecoderBlock(nn.Module):
         return h, self.post_attention_layernorm(h)
 
 
-class RecomputeUnit(nn.Module):
+class RecomputeUnit(_Recomputed, nn.Module):
     """A block built around decoder blocks (an MTP depth: input norms and projection, a decoder
     block, a head). Under ``full`` recompute the part of its forward it runs through
     :meth:`recomputed` keeps only its inputs (its decoder blocks then recompute nothing of their
@@ -72,36 +87,41 @@ class RecomputeUnit(nn.Module):
     and FFN internals, the rest keeps what it keeps. Statistics returned by the recomputed part
     are those of the forward: the rerun's are dropped (as :class:`DecoderBlock`'s)."""
 
-    recompute: str = "none"
-
     def recomputed(self, fn, *args):
+        """``fn(*tensors, ropes, layout, valid)``, recomputed under ``full``."""
         if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False)
+            return self._full(fn, *args)
         return fn(*args)
 
 
-def _set_recompute(block: nn.Module, granularity: str) -> None:
+def _set_recompute(block: nn.Module, granularity: str, chunks: int, offload: bool) -> None:
     outer = isinstance(block, RecomputeUnit)
     if outer:
-        block.recompute = granularity
+        block.recompute, block.recompute_chunks, block.offload_inputs = granularity, chunks, offload
     inner = "none" if outer and granularity == "full" else granularity
     for m in block.modules():
         if isinstance(m, DecoderBlock):
             m.recompute = inner
+            m.recompute_chunks, m.offload_inputs = (chunks, offload) if inner == "full" else (1, False)
 
 
-def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0) -> None:
+def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0, chunks: int = 1,
+                    offload_inputs: bool = False) -> None:
     """Set activation recompute on the chunk's blocks (``chunk.blocks()``): its decoder layers
     (ids >= 0; ``num_layers`` > 0: only its first N) and, when all of them are, the extra blocks
-    that follow them (ids < 0, the MTP depths)."""
+    that follow them (ids < 0, the MTP depths). Under ``full``, ``chunks`` > 1 runs each
+    recomputed block a token chunk at a time and ``offload_inputs`` keeps its inputs in host
+    memory (``core/transformer/chunked.py``)."""
     if granularity not in RECOMPUTE:
         raise ValueError(f"--recompute-granularity {granularity!r}: expected none, selective or full")
+    if (chunks > 1 or offload_inputs) and granularity != "full":
+        raise ValueError("--recompute-chunks and --offload-recompute-inputs need --recompute-granularity full")
     layers = [m for i, m in chunk.blocks() if i >= 0]
     chosen = layers if num_layers <= 0 else layers[:num_layers]
     recompute_extra = recomputes_extra_blocks(num_layers, len(layers))
     extra = [m for i, m in chunk.blocks() if i < 0] if recompute_extra else []
     for block in chosen + extra:
-        _set_recompute(block, granularity)
+        _set_recompute(block, granularity, chunks, offload_inputs)
 
 
 def recomputes_extra_blocks(num_layers: int, chunk_layers: int) -> bool:

@@ -20,6 +20,9 @@ from training.parallelize import parallelize
 MODES = {"bf16": (), "remainders": ("--store-param-remainders",), "in_backward": ("--optimizer-in-backward",),
          "both": ("--store-param-remainders", "--optimizer-in-backward"),
          "host": ("--cpu-offload", "masters"), "host_in_backward": ("--cpu-offload", "masters", "--optimizer-in-backward")}
+CHUNKED = ("--recompute-granularity", "full", "--recompute-chunks", "3")  # the pack's documents, 3 at a time
+CHUNK_MODES = {"chunks": CHUNKED, "host_in_backward_chunks": (*MODES["host_in_backward"], *CHUNKED,
+                                                              "--offload-recompute-inputs")}
 
 
 def optim_cfg(optimizer: str):
@@ -33,10 +36,10 @@ def optim_cfg(optimizer: str):
 
 
 def build(cfg, ps, ep: int, mode: str, optimizer: str):
-    flags = ["--bf16", "--data-parallel-sharding", "fsdp", *MODES[mode]]
+    flags = ["--bf16", "--data-parallel-sharding", "fsdp", *{**MODES, **CHUNK_MODES}[mode]]
     chunks = parallelize(cfg, ps, run_args(1, 1, ep, *flags))
     opt, _ = build_optimizer(chunks, optim_cfg(optimizer))
-    if "--optimizer-in-backward" in MODES[mode] and optimizer == "muon":
+    if "--optimizer-in-backward" in flags and optimizer == "muon":
         opt.in_backward = InBackwardSteps(opt.optimizers["muon"], specs_of(chunks), ps)
     return chunks, opt
 

@@ -1,0 +1,252 @@
+"""Layer-wise gradient accumulation: a fully recomputed block run a token chunk at a time.
+
+Under ``--recompute-granularity full`` a block keeps only its inputs and reruns its forward in the
+backward. With ``--recompute-chunks N`` it runs that forward, and later the rerun and backward,
+on N contiguous token chunks of the micro-batch one after another (cut at document boundaries,
+so attention never needs another chunk: at pack boundaries when N divides the micro-batch's
+packs). The block's parameter gradients accumulate over its chunks before FSDP reduces them
+(inner FSDP units, the experts and the fp32 router, skip their reduce-scatter and stay gathered
+until the last chunk), so a micro-batch of N packs holds the backward's working set and the
+all-to-all buffers of one pack, and only one block's gradients at a time: what micro-batching
+would give, without a whole-model gradient buffer, so ``--optimizer-in-backward`` and
+``--cpu-offload masters`` (one micro-batch per step) serve N packs per rank.
+
+``--offload-recompute-inputs``: the kept inputs wait in (pinned) host memory between the forward
+and the backward, copied out on a stream of their own (the compute stream never waits for it)
+and back on the compute stream when the block's backward starts.
+
+The arithmetic is the unchunked block's, chunk by chunk: token-wise maths and attention are
+unchanged, gradients are sums over chunks in another order (fp32 rounding). The MoE statistics
+of the chunks are summed and the auxiliary loss formed once from the sums
+(:func:`core.moe.router.router_stats`), as the unchunked router forms it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+from core.moe.layer import MoELayer
+from core.moe.router import router_stats
+from core.packed_seq import PackedSeqParams
+from core.transformer.attention_backends import DocLayout
+
+STAT_SUMS = ("tokens_per_expert", "prob_sum", "valid_tokens")
+# set on a block's own parameters while their gradient still accumulates over its chunks (in fp32,
+# beside autograd): hooks that take a gradient as final (core/optim/in_backward.py) leave it alone
+PENDING = "_recompute_chunk_pending"
+
+
+@dataclass
+class Chunk:
+    start: int          # first token
+    end: int            # one past the last token
+    layout: DocLayout
+    ropes: dict
+    valid: torch.Tensor
+
+
+def chunk_cuts(layout: DocLayout, n: int) -> list[int]:
+    """Token offsets ``[0, ..., T]`` of at most ``n`` chunks, each cut at the document boundary
+    nearest ``k T / n`` (host integers: no device read)."""
+    bounds = list(layout.starts) + [layout.total]
+    cuts = [0]
+    for k in range(1, n):
+        target = k * layout.total / n
+        best = min(bounds, key=lambda b: (abs(b - target), b))
+        if cuts[-1] < best < layout.total:
+            cuts.append(best)
+    return cuts + [layout.total]
+
+
+def _sub_layout(layout: DocLayout, start: int, end: int) -> DocLayout:
+    """The documents in tokens ``[start, end)`` (whole documents) as a layout of their own; the
+    device boundaries are sliced on the device."""
+    p = layout.params
+    cu, padded = p.host_boundaries()
+    d0, d1 = padded.index(start), padded.index(end)
+    host_cu = tuple(c - cu[d0] for c in cu[d0:d1 + 1])
+    host_padded = tuple(c - start for c in padded[d0:d1 + 1])
+    sub = PackedSeqParams(p.cu_seqlens[d0:d1 + 1] - p.cu_seqlens[d0], p.cu_seqlens_padded[d0:d1 + 1] - start,
+                          max((b - a for a, b in zip(host_cu, host_cu[1:])), default=0), p.qkv_format,
+                          host_cu, host_padded)
+    return DocLayout.from_params(sub)
+
+
+def _slice(obj, a: int, b: int):
+    if isinstance(obj, torch.Tensor):
+        return obj[a:b]
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_slice(o, a, b) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _slice(v, a, b) for k, v in obj.items()}
+    return obj
+
+
+def make_chunks(layout: DocLayout, ropes: dict, valid: torch.Tensor, n: int) -> list[Chunk]:
+    """The micro-batch's chunks (built once per forward and shared by its blocks)."""
+    key = ("recompute_chunks", n)
+    if key not in layout.cache:
+        cuts = chunk_cuts(layout, n)
+        layout.cache[key] = [(a, b, _sub_layout(layout, a, b)) for a, b in zip(cuts, cuts[1:])]
+    return [Chunk(a, b, sub, _slice(ropes, a, b), valid[a:b]) for a, b, sub in layout.cache[key]]
+
+
+def _merge_stats(stats: list[dict], top_k: int) -> dict:
+    return router_stats(*(sum(s[k] for s in stats) for k in STAT_SUMS), top_k)
+
+
+class _Stash:
+    """A kept input: on the device, or in host memory behind the event of its copy."""
+
+    def __init__(self, t: torch.Tensor, offload: bool, stream):
+        self.device, self.event = t.device, None
+        if not offload:
+            self.t = t
+            return
+        if t.device.type != "cuda":  # the same path on CPU (tests): a copy
+            self.t = torch.empty_like(t, device="cpu").copy_(t)
+            return
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
+            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        t.record_stream(stream)  # its memory is not reused before the copy has read it
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+        return self.t.to(self.device, non_blocking=True)
+
+
+def _inner_units(block: torch.nn.Module) -> list:
+    return [m for m in block.modules() if m is not block and isinstance(m, FSDPModule)]
+
+
+def _group(unit):
+    return unit._get_fsdp_state()._fsdp_param_group  # reduce_grads / reshard_after_backward: no getter
+
+
+def _in_backward(unit) -> bool:
+    """FSDP takes the unit as in its backward already (it then skips the unit's forward hooks)."""
+    return unit._get_fsdp_state()._training_state == TrainingState.PRE_BACKWARD
+
+
+class _Chunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, n_in, *tensors):
+        fn, chunks, units, _, top_k, offload, stream = run
+        inputs, outs, stats = tensors[:n_in], [], []
+        with torch.no_grad():
+            for ch in chunks:
+                *o, s = fn(*(t[ch.start:ch.end] for t in inputs), ch)
+                outs.append(o)
+                stats += [s] if s is not None else []
+        ctx.run, ctx.n_out, ctx.has_stats = run, len(outs[0]), bool(stats)
+        ctx.needs = [t.requires_grad for t in inputs]
+        ctx.stash = [_Stash(t.detach(), offload, stream) for t in inputs]
+        cat = [torch.cat([o[i] for o in outs]) for i in range(ctx.n_out)]
+        if not stats:
+            return (*cat,)
+        merged = _merge_stats(stats, top_k)
+        extra = [merged[k] for k in ("tokens_per_expert", "valid_tokens")]
+        ctx.mark_non_differentiable(*extra)
+        return (*cat, merged["prob_sum"], *extra)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        fn, chunks, units, block = ctx.run[:4]
+        inputs = [s.get() for s in ctx.stash]
+        del ctx.stash
+        grad_outs, grad_prob = grads[:ctx.n_out], grads[ctx.n_out] if ctx.has_stats else None
+        grad_in = [torch.zeros_like(t) if need else None for t, need in zip(inputs, ctx.needs)]
+        saved = [(u, _group(u).reduce_grads, _group(u).reshard_after_backward) for u in units]
+        own = _own_params(block, units)  # FSDP's unsharded ones while gathered
+        acc: dict = {}
+        try:
+            for k, ch in enumerate(chunks):
+                last = k == len(chunks) - 1
+                for u, reduce, reshard in saved:  # reduce (and free) only after the last chunk
+                    u.set_requires_gradient_sync(reduce and last, recurse=False)
+                    u.set_reshard_after_backward(reshard and last, recurse=False)
+                for p in own:
+                    setattr(p, PENDING, not last)
+                hooks = [p.register_hook(_adds(acc, id(p))) for p in own if last and id(p) in acc]
+                # FSDP runs a unit's hooks in its first rerun only: later ones see it in backward
+                # already and skip them (as under hook-based checkpointing), so this runs its
+                # post-backward (accumulate in fp32, or on the last chunk reduce) itself
+                manual = [u for u in units if _in_backward(u)]
+                for u in manual:
+                    u.unshard()  # a no-op: kept gathered since its first chunk
+                with torch.enable_grad():
+                    ins = [t[ch.start:ch.end].detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs)]
+                    *outs, s = fn(*ins, ch)
+                roots, seeds = [], []
+                for o, g in zip(outs, grad_outs):
+                    if g is not None and o.requires_grad:
+                        roots.append(o)
+                        seeds.append(g[ch.start:ch.end])
+                if grad_prob is not None and s is not None and s["prob_sum"].requires_grad:
+                    roots.append(s["prob_sum"])
+                    seeds.append(grad_prob)
+                if roots:
+                    torch.autograd.backward(roots, seeds)
+                for h in hooks:
+                    h.remove()
+                for u in manual:
+                    _group(u).post_backward()
+                for g, t in zip(grad_in, ins):
+                    if g is not None and t.grad is not None:
+                        g[ch.start:ch.end] = t.grad
+                if not last:  # the block's own gradients so far, summed in fp32
+                    for p in own:
+                        if p.grad is not None:
+                            prev = acc.get(id(p))
+                            acc[id(p)] = p.grad.float() if prev is None else prev.add_(p.grad)
+                            p.grad = None
+            for p in own:  # no gradient in the last chunk: what the others made
+                if id(p) in acc:
+                    p.grad = acc.pop(id(p)).to(p.dtype)
+        finally:
+            for u, reduce, reshard in saved:
+                u.set_requires_gradient_sync(reduce, recurse=False)
+                u.set_reshard_after_backward(reshard, recurse=False)
+            for p in own:
+                setattr(p, PENDING, False)
+        return (None, None, *grad_in)
+
+
+def _own_params(block, units) -> list:
+    """The block's parameters outside its inner FSDP units (those accumulate their own)."""
+    inner = {id(p) for u in units for p in u.parameters()}
+    return [p for p in block.parameters() if p.requires_grad and id(p) not in inner]
+
+
+def _adds(acc: dict, key: int):
+    """A gradient hook for the last chunk: the earlier chunks' fp32 sum plus this one, rounded to
+    the parameter's dtype once (as the unchunked block's single GEMM rounds it)."""
+    return lambda g: acc.pop(key).add_(g).to(g.dtype)
+
+
+def chunked_recompute(block: torch.nn.Module, fn, tensors: tuple, ropes: dict, layout: DocLayout, valid,
+                      chunks: int, offload: bool):
+    """``fn(*tensor_chunks, ropes, layout, valid)`` returns ``(*outputs, MoE statistics or None)``
+    for one chunk; this returns the same for the whole micro-batch (outputs concatenated,
+    statistics summed), recomputing each chunk in the backward. ``block``: the FSDP unit whose
+    inner units wait for the last chunk before they reduce, and whose MoE layer (at most one)
+    makes the statistics."""
+    moe = [m for m in block.modules() if isinstance(m, MoELayer)]
+    top_k = moe[0].router.top_k if moe else 0
+    stream = None
+    if offload and tensors[0].device.type == "cuda":  # one copy stream per micro-batch
+        stream = layout.cache.setdefault("offload_stream", torch.cuda.Stream(tensors[0].device))
+    run = (lambda *a: fn(*a[:-1], a[-1].ropes, a[-1].layout, a[-1].valid), make_chunks(layout, ropes, valid, chunks),
+           _inner_units(block), block, top_k, offload, stream)
+    out = _Chunked.apply(run, len(tensors), *tensors)
+    if not top_k:
+        return (*out, None)
+    prob_sum, counts, n = out[-3:]
+    return (*out[:-3], router_stats(counts, prob_sum, n, top_k))
