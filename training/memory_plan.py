@@ -61,6 +61,8 @@ class PlanInputs:
     cpu_offload: str = "none"       # none | all | experts | optimizer
     recompute: str = "none"         # none | selective | full
     recompute_num_layers: int = 0   # first N layers of each chunk; 0: all
+    recompute_chunks: int = 1       # full recompute, a token chunk at a time (core/transformer/chunked.py)
+    offload_recompute_inputs: bool = False  # the recomputed blocks' kept inputs in host memory
     seq_length: int = 8192
     micro_batch_size: int = 1
     num_microbatches: int = 8       # per pipeline per iteration
@@ -88,6 +90,8 @@ class PlanInputs:
             raise ValueError("--cpu-offload masters needs --bf16")
         if self.store_param_remainders and not self.bf16:
             raise ValueError("--store-param-remainders needs --bf16")
+        if (self.recompute_chunks > 1 or self.offload_recompute_inputs) and self.recompute != "full":
+            raise ValueError("--recompute-chunks and --offload-recompute-inputs need --recompute-granularity full")
         if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
                              f"= {2 * self.cp}")
@@ -116,6 +120,11 @@ class PlanInputs:
     def local_tokens(self) -> int:
         """Tokens of a micro-batch on one rank: its CP shard, ``T / cp``."""
         return self.tokens // self.cp
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens a recomputed block's backward holds at once: its chunk's (``--recompute-chunks``)."""
+        return -(-self.local_tokens // self.recompute_chunks)
 
     @property
     def act_bytes(self) -> int:
@@ -264,8 +273,9 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
     T, b, H = inp.local_tokens, inp.act_bytes, cfg.hidden_size
     r = RankMemory(pp_rank, ep_rank)
     dev = dict.fromkeys(COLUMNS, 0)
-    host = dict.fromkeys(("parameters", "gradients", "optimizer"), 0)
+    host = dict.fromkeys(("parameters", "gradients", "optimizer", "activations"), 0)
     managed_numel, managed_fp32, managed_dev_grads, largest_block, per_step_gather, cp_pool = 0, 0, 0, 0, 0, 0
+    moved = 0  # --offload-recompute-inputs: host memory, one block's inputs back on the device at a time
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         for kind in KINDS:
@@ -290,13 +300,18 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         largest_block = max([largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
         per_step_gather += blocks.get(ROOT, 0)  # FSDP2 keeps the root gathered forward to backward
         dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
-        dev["recompute working set"] = max(dev["recompute working set"], _recompute_working_set(cfg, chunk, T, b, inp))
+        dev["recompute working set"] = max(dev["recompute working set"],
+                                           _recompute_working_set(cfg, chunk, inp.chunk_tokens, b, inp))
+        moved += offloaded_inputs(cfg, chunk, inp)
         kept, pool = _cp_key_buffers(cfg, chunk, inp)
         dev["cp K/V"] += kept
         cp_pool = max(cp_pool, pool)
     # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
     for key in ("activations", "cp K/V"):
         dev[key] = dev[key] * facts.peak_in_flight[pp_rank] // len(chunks)
+    moved = moved * facts.peak_in_flight[pp_rank] // len(chunks)
+    dev["activations"] -= moved
+    host["activations"] = moved
     dev["cp K/V"] += cp_pool
     if managed_numel:
         if pl.gather_per_microbatch:
@@ -309,6 +324,9 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         else:  # one unit's gradient at a time: autograd's (compute dtype), FSDP's fp32 for the reduce
             largest = max(largest_block, per_step_gather)
             dev["unsharded grads"] = largest * (b + MASTER if b < MASTER else MASTER)
+    if inp.recompute_chunks > 1:  # the block the backward is making sums its chunks' gradients in fp32
+        largest_any = max((n for c in chunks for k, n in block_numel(c).items() if k is not ROOT), default=0)
+        dev["unsharded grads"] += largest_any * MASTER
     if inp.optimizer_in_backward:
         # parameters FSDP does not manage keep their gradients until their hooks step them on the
         # steps' own stream (core/optim/in_backward.py), which runs behind the backward: the block
@@ -317,7 +335,7 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         dev["unsharded grads"] += 2 * max(plain, default=0) * b
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
-        dev["all-to-all buffers"] = 4 * T * cfg.num_experts_per_tok * H * b
+        dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
     r.device, r.host = dev, host
     r.fits = r.device_total <= inp.device_gb * GB
     return r
@@ -372,6 +390,20 @@ def _cp_key_buffers(cfg, chunk, inp: PlanInputs) -> tuple[int, int]:
         kept += sum(key_buffer_bytes(s.attention, T, inp.cp, b) for s in shapes.extra) if extra_kept else 0
         blocks += list(shapes.extra)
     return kept, max((gathered_bytes(s.attention, T, inp.cp, b) for s in blocks), default=0)
+
+
+def offloaded_inputs(cfg, chunk, inp: PlanInputs) -> int:
+    """Bytes ``--offload-recompute-inputs`` keeps in host memory for one micro-batch: each fully
+    recomputed block's kept inputs (a decoder layer's hidden state; an MTP depth's shifted
+    embedding and previous hidden state) less the one block's copied back for its backward."""
+    if not inp.offload_recompute_inputs:
+        return 0
+    one = inp.local_tokens * cfg.hidden_size * inp.act_bytes
+    n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
+    inputs = min(n, len(chunk.layers)) * one
+    if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        inputs += 2 * len(shapes_of(cfg).extra) * one
+    return max(inputs - 2 * one, 0)
 
 
 def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:

@@ -32,6 +32,7 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
     return PlanInputs(pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, sharding=m.data_parallel_sharding,
                       cpu_offload=m.cpu_offload, fsdp_gather_once=m.fsdp_gather_once,
                       recompute=m.recompute_granularity, recompute_num_layers=m.recompute_num_layers,
+                      recompute_chunks=m.recompute_chunks, offload_recompute_inputs=m.offload_recompute_inputs,
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
                       num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,
                       muon_ns_steps=o.muon_ns_steps, dion_rank_fraction=o.dion_rank_fraction,

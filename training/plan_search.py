@@ -43,6 +43,8 @@ class Row:
     cpu_offload: str
     gather_once: bool
     recompute: str
+    recompute_chunks: int
+    offload_inputs: bool
     remainders: bool
     in_backward: bool
     micro_batch_size: int
@@ -72,7 +74,12 @@ class Row:
             out.append("--store-param-remainders")
         if self.in_backward:
             out.append("--optimizer-in-backward")
-        out += [f"--recompute-granularity {self.recompute}", f"--micro-batch-size {self.micro_batch_size}"]
+        out.append(f"--recompute-granularity {self.recompute}")
+        if self.recompute_chunks > 1:
+            out.append(f"--recompute-chunks {self.recompute_chunks}")
+        if self.offload_inputs:
+            out.append("--offload-recompute-inputs")
+        out.append(f"--micro-batch-size {self.micro_batch_size}")
         return " ".join(out)
 
 
@@ -108,12 +115,22 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                         if dp * cp == 1 and sharding == "fsdp" and (offload in ("none", "masters") or once):
                             continue
                         for rem, inb in _master_modes(base, M, dp * cp, sharding, offload):
-                            for rc in RECOMPUTE:
+                            for rc, chunks, off in _recompute_modes(mbs, cp):
                                 out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, sharding=sharding,
                                                    cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
-                                                   recompute_num_layers=0, micro_batch_size=mbs,
+                                                   recompute_num_layers=0, recompute_chunks=chunks,
+                                                   offload_recompute_inputs=off, micro_batch_size=mbs,
                                                    num_microbatches=M, pipeline_layout=None,
                                                    store_param_remainders=rem, optimizer_in_backward=inb))
+    return out
+
+
+def _recompute_modes(mbs: int, cp: int) -> list:
+    """(granularity, chunks, offloaded inputs): each granularity as it is, and full recompute a
+    pack at a time (several packs, no CP), with or without its inputs in host memory."""
+    out = [(rc, 1, False) for rc in RECOMPUTE]
+    if mbs > 1 and cp == 1:
+        out += [("full", mbs, False), ("full", mbs, True)]
     return out
 
 
@@ -146,7 +163,8 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
     host = max(nodes.values()) / GB
     fits = device <= inp.device_gb and (host_gb <= 0 or host <= host_gb)
     return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
-               inp.recompute, inp.store_param_remainders, inp.optimizer_in_backward,
+               inp.recompute, inp.recompute_chunks, inp.offload_recompute_inputs,
+               inp.store_param_remainders, inp.optimizer_in_backward,
                inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
                st.mfu, st.bubble, fits)
@@ -156,18 +174,22 @@ def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
            a: TimeAssumptions | None = None, peak: float | None = None, host_gb: float = 0.0,
            progress: bool = True) -> list[Row]:
     """Every candidate layout, those that fit first, fastest (tokens/s per GPU) first; among
-    equally fast ones, the one with the most device memory to spare."""
+    equally fast ones, unchunked recompute first, then the one with the most device memory to
+    spare."""
     from tqdm import tqdm
 
     a, peak = a or TimeAssumptions(), peak_tflops(peak)
     todo = candidates(cfg, world, base, global_batch_size)
     rows = [evaluate(cfg, inp, a, peak, global_batch_size, host_gb)
             for inp in tqdm(todo, desc="planning layouts", unit="layout", disable=not progress)]
-    return sorted(rows, key=lambda r: (not r.fits, -round(r.tokens_per_s_per_gpu, 6), r.device_gb))
+    # at equal predicted speed, unchunked recompute first: chunks cost what the prediction does not
+    # time (smaller GEMMs, more launches, inner units gathered once per chunk in the forward)
+    return sorted(rows, key=lambda r: (not r.fits, -round(r.tokens_per_s_per_gpu, 6), r.recompute_chunks > 1,
+                                       r.device_gb))
 
 
 HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}{'cp':>4}  {'sharding':<9}{'offload':<10}{'once':<5}"
-        f"{'recompute':<10}{'masters':<8}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
+        f"{'recompute':<14}{'masters':<8}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
         f"{'step_s':>8}{'tokens/s/GPU':>13}{'MFU':>7}{'idle':>7}")
 
 
@@ -175,11 +197,16 @@ def format_rows(rows: list[Row], top: int) -> str:
     lines = [HEAD]
     for i, r in enumerate(rows[:top], 1):
         lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}{r.cp:>4}  {r.sharding:<9}{r.cpu_offload:<10}"
-                     f"{'yes' if r.gather_once else 'no':<5}{r.recompute:<10}{_masters(r):<8}{r.micro_batch_size:>4}"
+                     f"{'yes' if r.gather_once else 'no':<5}{_recompute(r):<14}{_masters(r):<8}{r.micro_batch_size:>4}"
                      f"{r.num_microbatches:>4}{r.device_gb:>8.1f}{r.host_gb_per_node:>13.0f}"
                      f"{'yes' if r.weights_per_microbatch else 'no':>11}{r.step_s:>8.1f}"
                      f"{r.tokens_per_s_per_gpu:>13,.0f}{r.mfu:>7.1%}{r.idle:>7.1%}")
     return "\n".join(lines)
+
+
+def _recompute(r: Row) -> str:
+    """full/4: --recompute-chunks 4; +off: --offload-recompute-inputs."""
+    return r.recompute + (f"/{r.recompute_chunks}" if r.recompute_chunks > 1 else "") + ("+off" if r.offload_inputs else "")
 
 
 def _masters(r: Row) -> str:
@@ -206,7 +233,7 @@ def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: Tim
         print(format_rows(sorted(rows, key=lambda r: r.device_gb), min(top, 5)))
         return 1
     print(format_rows(fitting, top))
-    print("once: --fsdp-gather-once; masters: fp32, or rem (--store-param-remainders), +ib "
+    print("once: --fsdp-gather-once; recompute full/4: --recompute-chunks 4, +off: --offload-recompute-inputs; masters: fp32, or rem (--store-param-remainders), +ib "
           "(--optimizer-in-backward); weights/mb: offloaded weights copied to the GPU for every "
           "micro-batch's forward and backward; M: micro-batches per pipeline; GB/GPU: the busiest "
           "rank; idle: pipeline bubble and stage imbalance")

@@ -63,7 +63,8 @@ from core.optim.muon_split import batches, ns_flops, owners
 from core.pipeline.simulate import plan_makespan
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.memory_plan import KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, placement
+from training.memory_plan import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, offloaded_inputs,
+                                  placement)
 from training.plan_shares import ChunkShare, rank_shares, schedule_facts
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
@@ -511,6 +512,10 @@ def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placem
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         f, bk = _chunk_passes(cfg, chunk, inp, eff, bw)
+        if inp.offload_recompute_inputs:  # out on a stream of its own (bytes only), back on the compute stream
+            kept = offloaded_inputs(cfg, chunk, inp) + 2 * inp.local_tokens * cfg.hidden_size * inp.act_bytes
+            f.bytes[HD] += kept
+            bk.move("host-device", kept, a.pcie_gb_s * 1e9, HD)
         _weights_and_gradients(t, inp, pl, bw, a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, f, bk, step)
         _sync_and_optimizer(chunk, t, inp, a, pl, bw, eff, step)
         step.hidden_ns += hidden_newton_schulz(cfg, chunk, inp, pl, eff, bw)
