@@ -201,9 +201,9 @@ class MemoryArgs:
     recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all, "
                                           "and the MTP depths)")
     recompute_chunks: int = option(1, "with full recompute: each recomputed layer and MTP depth runs its "
-                                      "forward, and later its rerun and backward, N token chunks of the "
-                                      "micro-batch at a time (cut at document boundaries; at pack "
-                                      "boundaries when N divides --micro-batch-size), its gradients summed "
+                                      "forward, and later its rerun and backward, N chunks of the "
+                                      "micro-batch at a time (groups of whole packs: N must divide "
+                                      "--micro-batch-size), its gradients summed "
                                       "over the chunks before they are reduced: the backward's working set "
                                       "and all-to-all buffers of one chunk, one layer's gradients at a "
                                       "time, so --optimizer-in-backward and --cpu-offload masters serve "
@@ -459,6 +459,9 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     _check_context_parallel(args, sizes.cp)
     stage_layers(cfg, sizes.pp * sizes.vpp, p.pipeline_layout, d.seq_length)
     per_step = d.micro_batch_size * sizes.dp
+    if args.memory.recompute_chunks > 1 and d.micro_batch_size % args.memory.recompute_chunks:
+        raise ValueError(f"--recompute-chunks {args.memory.recompute_chunks} must divide --micro-batch-size "
+                         f"{d.micro_batch_size}: each chunk is a group of whole packs")
     if d.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {d.global_batch_size} must be a multiple of "
                          f"--micro-batch-size x data-parallel size = {per_step}")

@@ -92,6 +92,9 @@ class PlanInputs:
             raise ValueError("--store-param-remainders needs --bf16")
         if (self.recompute_chunks > 1 or self.offload_recompute_inputs) and self.recompute != "full":
             raise ValueError("--recompute-chunks and --offload-recompute-inputs need --recompute-granularity full")
+        if self.micro_batch_size % self.recompute_chunks:
+            raise ValueError(f"--recompute-chunks {self.recompute_chunks} must divide --micro-batch-size "
+                             f"{self.micro_batch_size}: each chunk is a group of whole packs")
         if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
                              f"= {2 * self.cp}")
@@ -124,7 +127,7 @@ class PlanInputs:
     @property
     def chunk_tokens(self) -> int:
         """Tokens a recomputed block's backward holds at once: its chunk's (``--recompute-chunks``)."""
-        return -(-self.local_tokens // self.recompute_chunks)
+        return self.local_tokens // self.recompute_chunks
 
     @property
     def act_bytes(self) -> int:
@@ -324,9 +327,17 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         else:  # one unit's gradient at a time: autograd's (compute dtype), FSDP's fp32 for the reduce
             largest = max(largest_block, per_step_gather)
             dev["unsharded grads"] = largest * (b + MASTER if b < MASTER else MASTER)
-    if inp.recompute_chunks > 1:  # the block the backward is making sums its chunks' gradients in fp32
-        largest_any = max((n for c in chunks for k, n in block_numel(c).items() if k is not ROOT), default=0)
-        dev["unsharded grads"] += largest_any * MASTER
+    if inp.recompute_chunks > 1:
+        # the block the backward is making sums its chunks' gradients in fp32: FSDP's units as
+        # they do over micro-batches (their fp32 accumulator and the chunk's gradient: the bytes of
+        # the compute-dtype gradient and its fp32 reduce copy counted above); a block's parameters
+        # FSDP does not manage (``core/transformer/chunked.py``) in an fp32 sum that each gradient
+        # joins as autograd stores it: the sum in place of the block's gradient, and one tensor's
+        # gradient beside it
+        plain = [n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT]
+        tensor = max((x.t.numel() for c in chunks for x in c.tensors
+                      if x.block is not ROOT and not pl.managed["expert" if x.expert else "dense"]), default=0)
+        dev["unsharded grads"] += max(plain, default=0) * (MASTER - b) + tensor * b
     if inp.optimizer_in_backward:
         # parameters FSDP does not manage keep their gradients until their hooks step them on the
         # steps' own stream (core/optim/in_backward.py), which runs behind the backward: the block

@@ -2,9 +2,9 @@
 
 Under ``--recompute-granularity full`` a block keeps only its inputs and reruns its forward in the
 backward. With ``--recompute-chunks N`` it runs that forward, and later the rerun and backward,
-on N contiguous token chunks of the micro-batch one after another (cut at document boundaries,
-so attention never needs another chunk: at pack boundaries when N divides the micro-batch's
-packs). The block's parameter gradients accumulate over its chunks before FSDP reduces them
+on N equal token chunks of the micro-batch one after another: groups of whole packs (N divides
+``--micro-batch-size``), so attention never needs another chunk and every rank runs the same
+N chunks (the all-to-alls of expert parallelism inside a block stay matched). The block's parameter gradients accumulate over its chunks before FSDP reduces them
 (inner FSDP units, the experts and the fp32 router, skip their reduce-scatter and stay gathered
 until the last chunk), so a micro-batch of N packs holds the backward's working set and the
 all-to-all buffers of one pack, and only one block's gradients at a time: what micro-batching
@@ -49,16 +49,17 @@ class Chunk:
 
 
 def chunk_cuts(layout: DocLayout, n: int) -> list[int]:
-    """Token offsets ``[0, ..., T]`` of at most ``n`` chunks, each cut at the document boundary
-    nearest ``k T / n`` (host integers: no device read)."""
-    bounds = list(layout.starts) + [layout.total]
-    cuts = [0]
-    for k in range(1, n):
-        target = k * layout.total / n
-        best = min(bounds, key=lambda b: (abs(b - target), b))
-        if cuts[-1] < best < layout.total:
-            cuts.append(best)
-    return cuts + [layout.total]
+    """Token offsets ``[0, T/n, 2T/n, ..., T]`` of the ``n`` chunks (host integers: no device
+    read). Every rank cuts the same ``n`` chunks whatever its documents, so collectives inside a
+    block (expert parallelism's all-to-alls) run as often on each; a cut must fall where a
+    document ends, which holds for groups of whole packs (documents never cross a pack)."""
+    T = layout.total
+    bounds = set(layout.starts) | {T}
+    cuts = [k * T // n for k in range(n + 1)]
+    if T % n or not set(cuts) <= bounds:
+        raise ValueError(f"--recompute-chunks {n}: a micro-batch of {T} tokens does not split into {n} equal "
+                         "groups of whole documents (use a divisor of --micro-batch-size: chunks of whole packs)")
+    return cuts
 
 
 def _sub_layout(layout: DocLayout, start: int, end: int) -> DocLayout:
@@ -164,17 +165,14 @@ class _Chunked(torch.autograd.Function):
         grad_outs, grad_prob = grads[:ctx.n_out], grads[ctx.n_out] if ctx.has_stats else None
         grad_in = [torch.zeros_like(t) if need else None for t, need in zip(inputs, ctx.needs)]
         saved = [(u, _group(u).reduce_grads, _group(u).reshard_after_backward) for u in units]
-        own = _own_params(block, units)  # FSDP's unsharded ones while gathered
-        acc: dict = {}
+        inner = {id(p) for u in units for p in u.parameters()}  # FSDP accumulates those itself
+        acc, marked = {}, {}  # id -> fp32 sum of the earlier chunks; parameters marked PENDING
         try:
             for k, ch in enumerate(chunks):
                 last = k == len(chunks) - 1
                 for u, reduce, reshard in saved:  # reduce (and free) only after the last chunk
                     u.set_requires_gradient_sync(reduce and last, recurse=False)
                     u.set_reshard_after_backward(reshard and last, recurse=False)
-                for p in own:
-                    setattr(p, PENDING, not last)
-                hooks = [p.register_hook(_adds(acc, id(p))) for p in own if last and id(p) in acc]
                 # FSDP runs a unit's hooks in its first rerun only: later ones see it in backward
                 # already and skip them (as under hook-based checkpointing), so this runs its
                 # post-backward (accumulate in fp32, or on the last chunk reduce) itself
@@ -192,6 +190,16 @@ class _Chunked(torch.autograd.Function):
                 if grad_prob is not None and s is not None and s["prob_sum"].requires_grad:
                     roots.append(s["prob_sum"])
                     seeds.append(grad_prob)
+                # the parameters this chunk's backward accumulates into (FSDP's unsharded ones
+                # while gathered), less the inner units'
+                own = [p for p in _leaves(roots) if id(p) not in inner]
+                for p in own:
+                    setattr(p, PENDING, not last)
+                    marked[id(p)] = p
+                if last:  # the earlier chunks' sum joins this chunk's gradient before autograd stores it
+                    hooks = [p.register_hook(_adds(acc, id(p))) for p in own if id(p) in acc]
+                else:  # each gradient joins the fp32 sum as soon as autograd stores it
+                    hooks = [p.register_post_accumulate_grad_hook(_moves(acc)) for p in own]
                 if roots:
                     torch.autograd.backward(roots, seeds)
                 for h in hooks:
@@ -201,28 +209,43 @@ class _Chunked(torch.autograd.Function):
                 for g, t in zip(grad_in, ins):
                     if g is not None and t.grad is not None:
                         g[ch.start:ch.end] = t.grad
-                if not last:  # the block's own gradients so far, summed in fp32
-                    for p in own:
-                        if p.grad is not None:
-                            prev = acc.get(id(p))
-                            acc[id(p)] = p.grad.float() if prev is None else prev.add_(p.grad)
-                            p.grad = None
-            for p in own:  # no gradient in the last chunk: what the others made
-                if id(p) in acc:
-                    p.grad = acc.pop(id(p)).to(p.dtype)
+            for key, total in acc.items():  # no gradient in the last chunk: what the others made
+                p = marked[key]
+                p.grad = total.to(p.dtype) if p.grad is None else p.grad + total.to(p.dtype)
         finally:
             for u, reduce, reshard in saved:
                 u.set_requires_gradient_sync(reduce, recurse=False)
                 u.set_reshard_after_backward(reshard, recurse=False)
-            for p in own:
+            for p in marked.values():
                 setattr(p, PENDING, False)
         return (None, None, *grad_in)
 
 
-def _own_params(block, units) -> list:
-    """The block's parameters outside its inner FSDP units (those accumulate their own)."""
-    inner = {id(p) for u in units for p in u.parameters()}
-    return [p for p in block.parameters() if p.requires_grad and id(p) not in inner]
+def _leaves(roots: list) -> list:
+    """The leaf tensors requiring grad (parameters, and the chunk's detached inputs, which are
+    not parameters of anything) that autograd would accumulate into from ``roots``."""
+    seen, out, todo = set(), [], [r.grad_fn for r in roots if r.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None and isinstance(var, torch.nn.Parameter):
+            out.append(var)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return out
+
+
+def _moves(acc: dict):
+    """A post-accumulate hook for a chunk before the last: the stored gradient (with what earlier
+    micro-batches left in it) joins the parameter's fp32 sum and is freed, so a chunk holds one
+    parameter's compute-dtype gradient at a time beside the sums."""
+    def move(p) -> None:
+        prev = acc.get(id(p))
+        acc[id(p)] = p.grad.float() if prev is None else prev.add_(p.grad)
+        p.grad = None
+    return move
 
 
 def _adds(acc: dict, key: int):

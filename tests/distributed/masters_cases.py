@@ -20,7 +20,7 @@ from training.parallelize import parallelize
 MODES = {"bf16": (), "remainders": ("--store-param-remainders",), "in_backward": ("--optimizer-in-backward",),
          "both": ("--store-param-remainders", "--optimizer-in-backward"),
          "host": ("--cpu-offload", "masters"), "host_in_backward": ("--cpu-offload", "masters", "--optimizer-in-backward")}
-CHUNKED = ("--recompute-granularity", "full", "--recompute-chunks", "3")  # the pack's documents, 3 at a time
+CHUNKED = ("--recompute-granularity", "full", "--recompute-chunks", "2", "--micro-batch-size", "2")  # a pack at a time
 CHUNK_MODES = {"chunks": CHUNKED, "host_in_backward_chunks": (*MODES["host_in_backward"], *CHUNKED,
                                                               "--offload-recompute-inputs")}
 
@@ -50,25 +50,25 @@ def masters(chunks) -> dict:
     return {n: m.master(p).clone() for c in chunks for n, p in c.named_parameters()}
 
 
-def train(chunks, opt, ps, cfg, steps: int, clip: float, first: int = 0) -> list:
+def train(chunks, opt, ps, cfg, steps: int, clip: float, first: int = 0, packs: int = 1) -> list:
     out = []
     for s in range(first, steps):
-        batches = micro_batches(ps.sizes.dp, 1, cfg.vocab_size, seed=100 + s)[ps.dp_rank]
+        batches = micro_batches(ps.sizes.dp, 1, cfg.vocab_size, seed=100 + s, packs=packs)[ps.dp_rank]
         out.append(train_step(chunks, ps, opt, batches, settings(cfg, clip_grad=clip)))
     return out
 
 
-def compare_modes(rank, world, ep, optimizer, clip, steps, tolerance, modes=tuple(MODES)):
+def compare_modes(rank, world, ep, optimizer, clip, steps, tolerance, modes=tuple(MODES), packs=1):
     """Every mode's (of ``modes``: --bf16 and others) masters after ``steps`` steps against
     --bf16's, as the largest difference relative to how far each tensor moved (0: bitwise), and
-    its losses; ``tolerance``: mode -> (masters, losses) allowed."""
+    its losses; ``tolerance``: mode -> (masters, losses) allowed; micro-batches of ``packs`` packs."""
     cfg = tiny_config()
     ps = ParallelState.build(ParallelSizes(world, ep=ep), cfg.num_layers, cfg.num_experts)
     runs = {}
     for mode in ("bf16", *(m for m in modes if m != "bf16")):
         chunks, opt = build(cfg, ps, ep, mode, optimizer)
         init = masters(chunks)
-        losses = [m.loss for m in train(chunks, opt, ps, cfg, steps, clip)]
+        losses = [m.loss for m in train(chunks, opt, ps, cfg, steps, clip, packs=packs)]
         runs[mode] = (init, losses, masters(chunks))
     init, ref_losses, ref = runs["bf16"]
     for mode, (_, losses, got) in runs.items():

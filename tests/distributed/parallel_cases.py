@@ -25,20 +25,23 @@ SEQ = 48          # tokens per micro-batch (one pack)
 MTP_SCALE = 0.3
 
 
-def micro_batches(dp: int, M: int, vocab: int, seed: int = 0, pad_multiple: int = 1):
-    """batches[d][m]: each a full THD pack of random documents (several per pack; each padded to
-    ``pad_multiple``, as context parallelism packs them)."""
+def micro_batches(dp: int, M: int, vocab: int, seed: int = 0, pad_multiple: int = 1, packs: int = 1):
+    """batches[d][m]: each ``packs`` full THD packs of random documents (several per pack; each
+    padded to ``pad_multiple``, as context parallelism packs them)."""
     out = []
     for d in range(dp):
         row = []
         for m in range(M):
             rng = np.random.default_rng([seed, d, m])
-            lengths = rng.integers(2, 20, 8)
+            lengths = rng.integers(2, 20, 8 * packs)
             docs = [rng.integers(0, vocab, n) for n in lengths]
             plan = plan_packs(-(-lengths // pad_multiple) * pad_multiple, SEQ, seed=0)
-            segs = np.array(plan.pack(0))
-            segs[:, 2] = lengths[segs[:, 0]]  # planned on padded lengths; the segments are real
-            row.append(build_thd_batch([segs], InMemoryDataset(docs), SEQ, pad_id=0, pad_multiple=pad_multiple))
+            chosen = []
+            for k in range(packs):
+                segs = np.array(plan.pack(k))
+                segs[:, 2] = lengths[segs[:, 0]]  # planned on padded lengths; the segments are real
+                chosen.append(segs)
+            row.append(build_thd_batch(chosen, InMemoryDataset(docs), SEQ, pad_id=0, pad_multiple=pad_multiple))
         out.append(row)
     return out
 

@@ -16,7 +16,7 @@ from tests.unit.test_head_loss import _step37
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
 
-LENGTHS = [9, 3, 14, 1, 11, 6, 20, 4]  # T = 68
+LENGTHS = [9, 3, 12, 1, 11, 12, 20, 4]  # T = 72, documents ending at 24, 36 and 48: 2 or 3 chunks
 
 
 def _step(model, lengths=LENGTHS, seed=3):
@@ -63,20 +63,40 @@ def test_a_chunk_rerun_is_really_chunked():
     forward = layer.self_attn.forward
     layer.self_attn.forward = lambda h, rope, layout: seen.append(tuple(layout.lengths)) or forward(h, rope, layout)
     _step(model)
-    cut = chunk_cuts(DocLayout.from_params(thd(LENGTHS, seed=3)[2]), 2)
-    assert cut == [0, 38, 68]  # 9 + 3 + 14 + 1 + 11 = 38 is the boundary nearest 34 (27 is 7 away)
-    assert seen == [(9, 3, 14, 1, 11), (6, 20, 4)] * 2
+    assert chunk_cuts(DocLayout.from_params(thd(LENGTHS, seed=3)[2]), 2) == [0, 36, 72]
+    assert seen == [(9, 3, 12, 1, 11), (12, 20, 4)] * 2
+
+
+S = 16  # tokens per pack in the properties below
+
+
+@st.composite
+def packs(draw):
+    """A micro-batch of 1-6 packs of S tokens, each split into documents at random."""
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        ends = sorted(draw(st.sets(st.integers(1, S - 1), max_size=5))) + [S]
+        out.append([b - a for a, b in zip([0] + ends, ends)])
+    return out
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.integers(1, 6))
-def test_chunks_are_cut_at_document_boundaries_and_cover_the_batch(lengths, n):
+@given(packs(), st.integers(1, 6))
+def test_every_rank_cuts_n_chunks_of_whole_packs_or_is_told_why(micro_batch, n):
+    """The same n equal chunks whatever the documents (ranks exchange tokens inside a block):
+    groups of whole packs when n divides the packs (what the flags enforce); otherwise equal
+    cuts that happen to end documents, or a refusal naming the flag."""
+    lengths = [d for pack in micro_batch for d in pack]
     layout = DocLayout.from_params(thd(lengths, seed=0)[2])
-    cuts = chunk_cuts(layout, n)
-    bounds = set(layout.starts) | {layout.total}
-    assert cuts[0] == 0 and cuts[-1] == layout.total
-    assert all(a < b for a, b in zip(cuts, cuts[1:])) and set(cuts) <= bounds
-    assert len(cuts) - 1 <= min(n, len(lengths))
+    T, ends = layout.total, {sum(lengths[:i]) for i in range(len(lengths) + 1)}
+    equal = [k * T // n for k in range(n + 1)]
+    if len(micro_batch) % n == 0:
+        assert chunk_cuts(layout, n) == [k * len(micro_batch) // n * S for k in range(n + 1)]
+    elif T % n == 0 and set(equal) <= ends:
+        assert chunk_cuts(layout, n) == equal
+    else:
+        with pytest.raises(ValueError, match=f"--recompute-chunks {n}: a micro-batch of {T} tokens"):
+            chunk_cuts(layout, n)
 
 
 def test_equal_packs_are_cut_at_pack_boundaries():
@@ -128,17 +148,22 @@ def test_the_planner_counts_one_chunk_and_the_offloaded_inputs():
     recompute working set and all-to-all buffers and adds one block's fp32 gradient sums;
     offloading moves every recomputed block's kept input but the two in flight to the host."""
     from models.registry import spec
-    from training.memory_plan import GB, plan, MASTER
-    from training.plan_shares import ROOT, block_numel, rank_shares
+    from training.memory_plan import GB, MASTER, _plain_blocks, placement, plan
+    from training.plan_shares import ROOT, rank_shares
 
     cfg = spec("step37").config_class.preset("step37-flash")
     whole, chunked, off = (plan(cfg, _flash_h100(**kw))[0] for kw in
                            ({}, {"recompute_chunks": 4}, {"recompute_chunks": 4, "offload_recompute_inputs": True}))
     for col in ("recompute working set", "all-to-all buffers"):
         assert abs(chunked.device[col] * 4 - whole.device[col]) <= 4 * GB // 1000, col
+    # host masters at one micro-batch leave the experts out of FSDP (expert-DP 1): their fp32 sums
+    # are the chunked block's extra bytes (FSDP's units accumulate as over micro-batches)
     share = rank_shares(cfg, 1, 1, 8, None, 8192)[0][0]
-    largest = max(n for k, n in block_numel(share).items() if k is not ROOT)
-    assert chunked.device["unsharded grads"] - whole.device["unsharded grads"] == largest * MASTER
+    experts = max(n for k, n in _plain_blocks(share, placement(_flash_h100())).items() if k is not ROOT)
+    assert experts == 36 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    # the sum (4 bytes) where the block's bf16 gradient (2) was, and one expert stack's bf16 gradient
+    stack = 36 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert chunked.device["unsharded grads"] - whole.device["unsharded grads"] == experts * (MASTER - 2) + stack * 2
     one = 4 * 8192 * cfg.hidden_size * 2  # a block's kept input: T x H in bf16
     moved = (cfg.num_layers + 2 * cfg.num_mtp_layers - 2) * one
     assert off.host["activations"] == moved and chunked.device["activations"] - off.device["activations"] == moved
