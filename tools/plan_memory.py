@@ -44,6 +44,10 @@ def build_planner_parser():
     g.add_argument("--search", action="store_true", help="rank every layout of --world-size that fits, "
                                                          "fastest first (the layout flags given are ignored)")
     g.add_argument("--top", type=int, default=20, help="rows of the --search table (default: 20)")
+    g.add_argument("--reserve-gb", type=float, default=None,
+                   help="--search: device memory a layout must leave free to count as fitting, for what "
+                        "the plan does not count (CUDA context, NCCL buffers, allocator fragmentation, "
+                        "transient workspaces; default: 7%% of --device-gb, 10 GB on an H200)")
     g.add_argument("--host-gb", type=float, default=2000.0,
                    help="--search: host memory per node in GB that a layout may use (default: 2000, "
                         "a DGX H200's 2 TB; 0: no limit)")
@@ -61,8 +65,10 @@ def main(argv=None) -> int:
         if ns.search:
             if ns.top < 1:
                 raise ValueError(f"--top must be >= 1, got {ns.top}")
+            if ns.reserve_gb is not None and not 0 <= ns.reserve_gb < ns.device_gb:
+                raise ValueError(f"--reserve-gb must be >= 0 and below --device-gb {ns.device_gb:g}, got {ns.reserve_gb:g}")
             return search_report(args, ns.world_size, device_gb=ns.device_gb, host_gb=ns.host_gb,
-                                 assumptions=assumptions, top=ns.top, as_json=ns.json)
+                                 assumptions=assumptions, top=ns.top, as_json=ns.json, reserve_gb=ns.reserve_gb)
         layout = validate(args, ns.world_size, check_files=False)
     except ValueError as e:
         print(f"plan_memory.py: error: {e}", file=sys.stderr)

@@ -344,6 +344,11 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         # it is stepping and the block the backward is making
         plain = [n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT]
         dev["unsharded grads"] += 2 * max(plain, default=0) * b
+    if managed_numel and pl.gather_per_microbatch and inp.pp == 1:
+        # the root's weights are freed once the heads' backward is done (core/distributed/fsdp.py):
+        # held through the forward, not beside the layers' backward, whose gradient bytes the
+        # forward does not hold: the peak is the larger of the two phases
+        dev["gathered layers"] -= min(per_step_gather * b, dev["unsharded grads"])
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
         dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b

@@ -84,21 +84,23 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
 
 
 def search_plan(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_gb: float = 0.0,
-                assumptions: TimeAssumptions | None = None, progress: bool = True) -> list:
+                assumptions: TimeAssumptions | None = None, progress: bool = True,
+                reserve_gb: float | None = None) -> list:
     """Every layout of ``world`` ranks for these flags, planned and ranked (``plan_search.Row``)."""
     from training.plan_search import search
 
     base = plan_inputs(args, device_gb=device_gb)
     return search(model_config(args), world, base, args.data.global_batch_size, assumptions or TimeAssumptions(),
-                  peak_tflops(args.logging.peak_tflops), host_gb, progress=progress)
+                  peak_tflops(args.logging.peak_tflops), host_gb, progress=progress, reserve=reserve_gb)
 
 
 def search_report(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_gb: float = 0.0,
                   assumptions: TimeAssumptions | None = None, top: int = 20, as_json: bool = False,
-                  prog: str = "plan_memory") -> int:
+                  prog: str = "plan_memory", reserve_gb: float | None = None) -> int:
     """``--search``: rank every layout of ``world`` ranks for these flags (see plan_search.py)."""
     from training.plan_search import report as print_rows
 
     a = assumptions or TimeAssumptions()
-    rows = search_plan(args, world, device_gb=device_gb, host_gb=host_gb, assumptions=a)
-    return print_rows(rows, world, device_gb, host_gb, a, peak_tflops(args.logging.peak_tflops), top, as_json, prog)
+    rows = search_plan(args, world, device_gb=device_gb, host_gb=host_gb, assumptions=a, reserve_gb=reserve_gb)
+    return print_rows(rows, world, device_gb, host_gb, a, peak_tflops(args.logging.peak_tflops), top, as_json, prog,
+                      reserve_gb)

@@ -150,8 +150,18 @@ def _master_modes(base: PlanInputs, M: int, dp: int, sharding: str, offload: str
     return out
 
 
+# device memory a layout must leave free to rank as fitting: what the plan does not count (the
+# CUDA context and NCCL's buffers, a few GB; the caching allocator's fragmentation, which grows
+# with the memory in use; transient workspaces): 10 GB on an H200, 5.6 GB on an H100
+RESERVE_SHARE = 0.07
+
+
+def reserve_gb(device_gb: float, reserve: float | None = None) -> float:
+    return RESERVE_SHARE * device_gb if reserve is None else reserve
+
+
 def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch_size: int,
-             host_gb: float) -> Row:
+             host_gb: float, reserve: float | None = None) -> Row:
     ranks = plan(cfg, inp)
     st = plan_time(cfg, inp, a, peak, global_batch_size)
     host_of = {r.pp_rank: r.host_total for r in ranks}
@@ -161,7 +171,7 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
         nodes[node] = nodes.get(node, 0) + host_of[inp.sizes.coords(rank)["pp"]]
     device = max(r.device_total for r in ranks) / GB
     host = max(nodes.values()) / GB
-    fits = device <= inp.device_gb and (host_gb <= 0 or host <= host_gb)
+    fits = device <= inp.device_gb - reserve_gb(inp.device_gb, reserve) and (host_gb <= 0 or host <= host_gb)
     return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
                inp.recompute, inp.recompute_chunks, inp.offload_recompute_inputs,
                inp.store_param_remainders, inp.optimizer_in_backward,
@@ -172,15 +182,16 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
 
 def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
            a: TimeAssumptions | None = None, peak: float | None = None, host_gb: float = 0.0,
-           progress: bool = True) -> list[Row]:
-    """Every candidate layout, those that fit first, fastest (tokens/s per GPU) first; among
+           progress: bool = True, reserve: float | None = None) -> list[Row]:
+    """Every candidate layout, those that fit first (``reserve`` GB left free, default
+    ``RESERVE_SHARE`` of the device), fastest (tokens/s per GPU) first; among
     equally fast ones, unchunked recompute first, then the one with the most device memory to
     spare."""
     from tqdm import tqdm
 
     a, peak = a or TimeAssumptions(), peak_tflops(peak)
     todo = candidates(cfg, world, base, global_batch_size)
-    rows = [evaluate(cfg, inp, a, peak, global_batch_size, host_gb)
+    rows = [evaluate(cfg, inp, a, peak, global_batch_size, host_gb, reserve)
             for inp in tqdm(todo, desc="planning layouts", unit="layout", disable=not progress)]
     # at equal predicted speed, unchunked recompute first: chunks cost what the prediction does not
     # time (smaller GEMMs, more launches, inner units gathered once per chunk in the forward)
@@ -215,17 +226,19 @@ def _masters(r: Row) -> str:
 
 
 def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: TimeAssumptions, peak: float,
-           top: int = 20, as_json: bool = False, prog: str = "plan_memory") -> int:
+           top: int = 20, as_json: bool = False, prog: str = "plan_memory", reserve: float | None = None) -> int:
     """Print the ranked table (or every row as JSON); returns 0, or 1 when nothing fits."""
     fitting = [r for r in rows if r.fits]
     if as_json:
-        print(json.dumps({"world_size": world, "device_gb": device_gb, "host_gb_per_node": host_gb,
+        print(json.dumps({"world_size": world, "device_gb": device_gb, "reserve_gb": reserve_gb(device_gb, reserve),
+                          "host_gb_per_node": host_gb,
                           "peak_tflops": peak, "assumptions": asdict(a), "layouts": len(rows),
                           "fitting": len(fitting),
                           "rows": [{**asdict(r), "flags": r.flags()} for r in rows]}, indent=1))
         return 0 if fitting else 1
     limit = f" and {host_gb:g} GB of host memory per node" if host_gb > 0 else ""
-    print(f"{len(fitting)} of {len(rows)} layouts on {world} GPUs fit {device_gb:g} GB per GPU{limit}; "
+    print(f"{len(fitting)} of {len(rows)} layouts on {world} GPUs fit {device_gb:g} GB per GPU with "
+          f"{reserve_gb(device_gb, reserve):.1f} GB left free{limit}; "
           f"fastest first (predicted: {a.assumed_mfu:.0%} of {peak:g} TFLOP/s, PCIe {a.pcie_gb_s:g} GB/s, "
           f"NVLink {a.nvlink_gb_s:g} GB/s, host {a.host_gb_s:g} GB/s; host masters and in-backward Newton-Schulz overlap the backward)")
     if not fitting:

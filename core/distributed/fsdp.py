@@ -106,6 +106,11 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
     fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all", pin), mp_policy=mixed,
                 ignored_params=ignored, reshard_after_forward=False)
     chunk.reduce_every_backward = resident
+    # the root's weights (embedding, final norm, heads) are last read by the heads' backward; with
+    # one stage per rank no later micro-batch's forward has saved them, so they are freed then
+    # rather than after the whole backward (the model calls ``after_head_backward``)
+    if not gather_once and ps.sizes.pp == 1:
+        chunk.after_head_backward = chunk.reshard
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

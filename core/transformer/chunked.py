@@ -141,11 +141,19 @@ class _Chunked(torch.autograd.Function):
     def forward(ctx, run, n_in, *tensors):
         fn, chunks, units, _, top_k, offload, stream = run
         inputs, outs, stats = tensors[:n_in], [], []
-        with torch.no_grad():
-            for ch in chunks:
-                *o, s = fn(*(t[ch.start:ch.end] for t in inputs), ch)
-                outs.append(o)
-                stats += [s] if s is not None else []
+        kept = [(u, _group(u).post_forward_mesh_info) for u in units]
+        try:  # the inner units stay gathered over the chunks: one all-gather, not one per chunk
+            for u, _ in kept:
+                _group(u).post_forward_mesh_info = None  # no reshard after forward (FSDP's own switch)
+            with torch.no_grad():
+                for ch in chunks:
+                    *o, s = fn(*(t[ch.start:ch.end] for t in inputs), ch)
+                    outs.append(o)
+                    stats += [s] if s is not None else []
+        finally:
+            for u, mesh in kept:
+                _group(u).post_forward_mesh_info = mesh
+                u.reshard()  # as after its forward (a no-op where it stays gathered)
         ctx.run, ctx.n_out, ctx.has_stats = run, len(outs[0]), bool(stats)
         ctx.needs = [t.requires_grad for t in inputs]
         ctx.stash = [_Stash(t.detach(), offload, stream) for t in inputs]
@@ -165,7 +173,7 @@ class _Chunked(torch.autograd.Function):
         grad_outs, grad_prob = grads[:ctx.n_out], grads[ctx.n_out] if ctx.has_stats else None
         grad_in = [torch.zeros_like(t) if need else None for t, need in zip(inputs, ctx.needs)]
         saved = [(u, _group(u).reduce_grads, _group(u).reshard_after_backward) for u in units]
-        inner = {id(p) for u in units for p in u.parameters()}  # FSDP accumulates those itself
+        inner = {m for u in units for m in u.modules()}  # FSDP accumulates their parameters itself
         acc, marked = {}, {}  # id -> fp32 sum of the earlier chunks; parameters marked PENDING
         try:
             for k, ch in enumerate(chunks):
@@ -191,8 +199,9 @@ class _Chunked(torch.autograd.Function):
                     roots.append(s["prob_sum"])
                     seeds.append(grad_prob)
                 # the parameters this chunk's backward accumulates into (FSDP's unsharded ones
-                # while gathered), less the inner units'
-                own = [p for p in _leaves(roots) if id(p) not in inner]
+                # while gathered), less the inner units' (by module: their own may be swapped)
+                mine = {id(p) for m in block.modules() if m not in inner for p in m.parameters(recurse=False)}
+                own = [p for p in _leaves(roots) if id(p) in mine]
                 for p in own:
                     setattr(p, PENDING, not last)
                     marked[id(p)] = p
@@ -209,9 +218,11 @@ class _Chunked(torch.autograd.Function):
                 for g, t in zip(grad_in, ins):
                     if g is not None and t.grad is not None:
                         g[ch.start:ch.end] = t.grad
-            for key, total in acc.items():  # no gradient in the last chunk: what the others made
-                p = marked[key]
-                p.grad = total.to(p.dtype) if p.grad is None else p.grad + total.to(p.dtype)
+            if acc:  # hooks that take a gradient as final (the in-backward step) would never see it
+                names = {id(p): n for n, p in block.named_parameters()}
+                raise RuntimeError("--recompute-chunks: parameters with a gradient in an earlier chunk but none in "
+                                   f"the last: {sorted(names.get(k, '?') for k in acc)}; every chunk of a "
+                                   "block must reach all of its parameters")
         finally:
             for u, reduce, reshard in saved:
                 u.set_requires_gradient_sync(reduce, recurse=False)
@@ -264,8 +275,11 @@ def chunked_recompute(block: torch.nn.Module, fn, tensors: tuple, ropes: dict, l
     moe = [m for m in block.modules() if isinstance(m, MoELayer)]
     top_k = moe[0].router.top_k if moe else 0
     stream = None
-    if offload and tensors[0].device.type == "cuda":  # one copy stream per micro-batch
-        stream = layout.cache.setdefault("offload_stream", torch.cuda.Stream(tensors[0].device))
+    if offload and tensors[0].device.type == "cuda":  # the block's copy stream, made once
+        stream = getattr(block, "_offload_stream", None)
+        if stream is None or stream.device != tensors[0].device:
+            # high priority: its own pool, not a stream the in-backward steps may have drawn
+            stream = block._offload_stream = torch.cuda.Stream(tensors[0].device, priority=-1)
     run = (lambda *a: fn(*a[:-1], a[-1].ropes, a[-1].layout, a[-1].valid), make_chunks(layout, ropes, valid, chunks),
            _inner_units(block), block, top_k, offload, stream)
     out = _Chunked.apply(run, len(tensors), *tensors)

@@ -1,5 +1,5 @@
 """FSDP2 (dense over DP, experts over expert-DP), with and without CPU offload and activation
-recompute, gathering per micro-batch or once per step, AdamW and Muon: same losses and the same parameters after two optimizer steps as one
+recompute (whole micro-batches, or a pack at a time), gathering per micro-batch or once per step, AdamW and Muon: same losses and the same parameters after two optimizer steps as one
 unsharded process (fp32, gloo). Tolerance 1e-5 relative per tensor."""
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ CASES = {  # name: (world, pp, ep, offload, recompute, optimizer)
     "dp2_muon_gather_once_offload": (2, 1, 1, "all", "selective", "muon", True),
     "dp2_muon_offload_optimizer": (2, 1, 1, "optimizer", "full", "muon"),
     "pp2_ep2_adamw_offload_optimizer": (4, 2, 2, "optimizer", "none", "adamw"),
+    # --recompute-chunks 2 on micro-batches of 2 packs: the experts sharded over DP (their reduce
+    # held to the last chunk, sync off on the first micro-batch), gathered once, and under PP x EP
+    "dp2_muon_chunks": (2, 1, 1, "none", "full", "muon", False, 2),
+    "dp2_adamw_gather_once_chunks": (2, 1, 1, "none", "full", "adamw", True, 2),
+    "pp2_ep2_muon_chunks": (4, 2, 2, "none", "full", "muon", False, 2),
 }
 
 

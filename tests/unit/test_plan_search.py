@@ -9,9 +9,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from models.step37 import Step37Config
 from training.memory_plan import PlanInputs
-from training.plan_search import candidates, search
+from training.plan_search import RESERVE_SHARE, candidates, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = ["--model-preset", "step37-flash", "--seq-length", "8192", "--global-batch-size", "32",
@@ -65,8 +67,9 @@ def test_search_covers_the_layouts_and_ranks_only_what_fits():
     rows = search(cfg, 8, base, 64, progress=False)
     assert len(rows) == len(todo)
     fitting = [r for r in rows if r.fits]
-    assert fitting == rows[:len(fitting)] and all(r.device_gb <= 141 for r in fitting)
-    assert all(r.device_gb > 141 for r in rows[len(fitting):])  # no host limit by default
+    room = 141 * (1 - RESERVE_SHARE)  # 7% left free for what the plan does not count
+    assert fitting == rows[:len(fitting)] and all(r.device_gb <= room for r in fitting)
+    assert all(r.device_gb > room for r in rows[len(fitting):])  # no host limit by default
     speeds = [r.tokens_per_s_per_gpu for r in fitting]
     assert speeds == sorted(speeds, reverse=True)
     # per-micro-batch weight copies happen exactly where offloaded shards are gathered per pass
@@ -88,3 +91,21 @@ def test_search_adds_cp_sizes_only_for_long_sequences():
     assert {c.cp for c in todo} == {1, 2, 4, 8}
     assert {(c.pp, c.ep) for c in todo if c.cp == 8} == {(1, e) for e in (1, 2, 4, 8)}  # dp 1: EP from CP
     assert all(c.pp * c.dp * c.cp == 8 and (c.dp * c.cp) % c.ep == 0 for c in todo)
+
+
+def test_search_keeps_a_reserve_free_and_says_so(capsys):
+    """A layout fits only with the reserve left free (7% of the device by default, or
+    --reserve-gb); the header says how much, and a reserve beyond the device is refused."""
+    from tools.plan_memory import main
+
+    flags = ["--search", "--world-size", "8", "--model-preset", "step37-flash", "--seq-length", "8192",
+             "--global-batch-size", "32", "--bf16", "--optimizer", "muon", "--muon-momentum", "0", "--top", "1",
+             "--json"]
+    for extra, free in (([], 141 * 0.07), (["--reserve-gb", "30"], 30.0)):
+        assert main(flags + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["reserve_gb"] == pytest.approx(free)
+        assert all(r["device_gb"] <= 141 - free for r in out["rows"] if r["fits"])
+        assert any(141 - free < r["device_gb"] <= 141 for r in out["rows"] if not r["fits"])
+    assert main(flags + ["--reserve-gb", "141"]) == 2
+    assert "--reserve-gb must be >= 0 and below --device-gb 141, got 141" in capsys.readouterr().err
