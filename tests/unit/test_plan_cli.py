@@ -79,9 +79,10 @@ def test_planner_defaults_are_the_trainers_and_errors_name_the_flag():
 
 
 def _assert_recipe_is_the_search_top_row(tmp_path, config_class, preset: str, script: str,
-                                         device_gb: float) -> list[str]:
+                                         device_gb: float, gpu_gb: float = 141) -> list[str]:
     """The recipe's layout flags are the search's fastest fitting layout for its model, sequence,
-    batch and precision (searched in this process), on the busiest GPU within ``device_gb``."""
+    batch and precision (searched in this process for GPUs of ``gpu_gb``), on the busiest GPU
+    within ``device_gb``."""
     from train_args import build_parser, sections
     from training.plan import plan_inputs
     from training.plan_search import search
@@ -92,7 +93,7 @@ def _assert_recipe_is_the_search_top_row(tmp_path, config_class, preset: str, sc
     flags = recipe_flags(str(hf), os.path.join(ROOT, "examples", script))
     parser = build_parser(require_data=False)
     args = sections(parser.parse_args(flags), parser)
-    top = search(config_class.from_hf(str(hf)), 8, plan_inputs(args), args.data.global_batch_size,
+    top = search(config_class.from_hf(str(hf)), 8, plan_inputs(args, device_gb=gpu_gb), args.data.global_batch_size,
                  progress=False, host_gb=2000)[0]
     assert top.fits and top.device_gb <= device_gb
     wanted = top.flags().split()
@@ -110,6 +111,14 @@ def test_qwen3_recipe_runs_the_search_top_row(tmp_path):
 
     _assert_recipe_is_the_search_top_row(tmp_path, Qwen3MoeConfig, "qwen3-30b-a3b",
                                          "qwen3_30b_a3b_8xh200_thd_sft.sh", 141)
+
+
+def test_h100_recipe_runs_the_80gb_search_top_row(tmp_path):
+    """examples/step37_flash_8xh100_thd_sft.sh: the search's fastest fitting layout on 8 GPUs of
+    80 GB, with 5 GB to spare: host masters with the layers recomputed a pack at a time."""
+    wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
+                                                  "step37_flash_8xh100_thd_sft.sh", 80 - 5, gpu_gb=80)
+    assert {"--recompute-chunks", "--offload-recompute-inputs", "--optimizer-in-backward"} <= set(wanted)
 
 
 def test_long_context_recipe_runs_the_search_top_row(tmp_path):

@@ -167,3 +167,33 @@ def test_the_planner_counts_one_chunk_and_the_offloaded_inputs():
     one = 4 * 8192 * cfg.hidden_size * 2  # a block's kept input: T x H in bf16
     moved = (cfg.num_layers + 2 * cfg.num_mtp_layers - 2) * one
     assert off.host["activations"] == moved and chunked.device["activations"] - off.device["activations"] == moved
+
+
+def test_the_planner_frees_the_root_after_the_heads_only_with_one_stage_per_rank():
+    """FSDP frees the root's weights (embedding, final norm, head) once the heads' backward is
+    done when one stage runs per rank (core/distributed/fsdp.py): the planner then holds them
+    only where the forward is the peak; under a pipeline or gather-once they stay counted."""
+    from dataclasses import replace
+
+    from models.registry import spec
+    from training.memory_plan import plan
+
+    cfg = spec("step37").config_class.preset("step37-flash")
+    root = (cfg.vocab_size * cfg.hidden_size * 2 + cfg.hidden_size) * 2  # embedding, head, norm in bf16
+    one = _flash_h100()
+    r = plan(cfg, one)[0]
+    kept = plan(cfg, replace(one, fsdp_gather_once=True))[0]
+    assert r.device["gathered layers"] + min(root, r.device["unsharded grads"]) == \
+        2 * max_block_bytes(cfg, one) + root
+    assert kept.device["gathered layers"] > r.device["gathered layers"]
+    piped = plan(cfg, replace(one, pp=2, ep=4, dp=4))  # PP2: a later micro-batch's forward may hold them
+    assert all(x.device["gathered layers"] >= root for x in piped if x.pp_rank == 1)
+
+
+def max_block_bytes(cfg, inp) -> int:
+    """The largest FSDP-managed block's bf16 bytes (gathered twice: in use and prefetched)."""
+    from training.memory_plan import _managed_blocks, placement
+    from training.plan_shares import ROOT, rank_shares
+
+    share = rank_shares(cfg, 1, 1, inp.ep, None, inp.seq_length)[0][0]
+    return max(n for k, n in _managed_blocks(share, placement(inp)).items() if k is not ROOT) * 2
