@@ -37,6 +37,10 @@ BAD = [
     (["--eval-iters", "-1"], "--eval-iters must be >= 0"),
     (["--recompute-num-layers", "-1"], "--recompute-num-layers must be >= 0"),
     (["--recompute-num-layers", "2"], "--recompute-num-layers needs --recompute-granularity"),
+    (["--recompute-chunks", "0"], "--recompute-chunks must be >= 1"),
+    (["--recompute-chunks", "2"], "--recompute-chunks needs --recompute-granularity full"),
+    (["--offload-recompute-inputs", "--recompute-granularity", "selective"],
+     "--offload-recompute-inputs needs --recompute-granularity full"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite number > 0"),
     (["--seq-length", "0"], "--seq-length must be >= 1"),
     (["--compile", "--attention-backend", "flex"], "--compile does not support --attention-backend flex "),
@@ -59,6 +63,10 @@ def test_bad_numeric_flag_is_a_usage_error_naming_it(flags, message, capsys):
      "--recompute-num-layers 9 exceeds the model's 4 layers"),
     (["--finetune"], "--finetune needs --load"),
     (["--attention-backend", "varlen"], "--attention-backend varlen .* add --bf16"),
+    (["--recompute-granularity", "full", "--recompute-chunks", "3", "--micro-batch-size", "2",
+      "--global-batch-size", "2"], "--recompute-chunks 3 must divide --micro-batch-size 2"),
+    (["--recompute-granularity", "full", "--recompute-chunks", "2", "--micro-batch-size", "2",
+      "--global-batch-size", "2", "--compile"], "--compile with --recompute-chunks"),
 ])
 def test_checks_against_the_model(flags, message):
     with pytest.raises(ValueError, match=message):
