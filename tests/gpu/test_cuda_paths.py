@@ -5,7 +5,7 @@ against fp32 logits; grouped_mm in bf16 against a per-expert loop, forward and b
 experts that get no row (and a batch of none); fp32 layers on CUDA (sdpa, the loop); compiled
 layers (varlen inside the graph) against eager; and short 1-GPU training runs with --bf16:
 eager, --compile, --cpu-offload optimizer and experts; --optimizer-in-backward's steps on their
-own stream against the step after the backward (bitwise). The comparisons are the GPU check's own
+own stream against the step after the backward (bitwise); chunked recompute with offloaded inputs against the unchunked block. The comparisons are the GPU check's own
 (``benchmarks/gpu_parts``) at smaller shapes. The training flags a test adds come last, so they
 override the defaults (argparse keeps the last value)."""
 from __future__ import annotations
@@ -219,3 +219,37 @@ def test_optimizer_in_backward_on_its_own_stream_equals_the_step_after_the_backw
     from tests.distributed.harness import run_ranks
 
     run_ranks(1, in_backward_steps_match, 3, tmpdir=str(tmp_path), timeout=300, backend="cpu:gloo,cuda:nccl")
+
+
+def test_chunked_recompute_with_offloaded_inputs_on_cuda_equals_unchunked():
+    """--recompute-chunks with --offload-recompute-inputs on CUDA (core/transformer/chunked.py):
+    the kept inputs go to pinned host memory on the block's own stream and come back behind its
+    event; fp32 (TF32 off by default): the unchunked block's losses and gradients within 1e-5 of
+    each gradient's largest entry (the CPU test's bound), and the inputs really were in host memory."""
+    import core.transformer.chunked as chunked
+    from core.transformer.block import apply_recompute
+    from models.step37 import Step37Config, Step37Model
+    from tests.unit.test_model_hf import thd
+    from tests.unit.test_model_thd import labels_for
+
+    lengths = [9, 3, 12, 1, 11, 12, 20, 4]  # documents ending at T/2 = 36: two chunks
+    cfg = Step37Config.from_hf(Step37Config.preset("tiny").to_hf(), attention_backend="sdpa")
+    stashed = []
+    init = chunked._Stash.__init__
+    chunked._Stash.__init__ = lambda self, *a: (init(self, *a), stashed.append(self.t.device.type))[0]
+    try:
+        runs = []
+        for kw in ({}, {"chunks": 2, "offload_inputs": True}):
+            model = Step37Model(cfg, seed=0).cuda()
+            apply_recompute(model, "full", **kw)
+            tokens, pos, psp = thd(lengths, seed=3)
+            out = model(tokens.cuda(), pos.cuda(), psp.to("cuda"), labels=labels_for(tokens, lengths).cuda())
+            (out.loss_sum + sum(out.mtp_loss_sums)).backward()
+            runs.append((float(out.loss_sum), {n: p.grad.clone() for n, p in model.named_parameters()
+                                               if p.grad is not None}))
+    finally:
+        chunked._Stash.__init__ = init
+    (ref_loss, ref), (loss, got) = runs
+    assert stashed and set(stashed) == {"cpu"}
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and got.keys() == ref.keys()
+    assert max(_rel(got[n], ref[n]) for n in ref) <= 1e-5
