@@ -115,7 +115,7 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                         if dp * cp == 1 and sharding == "fsdp" and (offload in ("none", "masters") or once):
                             continue
                         for rem, inb in _master_modes(base, M, dp * cp, sharding, offload):
-                            for rc, chunks, off in _recompute_modes(mbs, cp):
+                            for rc, chunks, off in _recompute_modes(mbs, cp, M):
                                 out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, sharding=sharding,
                                                    cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
                                                    recompute_num_layers=0, recompute_chunks=chunks,
@@ -125,11 +125,12 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
     return out
 
 
-def _recompute_modes(mbs: int, cp: int) -> list:
+def _recompute_modes(mbs: int, cp: int, M: int) -> list:
     """(granularity, chunks, offloaded inputs): each granularity as it is, and full recompute a
-    pack at a time (several packs, no CP), with or without its inputs in host memory."""
+    pack at a time, with or without its inputs in host memory, where a rank runs one micro-batch
+    of several packs per step without CP (with more micro-batches a smaller one does as well)."""
     out = [(rc, 1, False) for rc in RECOMPUTE]
-    if mbs > 1 and cp == 1:
+    if mbs > 1 and cp == 1 and M == 1:
         out += [("full", mbs, False), ("full", mbs, True)]
     return out
 
