@@ -408,18 +408,24 @@ def _cp_key_buffers(cfg, chunk, inp: PlanInputs) -> tuple[int, int]:
     return kept, max((gathered_bytes(s.attention, T, inp.cp, b) for s in blocks), default=0)
 
 
-def offloaded_inputs(cfg, chunk, inp: PlanInputs) -> int:
-    """Bytes ``--offload-recompute-inputs`` keeps in host memory for one micro-batch: each fully
-    recomputed block's kept inputs (a decoder layer's hidden state; an MTP depth's shifted
-    embedding and previous hidden state) less the one block's copied back for its backward."""
-    if not inp.offload_recompute_inputs:
-        return 0
+def kept_inputs(cfg, chunk, inp: PlanInputs) -> int:
+    """Bytes of one micro-batch's inputs that the chunk's fully recomputed blocks keep for their
+    backward: a decoder layer's hidden state, an MTP depth's shifted embedding and previous
+    hidden state (what ``--offload-recompute-inputs`` copies out and back)."""
     one = inp.local_tokens * cfg.hidden_size * inp.act_bytes
     n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
     inputs = min(n, len(chunk.layers)) * one
     if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
         inputs += 2 * len(shapes_of(cfg).extra) * one
-    return max(inputs - 2 * one, 0)
+    return inputs
+
+
+def offloaded_inputs(cfg, chunk, inp: PlanInputs) -> int:
+    """Bytes ``--offload-recompute-inputs`` keeps in host memory for one micro-batch: the kept
+    inputs less the one block's (two tensors at most) back on the device for its backward."""
+    if not inp.offload_recompute_inputs:
+        return 0
+    return max(kept_inputs(cfg, chunk, inp) - 2 * inp.local_tokens * cfg.hidden_size * inp.act_bytes, 0)
 
 
 def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:

@@ -63,7 +63,7 @@ from core.optim.muon_split import batches, ns_flops, owners
 from core.pipeline.simulate import plan_makespan
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.memory_plan import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, offloaded_inputs,
+from training.memory_plan import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, kept_inputs,
                                   placement)
 from training.plan_shares import ChunkShare, rank_shares, schedule_facts
 
@@ -513,7 +513,7 @@ def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placem
         t = chunk_tally(chunk, inp, pl)
         f, bk = _chunk_passes(cfg, chunk, inp, eff, bw)
         if inp.offload_recompute_inputs:  # out on a stream of its own (bytes only), back on the compute stream
-            kept = offloaded_inputs(cfg, chunk, inp) + 2 * inp.local_tokens * cfg.hidden_size * inp.act_bytes
+            kept = kept_inputs(cfg, chunk, inp)
             f.bytes[HD] += kept
             bk.move("host-device", kept, a.pcie_gb_s * 1e9, HD)
         _weights_and_gradients(t, inp, pl, bw, a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, f, bk, step)

@@ -97,4 +97,3 @@ def router_stats(counts_E, prob_sum_E, valid_tokens, top_k: int) -> dict:
     aux = counts_E.numel() * (counts_E / (n * top_k) * (prob_sum_E / n)).sum()
     return {"tokens_per_expert": counts_E, "prob_sum": prob_sum_E, "num_valid": n, "aux_loss": aux,
             "valid_tokens": valid_tokens}
-

@@ -33,10 +33,21 @@ from core.moe.router import router_stats
 from core.packed_seq import PackedSeqParams
 from core.transformer.attention_backends import DocLayout
 
-STAT_SUMS = ("tokens_per_expert", "prob_sum", "valid_tokens")
 # set on a block's own parameters while their gradient still accumulates over its chunks (in fp32,
 # beside autograd): hooks that take a gradient as final (core/optim/in_backward.py) leave it alone
 PENDING = "_recompute_chunk_pending"
+
+
+@dataclass
+class _Run:
+    """What the autograd function needs besides the tensors."""
+
+    fn: object            # fn(*tensor_chunks, chunk) -> (*outputs, stats or None)
+    chunks: list          # the micro-batch's Chunk list
+    units: list           # the block's inner FSDP units
+    block: torch.nn.Module
+    offload: bool
+    stream: object        # the block's copy stream (CUDA with offload), else None
 
 
 @dataclass
@@ -95,10 +106,6 @@ def make_chunks(layout: DocLayout, ropes: dict, valid: torch.Tensor, n: int) -> 
     return [Chunk(a, b, sub, _slice(ropes, a, b), valid[a:b]) for a, b, sub in layout.cache[key]]
 
 
-def _merge_stats(stats: list[dict], top_k: int) -> dict:
-    return router_stats(*(sum(s[k] for s in stats) for k in STAT_SUMS), top_k)
-
-
 class _Stash:
     """A kept input: on the device, or in host memory behind the event of its copy."""
 
@@ -138,10 +145,10 @@ def _in_backward(unit) -> bool:
 
 class _Chunked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, n_in, *tensors):
-        fn, chunks, units, _, top_k, offload, stream = run
+    def forward(ctx, run: _Run, n_in, *tensors):
+        fn, chunks = run.fn, run.chunks
         inputs, outs, stats = tensors[:n_in], [], []
-        kept = [(u, _group(u).post_forward_mesh_info) for u in units]
+        kept = [(u, _group(u).post_forward_mesh_info) for u in run.units]
         try:  # the inner units stay gathered over the chunks: one all-gather, not one per chunk
             for u, _ in kept:
                 _group(u).post_forward_mesh_info = None  # no reshard after forward (FSDP's own switch)
@@ -156,18 +163,17 @@ class _Chunked(torch.autograd.Function):
                 u.reshard()  # as after its forward (a no-op where it stays gathered)
         ctx.run, ctx.n_out, ctx.has_stats = run, len(outs[0]), bool(stats)
         ctx.needs = [t.requires_grad for t in inputs]
-        ctx.stash = [_Stash(t.detach(), offload, stream) for t in inputs]
+        ctx.stash = [_Stash(t.detach(), run.offload, run.stream) for t in inputs]
         cat = [torch.cat([o[i] for o in outs]) for i in range(ctx.n_out)]
         if not stats:
             return (*cat,)
-        merged = _merge_stats(stats, top_k)
-        extra = [merged[k] for k in ("tokens_per_expert", "valid_tokens")]
-        ctx.mark_non_differentiable(*extra)
-        return (*cat, merged["prob_sum"], *extra)
+        prob_sum, counts, valid = (sum(s[k] for s in stats) for k in ("prob_sum", "tokens_per_expert", "valid_tokens"))
+        ctx.mark_non_differentiable(counts, valid)
+        return (*cat, prob_sum, counts, valid)
 
     @staticmethod
     def backward(ctx, *grads):
-        fn, chunks, units, block = ctx.run[:4]
+        fn, chunks, units, block = ctx.run.fn, ctx.run.chunks, ctx.run.units, ctx.run.block
         inputs = [s.get() for s in ctx.stash]
         del ctx.stash
         grad_outs, grad_prob = grads[:ctx.n_out], grads[ctx.n_out] if ctx.has_stats else None
@@ -280,8 +286,8 @@ def chunked_recompute(block: torch.nn.Module, fn, tensors: tuple, ropes: dict, l
         if stream is None or stream.device != tensors[0].device:
             # high priority: its own pool, not a stream the in-backward steps may have drawn
             stream = block._offload_stream = torch.cuda.Stream(tensors[0].device, priority=-1)
-    run = (lambda *a: fn(*a[:-1], a[-1].ropes, a[-1].layout, a[-1].valid), make_chunks(layout, ropes, valid, chunks),
-           _inner_units(block), block, top_k, offload, stream)
+    run = _Run(lambda *a: fn(*a[:-1], a[-1].ropes, a[-1].layout, a[-1].valid),
+               make_chunks(layout, ropes, valid, chunks), _inner_units(block), block, offload, stream)
     out = _Chunked.apply(run, len(tensors), *tensors)
     if not top_k:
         return (*out, None)
