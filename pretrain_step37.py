@@ -51,10 +51,10 @@ def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int]:
     return world, rank
 
 
-def host_threads(cpu_offload: str) -> int:
+def host_threads(on_host: bool) -> int:
     """With offload the optimizer step runs on the host: it gets this rank's share of the
     machine's cores (torchrun otherwise sets OMP_NUM_THREADS=1, a single-threaded step)."""
-    if cpu_offload != "none":
+    if on_host:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     return torch.get_num_threads()
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         return report(args, layout, prog="pretrain_step37 --dry-run")
     timeout = args.parallel.distributed_timeout_minutes
     init_distributed(timeout)
-    threads = host_threads(args.memory.cpu_offload)
+    threads = host_threads(args.memory.uses_host_threads)
     try:
         ps = ParallelState.build(layout.sizes, layout.config.num_layers, layout.config.num_experts,
                                  timeout=datetime.timedelta(minutes=timeout))

@@ -17,6 +17,8 @@ from data.loader import parse_data_path
 from data.packing import LONG_DOC_POLICIES
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from core.compile import COMPILE_BACKENDS
+from core.memory_mode import MemoryMode, RunFacts
+from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from models import registry
 from training.parallelize import stage_layers
@@ -154,98 +156,39 @@ class ParallelArgs:
 
 
 @dataclass
-class MemoryArgs:
-    """Memory: precision, activation recompute, and a dry run that plans without allocating."""
+class MemoryArgs(MemoryMode):
+    """Memory: precision, master storage, sharding, offload, activation recompute (the fields of
+    core/memory_mode.MemoryMode), and a dry run that plans without allocating."""
 
-    bf16: bool = option(False, "bf16 compute over fp32 master weights: fp32 gradient accumulation "
-                               "and reduction (FSDP2 mixed precision; without --data-parallel-sharding "
-                               "on one-rank meshes); routers, RoPE, norm and softmax statistics and "
-                               "the loss stay fp32")
-    store_param_remainders: bool = option(False, "with --bf16: hold each parameter as its bf16 compute value "
-                                                 "plus a 16-bit remainder, which together are its fp32 master "
-                                                 "bit for bit (4 bytes per parameter instead of 4 + a 2-byte "
-                                                 "bf16 copy); the optimizer updates the fp32 value and splits it "
-                                                 "again, checkpoints hold the fp32 masters")
-    optimizer_in_backward: bool = option(False, "Muon's matrices step inside the backward, each as soon as its "
-                                                "gradient is final, and free that gradient at once (no "
-                                                "whole-model gradient buffer); needs one micro-batch per rank "
-                                                "and step, --optimizer muon and, with clipping, "
-                                                "--muon-momentum 0 (momentum-free Muon ignores a global "
-                                                "gradient scale, so clipping cannot change its updates; the "
-                                                "AdamW groups step after the backward, clipped as always)")
     params_dtype: str = option(None, "deprecated: --params-dtype bf16 means --bf16, fp32 is the default",
                                choices=("fp32", "bf16"))
-    data_parallel_sharding: str = option("none", "fsdp: FSDP2-shard dense parameters over the DP ranks "
-                                                 "and experts over the expert-DP ranks",
-                                         choices=("none", "fsdp"))
-    fsdp_gather_once: bool = option(False, "with fsdp: gather each stage's parameters once per step "
-                                           "and keep them until the optimizer step (fewer all-gathers, "
-                                           "the memory of an unsharded stage)")
-    cpu_offload: str = option("none", "host memory for FSDP shards: all (every shard, its gradient and "
-                                      "optimizer state; copied to the device for each micro-batch's "
-                                      "forward and backward), experts (only the experts'), optimizer "
-                                      "(fp32 masters, gradients and optimizer state on the host, the "
-                                      "compute copies resident on the device for the whole step: one "
-                                      "copy per step; gradients reduced and sent to the host after "
-                                      "every micro-batch), masters (with --bf16: bf16 weights are the "
-                                      "only copy on the device; fp32 masters and optimizer state on the "
-                                      "host, updated by host threads while the backward goes on; each "
-                                      "finished update goes to the host once, the new bf16 weights come "
-                                      "back once per step; one micro-batch per rank and step)",
-                                choices=("none", "all", "experts", "optimizer", "masters"))
-    recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
-                                                "attention and FFN internals (selective), and the "
-                                                "MTP depths up to their heads when every layer of "
-                                                "the chunk is recomputed",
-                                        choices=("none", "selective", "full"))
-    recompute_num_layers: int = option(0, "recompute only the first N layers of each chunk (0: all, "
-                                          "and the MTP depths)")
-    recompute_chunks: int = option(1, "with full recompute: each recomputed layer and MTP depth runs its "
-                                      "forward, and later its rerun and backward, N chunks of the "
-                                      "micro-batch at a time (groups of whole packs: N must divide "
-                                      "--micro-batch-size), its gradients summed "
-                                      "over the chunks before they are reduced: the backward's working set "
-                                      "and all-to-all buffers of one chunk, one layer's gradients at a "
-                                      "time, so --optimizer-in-backward and --cpu-offload masters serve "
-                                      "several packs per rank (core/transformer/chunked.py)")
-    offload_recompute_inputs: bool = option(False, "with full recompute: the input each recomputed layer "
-                                                   "keeps for its backward waits in pinned host memory "
-                                                   "(copied out on a stream of its own, back when the "
-                                                   "layer's backward starts)")
     dry_run: int = option(0, "plan a run on this many ranks and exit: each rank's share built on the "
                              "meta device, parameter counts and memory (no data needed; the same "
                              "plan as tools/plan_memory.py --world-size N)")
 
     def __post_init__(self):
-        require(self, recompute_num_layers=AT_LEAST_0, dry_run=AT_LEAST_0, recompute_chunks=AT_LEAST_1)
-        if self.recompute_num_layers and self.recompute_granularity == "none":
-            raise ValueError("--recompute-num-layers needs --recompute-granularity selective or full")
-        for flag, on in (("--recompute-chunks", self.recompute_chunks > 1),
-                         ("--offload-recompute-inputs", self.offload_recompute_inputs)):
-            if on and self.recompute_granularity != "full":
-                raise ValueError(f"{flag} needs --recompute-granularity full (it runs the recomputed layers)")
-        if self.cpu_offload not in ("none", "masters") and self.data_parallel_sharding != "fsdp":
-            raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
-        if self.cpu_offload == "masters" and not (self.bf16 or self.params_dtype == "bf16"):
-            raise ValueError("--cpu-offload masters needs --bf16 (the device holds the bf16 compute weights)")
-        if self.store_param_remainders and not (self.bf16 or self.params_dtype == "bf16"):
-            raise ValueError("--store-param-remainders needs --bf16 (it stores bf16 compute values)")
-        if self.store_param_remainders and self.cpu_offload != "none":
-            raise ValueError("--store-param-remainders with --cpu-offload is not supported: offload keeps "
-                             "fp32 masters in host memory already")
+        require(self, dry_run=AT_LEAST_0)
         if self.params_dtype is not None:
             print(f"warning: --params-dtype is deprecated; use --bf16 (fp32 master weights). "
                   f"--params-dtype {self.params_dtype} is taken as {'--bf16' if self.params_dtype == 'bf16' else 'the fp32 default'}",
                   file=sys.stderr)
             self.bf16 = self.bf16 or self.params_dtype == "bf16"
             self.params_dtype = None
+        super().__post_init__()
+
+    @property
+    def mode(self) -> MemoryMode:
+        """The memory flags alone (without the dry run)."""
+        return MemoryMode(**{name: getattr(self, name) for name in MemoryMode.flag_names()})
 
 
 @dataclass
 class OptimArgs:
     """Optimizer: AdamW, or Muon / Dion for matrices with AdamW for the rest."""
 
-    optimizer: str = option("adamw", "optimizer for matrices", choices=("adamw", "muon", "dion"))
+    optimizer: str = option("adamw", "optimizer for matrices (core/optim/registry.py; adamw: everything in "
+                                      "AdamW; dion refuses FSDP, remainders and host masters)",
+                            choices=optimizers.Registered())
     lr: float = option(3e-4, "peak learning rate (Muon / Dion matrices, or everything with adamw)")
     min_lr: float = option(0.0, "floor of the decay")
     adamw_lr: float = option(None, "peak LR of the AdamW group with muon/dion (default: --lr)")
@@ -394,7 +337,7 @@ def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
     parser = argparse.ArgumentParser(prog=prog, description=description or (
         "Train a model of any registered family (" + ", ".join(registry.families())
         + "; others through --model-module) on packed THD data with PP / EP / DP. "
-        "Launch with torchrun; the layout's DP size is world / pp."))
+        "Launch with torchrun; the layout's DP size is world / (pp x cp), EP carved out of DP x CP."))
     for title, cls in SECTIONS.items():
         add_to_parser(parser, cls, title, optional=() if require_data else ("data_path",))
     return parser
@@ -459,9 +402,6 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     _check_context_parallel(args, sizes.cp)
     stage_layers(cfg, sizes.pp * sizes.vpp, p.pipeline_layout, d.seq_length)
     per_step = d.micro_batch_size * sizes.dp
-    if args.memory.recompute_chunks > 1 and d.micro_batch_size % args.memory.recompute_chunks:
-        raise ValueError(f"--recompute-chunks {args.memory.recompute_chunks} must divide --micro-batch-size "
-                         f"{d.micro_batch_size}: each chunk is a group of whole packs")
     if d.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {d.global_batch_size} must be a multiple of "
                          f"--micro-batch-size x data-parallel size = {per_step}")
@@ -469,24 +409,19 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     if sizes.vpp > 1 and M % sizes.pp:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
-    if args.memory.cpu_offload == "masters":
-        if M != 1:
-            raise ValueError(f"--cpu-offload masters needs one micro-batch per rank and step, got {M}: set "
-                             "--global-batch-size to --micro-batch-size x data-parallel size")
-        if sizes.dp * sizes.cp > 1 and args.memory.data_parallel_sharding != "fsdp":
-            raise ValueError("--cpu-offload masters with dense replicas (data-parallel x context-parallel size "
-                             "> 1) needs --data-parallel-sharding fsdp")
-    if args.memory.optimizer_in_backward:
-        from core.optim.in_backward import check_in_backward
-
-        o, mem = args.optim, args.memory
-        check_in_backward(o.optimizer, o.muon_momentum, o.clip_grad, M, sizes.dp * sizes.cp,  # dense replicas
-                          mem.data_parallel_sharding, mem.cpu_offload)
+    args.memory.check(run_facts(args, sizes, M))
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
         _check_run_files(args, cfg)
     return RunLayout(spec, cfg, sizes, M)
+
+
+def run_facts(args, sizes: ParallelSizes, num_microbatches: int) -> RunFacts:
+    """What the memory mode is checked against: this layout, the optimizer and its flags."""
+    return RunFacts(dense_replicas=sizes.dp * sizes.cp, num_microbatches=num_microbatches,
+                    micro_batch_size=args.data.micro_batch_size, context_parallel=sizes.cp,
+                    compile=args.model.compile, optimizer=args.optim.optimizer, optimizer_options=args.optim)
 
 
 def validation_weights(args) -> list[float] | None:
@@ -513,9 +448,6 @@ def _check_context_parallel(args, cp: int) -> None:
                          f"({'--document-pad-multiple' if d.document_pad_multiple else '2 x --context-parallel-size'})")
     if cp == 1:
         return
-    if args.memory.recompute_chunks > 1:
-        raise ValueError("--recompute-chunks with --context-parallel-size > 1 is not supported: a CP shard's "
-                         "documents are cut by the shard, not at its boundaries")
     if m.compile:
         raise ValueError("--compile with --context-parallel-size > 1 is not supported: the K/V exchanges are "
                          "host-planned collectives inside each attention layer")
@@ -529,9 +461,6 @@ def _check_against_model(args, cfg) -> None:
     if d.seq_length > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {d.seq_length} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
-    if args.model.compile and (mem.recompute_chunks > 1 or mem.offload_recompute_inputs):
-        raise ValueError("--compile with --recompute-chunks or --offload-recompute-inputs is not supported: "
-                         "the chunked recompute runs each layer's chunks eagerly around its FSDP hooks")
     if mem.recompute_num_layers > cfg.num_layers:
         raise ValueError(f"--recompute-num-layers {mem.recompute_num_layers} exceeds the model's "
                          f"{cfg.num_layers} layers")

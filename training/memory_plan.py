@@ -38,6 +38,8 @@ from functools import lru_cache
 
 from core.activations import block_bytes, extra_block_bytes, head_bytes
 from core.context_parallel.costs import gathered_bytes, key_buffer_bytes
+from core.memory_mode import KINDS, OFFLOAD_MODES, RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, Placement, RunFacts
+from core.optim import registry as optimizers
 from core.optim.build import classify
 from core.parallel_state import ParallelSizes
 from core.transformer.block import recomputes_extra_blocks
@@ -46,7 +48,6 @@ from training.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, sch
 
 GB = 10**9
 MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
-OFFLOAD_MODES = ("none", "all", "experts", "optimizer", "masters")
 
 
 @dataclass
@@ -76,33 +77,47 @@ class PlanInputs:
     device_gb: float = 141.0
     pipeline_layout: str | None = None
     moe_dispatcher: str = "alltoall"      # alltoall | allgather (the time model's overlap)
+    clip_grad: float = 1.0                # (--optimizer-in-backward with Muon's momentum needs 0)
+    compile: bool = False                 # (--compile refuses chunked recompute)
 
     def __post_init__(self):
-        for name, allowed in (("sharding", ("none", "fsdp")), ("cpu_offload", OFFLOAD_MODES),
-                              ("recompute", ("none", "selective", "full")),
-                              ("optimizer", ("adamw", "muon", "dion"))):
+        for name, allowed in (("sharding", SHARDING_MODES), ("cpu_offload", OFFLOAD_MODES),
+                              ("recompute", RECOMPUTE_MODES), ("optimizer", optimizers.names())):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected one of "
                                  f"{', '.join(allowed)}")
-        if self.cpu_offload not in ("none", "masters") and self.sharding != "fsdp":
-            raise ValueError("--cpu-offload needs --data-parallel-sharding fsdp")
-        if self.cpu_offload == "masters" and not self.bf16:
-            raise ValueError("--cpu-offload masters needs --bf16")
-        if self.store_param_remainders and not self.bf16:
-            raise ValueError("--store-param-remainders needs --bf16")
-        if (self.recompute_chunks > 1 or self.offload_recompute_inputs) and self.recompute != "full":
-            raise ValueError("--recompute-chunks and --offload-recompute-inputs need --recompute-granularity full")
-        if self.micro_batch_size % self.recompute_chunks:
-            raise ValueError(f"--recompute-chunks {self.recompute_chunks} must divide --micro-batch-size "
-                             f"{self.micro_batch_size}: each chunk is a group of whole packs")
+        mode = self.mode  # the flags' own rules (core/memory_mode.py); the layout's: run_facts
+        if mode.recompute_chunks > 1 and self.micro_batch_size % mode.recompute_chunks:
+            mode.check(self.run_facts)  # the flags' message
         if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
                              f"= {2 * self.cp}")
 
     @property
+    def mode(self) -> MemoryMode:
+        """These inputs' memory mode (the training flags' names)."""
+        return MemoryMode(bf16=self.bf16, store_param_remainders=self.store_param_remainders,
+                          optimizer_in_backward=self.optimizer_in_backward, data_parallel_sharding=self.sharding,
+                          fsdp_gather_once=self.fsdp_gather_once, cpu_offload=self.cpu_offload,
+                          recompute_granularity=self.recompute, recompute_num_layers=self.recompute_num_layers,
+                          recompute_chunks=self.recompute_chunks,
+                          offload_recompute_inputs=self.offload_recompute_inputs)
+
+    @property
+    def run_facts(self) -> RunFacts:
+        """What the mode is checked against (``MemoryMode.check``): as validation builds it."""
+        return RunFacts(dense_replicas=self.dp * self.cp, num_microbatches=self.num_microbatches,
+                        micro_batch_size=self.micro_batch_size, context_parallel=self.cp,
+                        compile=self.compile, optimizer=self.optimizer, optimizer_options=self)
+
+    @property
+    def optimizer_spec(self):
+        return optimizers.get(self.optimizer)
+
+    @property
     def bf16_params(self) -> bool:
         """Parameters stored in bf16 (remainders, or host masters): their gradients are bf16."""
-        return self.store_param_remainders or self.cpu_offload == "masters"
+        return self.mode.bf16_params
 
     @property
     def grad_bytes(self) -> int:
@@ -134,46 +149,14 @@ class PlanInputs:
         return 2 if self.bf16 else 4
 
 
-@dataclass(frozen=True)
-class Placement:
-    """What ``apply_fsdp`` does with a layout, per kind of parameter (dense, expert)."""
-
-    shard_world: dict            # kind -> ranks its FSDP shards split over (1: whole)
-    managed: dict                # kind -> FSDP manages it (bf16 copies, unsharded gradients)
-    offloaded: dict              # kind -> its shards, gradients and optimizer state on the host
-    gather_per_microbatch: bool  # managed units gathered for every forward and backward pass
-    sync_every_microbatch: bool  # reduce-scatter on every backward (cpu_offload "optimizer")
-    host_masters: bool = False   # cpu_offload "masters": fp32 masters on the host, bf16 on the device
-
-    def copies_weights_per_microbatch(self) -> bool:
-        """Host-to-device copies of offloaded shards on every forward and backward."""
-        return self.gather_per_microbatch and any(self.offloaded.values())
-
-
-KINDS = ("dense", "expert")
 COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
            "cp K/V", "p2p buffers", "all-to-all buffers", "gathered layers")  # device columns
 
 
 def placement(inp: PlanInputs) -> Placement:
-    """``core/distributed/fsdp.apply_fsdp`` as data: nothing to shard at DP 1; without sharding,
-    ``bf16`` or CPU offload still put every unit on a one-rank mesh (gathered once per step);
-    experts whole on each EP rank (expert-DP 1) are left out of FSDP unless offloaded or under
-    ``bf16``; ``cpu_offload="optimizer"`` offloads every unit, gathers once per step and
-    reduces on every backward."""
-    s = inp.sizes
-    shard = inp.sharding == "fsdp" and s.dp * s.cp > 1  # dense replicas: dp x cp
-    # bf16-stored parameters at one micro-batch need no one-rank mesh (apply_fsdp one_rank_meshes)
-    one_rank = inp.bf16 and not (inp.bf16_params and inp.num_microbatches == 1)
-    fsdp_offload = inp.cpu_offload not in ("none", "masters")
-    any_fsdp = shard or one_rank or fsdp_offload
-    expert_managed = (s.expert_dp > 1 or fsdp_offload or one_rank) if shard else any_fsdp
-    managed = {"dense": any_fsdp, "expert": expert_managed}
-    offload = {"dense": inp.cpu_offload in ("all", "optimizer"), "expert": fsdp_offload}
-    world = {"dense": s.dp * s.cp if shard else 1, "expert": s.expert_dp if shard and expert_managed else 1}
-    per_mb = shard and not inp.fsdp_gather_once and inp.cpu_offload != "optimizer"
-    return Placement(world, managed, {k: managed[k] and offload[k] for k in KINDS}, per_mb,
-                     inp.cpu_offload == "optimizer", inp.cpu_offload == "masters")
+    """What ``core/distributed/fsdp.apply_fsdp`` does with this layout: the mode's placement
+    (``core/memory_mode.MemoryMode.placement``)."""
+    return inp.mode.placement(inp.sizes, inp.num_microbatches)
 
 
 @dataclass
@@ -204,16 +187,9 @@ def _shard_numel(t, world: int) -> int:
 
 
 def _optimizer_bytes(spec, t, numel: int, inp: PlanInputs) -> int:
-    kind = classify(spec, t, inp.optimizer)
-    b = MASTER
-    if kind != "matrix":
-        return 2 * numel * b + 4  # AdamW moments + fp32 step counter
-    if inp.optimizer == "muon":
-        return numel * b if inp.muon_momentum > 0 else 0
-    m, n = t.shape[-2], t.shape[-1]
-    r = max(1, math.ceil(inp.dion_rank_fraction * min(m, n)))
-    batch = t.numel() // (m * n)
-    return numel * b + batch * n * r * b
+    if classify(spec, t, inp.optimizer) != "matrix":
+        return 2 * numel * MASTER + 4  # AdamW moments + fp32 step counter
+    return inp.optimizer_spec.state_bytes(t.shape, numel, inp)  # as the optimizer declares
 
 
 @lru_cache(maxsize=4096)

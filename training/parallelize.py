@@ -13,7 +13,8 @@ place that does it, in this order (each step needs the one before it):
    statistics over it; the data are the loader's shards (``data/cp_shard.py``);
 4. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
    by their forward;
-5. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``), still on meta (with
+5. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``) as the memory mode's placement
+   says (``core/memory_mode.py``: the same placement the planner books), still on meta (with
    ``--store-param-remainders`` the parameters are bf16 already, ``core/optim/masters.py``): each unit's
    parameters become DTensor shards (dense over DP, experts over expert-DP). ``--bf16``
    without sharding still goes through FSDP2, on one-rank meshes, for its mixed precision:
@@ -54,13 +55,13 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     ``from_checkpoint``: a ``--load`` checkpoint will fill the parameters (no initialisation,
     no ``--load-hf`` read)."""
     m, mem, d = args.model, args.memory, args.data
-    one_microbatch = d.global_batch_size == d.micro_batch_size * ps.sizes.dp
+    num_microbatches = d.global_batch_size // (d.micro_batch_size * ps.sizes.dp)
+    placement = mem.placement(ps.sizes, num_microbatches)  # core/memory_mode.py: the one derivation
     chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seq_length=args.data.seq_length,
                           device="meta")
     device = local_device()
-    host = mem.cpu_offload == "masters"
     # one master storage for the rank: bf16 + remainder, or fp32 in host memory
-    masters = RemainderMasters() if mem.store_param_remainders else HostMasters() if host else None
+    masters = RemainderMasters() if placement.remainders else HostMasters() if placement.host_masters else None
     comm = cp_comm(ps) if ps.sizes.cp > 1 else None
     for chunk in chunks:
         if masters is not None:  # bf16 parameters; their fp32 masters come at materialisation
@@ -71,9 +72,7 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_context_parallel(chunk, comm)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
                         mem.offload_recompute_inputs)
-        apply_fsdp(chunk, ps, "none" if host else mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
-                   shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16,
-                   one_rank_meshes=not (masters is not None and one_microbatch))
+        apply_fsdp(chunk, ps, placement, device.type)
         if m.compile:
             apply_compile(chunk, m.compile_backend)
         materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,

@@ -38,7 +38,8 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                       muon_ns_steps=o.muon_ns_steps, dion_rank_fraction=o.dion_rank_fraction,
                       bf16=m.bf16, store_param_remainders=m.store_param_remainders,
                       optimizer_in_backward=m.optimizer_in_backward, device_gb=device_gb,
-                      pipeline_layout=p.pipeline_layout, moe_dispatcher=args.model.moe_dispatcher)
+                      pipeline_layout=p.pipeline_layout, moe_dispatcher=args.model.moe_dispatcher,
+                      clip_grad=o.clip_grad, compile=args.model.compile)
 
 
 def every_rank(ranks: list, layout: RunLayout) -> list[dict]:

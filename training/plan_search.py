@@ -11,27 +11,20 @@ chunks and shapes.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, replace
+
+from core.memory_mode import SHARDING_MODES, MemoryMode, RunFacts
 
 from training.memory_plan import GB, PlanInputs, placement, plan
 from training.time_plan import TimeAssumptions, peak_tflops, plan_time
 
-# (--data-parallel-sharding, --cpu-offload, --fsdp-gather-once)
-MEMORY_MODES = (("none", "none", False), ("fsdp", "none", False), ("fsdp", "none", True),
-                ("fsdp", "experts", False), ("fsdp", "experts", True), ("fsdp", "all", False),
-                ("fsdp", "all", True), ("fsdp", "optimizer", False), ("none", "masters", False),
-                ("fsdp", "masters", False), ("fsdp", "masters", True))
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # context parallelism is searched where each rank still holds this many tokens of a pack: below
 # that the K/V exchanges cost more than the activations they save (8K packs never search CP)
 CP_MIN_TOKENS = 8192
-# (--store-param-remainders, --optimizer-in-backward): with --bf16, and the latter with Muon at
-# momentum 0 and one micro-batch per rank and step
-MASTER_MODES = ((False, False), (True, False), (False, True), (True, True))
-
-
 @dataclass
 class Row:
     pp: int
@@ -111,17 +104,9 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                     M = global_batch_size // (mbs * dp)
                     if vpp > 1 and M % pp:
                         continue
-                    for sharding, offload, once in MEMORY_MODES:
-                        if dp * cp == 1 and sharding == "fsdp" and (offload in ("none", "masters") or once):
-                            continue
-                        for rem, inb in _master_modes(base, M, dp * cp, sharding, offload):
-                            for rc, chunks, off in _recompute_modes(mbs, cp, M):
-                                out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, sharding=sharding,
-                                                   cpu_offload=offload, fsdp_gather_once=once, recompute=rc,
-                                                   recompute_num_layers=0, recompute_chunks=chunks,
-                                                   offload_recompute_inputs=off, micro_batch_size=mbs,
-                                                   num_microbatches=M, pipeline_layout=None,
-                                                   store_param_remainders=rem, optimizer_in_backward=inb))
+                    for mode in memory_modes(base, dp * cp, mbs, cp, M):
+                        out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, micro_batch_size=mbs,
+                                           num_microbatches=M, pipeline_layout=None, **plan_fields(mode)))
     return out
 
 
@@ -135,20 +120,55 @@ def _recompute_modes(mbs: int, cp: int, M: int) -> list:
     return out
 
 
-def _master_modes(base: PlanInputs, M: int, dp: int, sharding: str, offload: str) -> list:
-    """The (remainders, optimizer in backward) pairs the flags and this layout allow
-    (``core/optim/in_backward.check_in_backward``; ``dp``: dense replicas, DP x CP)."""
+# the order the search lists memory modes in (equally fast layouts keep it)
+SEARCH_OFFLOAD_ORDER = ("none", "experts", "all", "optimizer", "masters")
+
+
+def memory_modes(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> list[MemoryMode]:
+    """Every memory mode (``core/memory_mode.py``) that runs on this layout (``MemoryMode.check``
+    accepts it, with the base's precision, optimizer and its options, as validation would), less
+    those that would run like another one listed (``redundant``); recompute as
+    ``_recompute_modes`` lists it."""
     out = []
-    for rem, inb in MASTER_MODES:
-        if offload == "masters" and (rem or not base.bf16 or M != 1 or (dp > 1 and sharding != "fsdp")):
-            continue
-        if rem and (not base.bf16 or offload != "none"):
-            continue
-        if inb and (base.optimizer != "muon" or base.muon_momentum > 0 or M != 1
-                    or offload not in ("none", "masters") or (dp > 1 and sharding != "fsdp")):
-            continue
-        out.append((rem, inb))
+    for offload, sharding, once, inb, rem in itertools.product(SEARCH_OFFLOAD_ORDER, SHARDING_MODES, (False, True),
+                                                               (False, True), (False, True)):
+        for rc, chunks, off in _recompute_modes(mbs, cp, M):
+            try:
+                mode = MemoryMode(bf16=base.bf16, store_param_remainders=rem, optimizer_in_backward=inb,
+                                  data_parallel_sharding=sharding, fsdp_gather_once=once, cpu_offload=offload,
+                                  recompute_granularity=rc, recompute_num_layers=0, recompute_chunks=chunks,
+                                  offload_recompute_inputs=off)
+            except ValueError:  # the flags alone refuse it
+                continue
+            if not redundant(mode, replicas) and mode.allows(run_facts(base, replicas, mbs, cp, M)):
+                out.append(mode)
     return out
+
+
+def run_facts(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> RunFacts:
+    """What a mode is checked against on this layout (``PlanInputs.run_facts`` of the candidate)."""
+    return RunFacts(dense_replicas=replicas, num_microbatches=M, micro_batch_size=mbs, context_parallel=cp,
+                    compile=base.compile, optimizer=base.optimizer, optimizer_options=base)
+
+
+def redundant(mode: MemoryMode, replicas: int) -> bool:
+    """Modes that run exactly like another: gather-once without sharding (units on one-rank
+    meshes are gathered once anyway) or with ``--cpu-offload optimizer`` (which gathers once);
+    with one dense replica nothing shards, so fsdp without FSDP's offload (or with gather-once)
+    is the plain mode, and offload puts units on one-rank meshes gathered once per step."""
+    fsdp = mode.data_parallel_sharding == "fsdp"
+    if mode.fsdp_gather_once and (not fsdp or mode.cpu_offload == "optimizer"):
+        return True
+    return replicas == 1 and fsdp and (mode.cpu_offload in ("none", "masters") or mode.fsdp_gather_once)
+
+
+def plan_fields(mode: MemoryMode) -> dict:
+    """``PlanInputs``' fields for a memory mode."""
+    return dict(sharding=mode.data_parallel_sharding, cpu_offload=mode.cpu_offload,
+                fsdp_gather_once=mode.fsdp_gather_once, recompute=mode.recompute_granularity,
+                recompute_num_layers=mode.recompute_num_layers, recompute_chunks=mode.recompute_chunks,
+                offload_recompute_inputs=mode.offload_recompute_inputs,
+                store_param_remainders=mode.store_param_remainders, optimizer_in_backward=mode.optimizer_in_backward)
 
 
 # device memory a layout must leave free to rank as fitting: what the plan does not count (the

@@ -51,6 +51,8 @@ once-per-step work.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -58,6 +60,7 @@ from functools import lru_cache
 from core.cli import option
 from core.context_parallel.costs import exchange_bytes
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
+from core.optim import registry as optimizers
 from core.optim.build import classify
 from core.optim.muon_split import batches, ns_flops, owners
 from core.pipeline.simulate import plan_makespan
@@ -198,6 +201,8 @@ def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optim
     parameters' shards. Muon under FSDP (``core/optim/muon_split.py``): a stack of whole experts
     is orthogonalised where it is (1/D of the stack's FLOPs); row-sharded matrices are dealt out to
     owners in batches, and a batch takes as long as its busiest owner (``split_ns_flops``)."""
+    spec = optimizers.get(optimizer)
+    opts = SimpleNamespace(muon_ns_steps=ns_steps, dion_rank_fraction=dion_fraction)
     out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0, "split": 0} for k in KINDS}
     split: dict = {k: [] for k in KINDS}
     for s in chunk.tensors:
@@ -210,14 +215,13 @@ def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optim
             o["adamw"] += shard
             continue
         o["matrix"] += shard
-        if optimizer != "muon":
-            m, n = sorted(s.t.shape[-2:])
-            o["flops"] += s.t.numel() // (m * n) * 8.0 * m * n * max(1, math.ceil(dion_fraction * m))
+        if not spec.splits_row_shards:  # as the optimizer declares, on every rank
+            o["flops"] += spec.step_flops(s.t.shape, opts)
         elif world > 1 and s.t.dim() == 2:
             split[kind].append(s)
             o["split"] += shard
         else:  # whole matrices here, or whole experts of a row-sharded stack
-            o["flops"] += ns_flops(s.t.shape, ns_steps) / (world if s.t.dim() == 3 else 1)
+            o["flops"] += spec.step_flops(s.t.shape, opts) / (world if s.t.dim() == 3 else 1)
     for kind, tensors in split.items():
         world = expert_world if kind == "expert" else dense_world
         out[kind]["flops"] += split_ns_flops(tensors, world, ns_steps, in_backward)
@@ -405,8 +409,7 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
         step.seconds["optimizer"] += w["adamw"] * ADAMW_BYTES / memory
         if not w["matrix"]:
             continue
-        momentum = inp.optimizer == "dion" or inp.muon_momentum > 0  # a buffer read and written
-        step.seconds["optimizer"] += (w["matrix"] * (MUON_BYTES + 12 * momentum)) / memory
+        step.seconds["optimizer"] += w["matrix"] * inp.optimizer_spec.step_bytes(inp) / memory
         _orthogonalise(w, inp, eff, step)
         _split_traffic(w, pl.shard_world[k], bw[_group(k, inp)], step)
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back

@@ -13,7 +13,8 @@ one-rank mesh so FSDP moves them between host and device.
 
 With a pipeline, ``PipelineExecutor`` turns gradient reduction off for every backward of a
 chunk but its last one in the step, so FSDP reduce-scatters once per step (every backward
-under ``--cpu-offload optimizer``, see ``apply_fsdp``).
+under ``--cpu-offload optimizer``, see ``apply_fsdp``). What is sharded, offloaded and gathered
+when is the memory mode's placement (``core/memory_mode.py``), which the planner books too.
 """
 from __future__ import annotations
 
@@ -22,12 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from core.memory_mode import Placement
 from core.model_api import iter_params
 from core.parallel_state import ParallelState
-
-SHARDING_MODES = ("none", "fsdp")
-OFFLOAD_MODES = ("none", "all", "experts", "optimizer")
-
 
 def _policy(on: bool, pin: bool = True) -> OffloadPolicy:
     # pinned host memory only helps (and only exists) with an accelerator
@@ -39,83 +37,76 @@ def _self_mesh(ps: ParallelState, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
-def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "none",
-               device_type: str = "cpu", gather_once: bool = False, *, shard: bool = True,
-               bf16: bool = False, one_rank_meshes: bool = True) -> bool:
-    """Wrap ``chunk``'s units with FSDP2 in place; returns False when there is nothing to do.
+def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, placement: Placement, device_type: str = "cpu") -> bool:
+    """Wrap ``chunk``'s units with FSDP2 in place as ``placement`` says
+    (``core/memory_mode.MemoryMode.placement``); returns False when there is nothing to do.
 
-    ``shard``: dense parameters over DP, experts over expert-DP (nothing to shard at DP 1).
+    Sharded (``placement.shard``): dense parameters over DP x CP, experts over expert-DP.
     ``bf16``: mixed precision: the parameters stay fp32 (the master weights the optimizer
     updates and checkpoints store), each unit computes with a bf16 copy, and gradients are
     accumulated across micro-batches and reduced in fp32; units the model marks ``fp32``
-    (routers) compute in fp32. Without ``shard`` every unit sits on a one-rank mesh, so FSDP
-    only provides that mixed precision: replicas still sum gradients in ``sync_gradients``.
+    (routers) compute in fp32. Without sharding every unit sits on a one-rank mesh, so FSDP
+    only provides that mixed precision (or the offload): replicas still sum gradients in
+    ``sync_gradients``.
     ``gather_once``: keep each unit's gathered parameters from its first forward of the step
     until ``reshard(chunks)`` after the optimizer step (one all-gather per step instead of one
     per micro-batch and pass, for the memory of a whole unsharded stage); always so on a
     one-rank mesh, where gathering is a bf16 cast.
-    ``cpu_offload="optimizer"``: every unit offloaded (fp32 masters, their gradients and the
-    optimizer state in host memory) but gathered once per step, so the compute copies (bf16
-    under ``bf16``) stay resident on the device from the first forward to the optimizer step:
-    one host-to-device copy of the shards per step instead of one per micro-batch and pass;
-    and every backward reduce-scatters (``set_gradient_sync``), so each micro-batch's fp32
-    gradient shards go to the host and accumulate there instead of the stage's unsharded
-    gradients accumulating on the device for the whole step."""
-    if cpu_offload not in OFFLOAD_MODES:
-        raise ValueError(f"--cpu-offload {cpu_offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
-    resident = cpu_offload == "optimizer"
-    # pinned host memory comes from a caching allocator that rounds each block up to a power of
-    # two (a 755 MB expert stack takes 1 GiB): worth it where weights cross PCIe per micro-batch,
-    # not for the once-per-step copies of "optimizer", whose host footprint must stay as planned
-    pin = not resident
-    if resident:  # masters, gradients and optimizer state on the host; compute copies stay
-        cpu_offload, gather_once = "all", True
-    shard = shard and ps.sizes.dp * ps.sizes.cp > 1  # dense replicas: dp x cp
-    self_meshes = (bf16 and one_rank_meshes) or cpu_offload != "none"
-    if not (shard or self_meshes):
+    ``--cpu-offload optimizer`` (``sync_every_microbatch``): every unit offloaded (fp32 masters,
+    their gradients and the optimizer state in host memory) but gathered once per step, so the
+    compute copies (bf16 under ``bf16``) stay resident on the device from the first forward to
+    the optimizer step: one host-to-device copy of the shards per step instead of one per
+    micro-batch and pass; and every backward reduce-scatters (``set_gradient_sync``), so each
+    micro-batch's fp32 gradient shards go to the host and accumulate there instead of the stage's
+    unsharded gradients accumulating on the device for the whole step. Pinned host memory comes
+    from a caching allocator that rounds each block up to a power of two (a 755 MB expert stack
+    takes 1 GiB): worth it where weights cross PCIe per micro-batch, not for those once-per-step
+    copies, whose host footprint must stay as planned (``pin_offloaded``)."""
+    pl = placement
+    if not pl.wraps:
         return False
-    if shard:
+    expert_managed = pl.roles["expert"].managed
+    if pl.shard:
         dp_mesh = DeviceMesh.from_group(ps.group("dp_cp"), device_type)
         if ps.sizes.expert_dp > 1:
             edp_mesh = DeviceMesh.from_group(ps.group("expert_dp"), device_type)
-        elif self_meshes:  # experts whole on each EP rank: a one-rank mesh
+        elif expert_managed:  # experts whole on each EP rank: a one-rank mesh
             edp_mesh = _self_mesh(ps, device_type)
         else:
             edp_mesh = None
     else:
         dp_mesh = edp_mesh = _self_mesh(ps, device_type)
-        gather_once = True
-    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if pl.bf16 \
         else MixedPrecisionPolicy()
     full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     experts = {p for _, _, p, spec in iter_params([chunk]) if spec.replicated_over == "expert_dp"}
     ignored = experts if edp_mesh is None else None
     for unit in chunk.fsdp_units():
-        if unit.fp32 and not bf16:
+        if unit.fp32 and not pl.bf16:
             continue  # its own unit only to keep its precision
-        expert = unit.replicated_over == "expert_dp"
-        if expert and edp_mesh is None:
+        kind = "expert" if unit.replicated_over == "expert_dp" else "dense"
+        if kind == "expert" and edp_mesh is None:
             continue
-        offload = cpu_offload != "none" if expert else cpu_offload == "all"
-        fully_shard(unit.module, mesh=edp_mesh if expert else dp_mesh, offload_policy=_policy(offload, pin),
-                    mp_policy=full if unit.fp32 else mixed, ignored_params=None if expert else ignored,
-                    reshard_after_forward=not gather_once)
+        fully_shard(unit.module, mesh=edp_mesh if kind == "expert" else dp_mesh,
+                    offload_policy=_policy(pl.roles[kind].offloaded, pl.pin_offloaded),
+                    mp_policy=full if unit.fp32 else mixed, ignored_params=None if kind == "expert" else ignored,
+                    reshard_after_forward=not pl.gather_once)
     # the root unit (embedding, final norm, heads) stays gathered from forward to backward: its
     # backward follows at once, and the chunked loss's op saved the gathered head weight
     # (torch 2.11 freed it when the root was told to reshard; 2.13 keeps it either way)
-    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(cpu_offload == "all", pin), mp_policy=mixed,
-                ignored_params=ignored, reshard_after_forward=False)
-    chunk.reduce_every_backward = resident
+    fully_shard(chunk, mesh=dp_mesh, offload_policy=_policy(pl.roles["dense"].offloaded, pl.pin_offloaded),
+                mp_policy=mixed, ignored_params=ignored, reshard_after_forward=False)
+    chunk.reduce_every_backward = pl.sync_every_microbatch
     # the root's weights (embedding, final norm, heads) are last read by the heads' backward; with
     # one stage per rank no later micro-batch's forward has saved them, so they are freed then
     # rather than after the whole backward (the model calls ``after_head_backward``)
-    if not gather_once and ps.sizes.pp == 1:
+    if pl.gather_per_microbatch and ps.sizes.pp == 1:
         chunk.after_head_backward = chunk.reshard
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-            if gather_once:
+            if pl.gather_once:
                 m.set_reshard_after_backward(False)
     return True
 

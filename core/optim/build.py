@@ -1,6 +1,7 @@
 """Parameter grouping and the composite optimizer.
 
-Rules (printed at start-up): with ``--optimizer muon`` or ``dion``, every matrix (2-D) and
+Rules (printed at start-up): with ``--optimizer muon``, ``dion`` or any registered optimizer of
+matrices (``core/optim/registry.py``), every matrix (2-D) and
 expert stack (3-D) goes to Muon / Dion *except* the parameters the model declares as embeddings
 or output heads (``ParamSpec.role``); those, the norms and all vectors go to AdamW with its own
 learning rate (``--adamw-lr``, default ``--lr``). ``--optimizer adamw`` puts
@@ -13,16 +14,15 @@ import torch
 from core.distributed.grads import sharded
 from core.model_api import ParamSpec, iter_params
 from core.optim.adamw import AdamW
-from core.optim.dion import Dion
+from core.optim import registry
 from core.optim.masters import masters_of
-from core.optim.muon import Muon
 
 
 def classify(spec: ParamSpec, p: torch.Tensor, optimizer: str) -> str:
     """Which optimizer a parameter belongs to: 'matrix', 'adamw' or 'adamw_no_wd'."""
     if p.dim() < 2:
         return "adamw_no_wd"
-    if optimizer == "adamw" or spec.role in ("embedding", "head"):
+    if not registry.get(optimizer).matrices or spec.role in ("embedding", "head"):
         return "adamw"
     return "matrix"
 
@@ -60,9 +60,8 @@ class CompositeOptimizer:
 
 def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
     """One optimizer over every parameter of ``chunks`` (grouped by their ``ParamSpec``).
-    ``cfg`` needs: optimizer, lr, adamw_lr, weight_decay, adam_beta1/2, adam_eps,
-    muon_momentum, muon_nesterov, muon_ns_steps, muon_ns_method, muon_lr_adjust,
-    dion_momentum, dion_rank_fraction. Returns the optimizer and a printable summary."""
+    ``cfg`` needs: optimizer (a name in ``core/optim/registry.py``), lr, adamw_lr, weight_decay,
+    adam_beta1/2, adam_eps, and what the optimizer's ``build`` reads (muon_*, dion_*). Returns the optimizer and a printable summary."""
     buckets: dict[str, list] = {"matrix": [], "adamw": [], "adamw_no_wd": []}
     names: dict[str, list] = {k: [] for k in buckets}
     for _, name, p, spec in iter_params(chunks):
@@ -80,23 +79,14 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
         # torch's AdamW maths one tensor at a time (FSDP mixes DTensor shards and plain tensors)
         opts["adamw"] = AdamW(groups, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, masters=masters)
     if buckets["matrix"]:
-        matrices = [{"params": buckets["matrix"], "base_lr": cfg.lr}]
-        if cfg.optimizer == "muon":
-            opts["muon"] = Muon(matrices, lr=cfg.lr, momentum=cfg.muon_momentum,
-                                nesterov=cfg.muon_nesterov, weight_decay=cfg.weight_decay,
-                                ns_steps=cfg.muon_ns_steps, ns_method=cfg.muon_ns_method,
-                                lr_adjust=cfg.muon_lr_adjust,
-                                ns_dtype=torch.float32 if getattr(cfg, "muon_ns_dtype", "bf16") == "fp32"
-                                else torch.bfloat16, masters=masters)
-        else:
-            if masters.rem:
-                raise ValueError("--optimizer dion with --store-param-remainders is not supported: use muon "
-                                 "or adamw")
-            if any(sharded(p) for p in buckets["matrix"]):
-                raise ValueError("--optimizer dion with --data-parallel-sharding fsdp is not supported "
-                                 "yet: use muon or adamw")
-            opts["dion"] = Dion(matrices, lr=cfg.lr, momentum=cfg.dion_momentum,
-                                rank_fraction=cfg.dion_rank_fraction, weight_decay=cfg.weight_decay)
+        spec = registry.get(cfg.optimizer)
+        # the flags' validation refused these already (core/memory_mode.py): a direct caller too
+        for feature, on in (("remainders", bool(getattr(masters, "rem", None))),
+                            ("fsdp", any(sharded(p) for p in buckets["matrix"]))):
+            why = spec.refusal(feature, cfg) if on else None
+            if why:
+                raise ValueError(why)
+        opts[spec.name] = spec.build([{"params": buckets["matrix"], "base_lr": cfg.lr}], cfg, masters)
     count = {k: sum(p.numel() for p in v) for k, v in buckets.items()}
     summary = (f"optimizer groups: {cfg.optimizer} matrices "
                f"{len(names['matrix'])} tensors / {count['matrix']:,} params (lr {cfg.lr:g}); "

@@ -130,25 +130,3 @@ class InBackwardSteps:
                 self._flush(key)
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-
-def check_in_backward(optimizer: str, momentum: float, clip: float, microbatches: int, dp: int,
-                      sharding: str, cpu_offload: str) -> None:
-    """``ValueError`` naming the flag for what ``--optimizer-in-backward`` cannot serve."""
-    if optimizer != "muon":
-        raise ValueError(f"--optimizer-in-backward steps Muon's matrices: it needs --optimizer muon "
-                         f"(got {optimizer})")
-    if momentum > 0 and clip > 0:
-        raise ValueError(f"--optimizer-in-backward with --clip-grad {clip:g} needs --muon-momentum 0: the "
-                         "clip factor is known only after the backward, and only momentum-free Muon is "
-                         "unchanged by it (or pass --clip-grad 0)")
-    if microbatches != 1:
-        raise ValueError(f"--optimizer-in-backward needs one micro-batch per rank and step, got {microbatches}: "
-                         "set --global-batch-size to --micro-batch-size x data-parallel size")
-    if dp > 1 and sharding != "fsdp":
-        raise ValueError("--optimizer-in-backward with dense replicas (data-parallel x context-parallel size "
-                         "> 1) needs --data-parallel-sharding fsdp: each unit's gradients are reduced when its "
-                         "backward ends, then stepped")
-    if cpu_offload not in ("none", "masters"):
-        raise ValueError(f"--optimizer-in-backward with --cpu-offload {cpu_offload} is not supported "
-                         "(--cpu-offload masters is: its host updates overlap the backward)")

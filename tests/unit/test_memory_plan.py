@@ -141,7 +141,7 @@ def _check_fsdp_bytes(rank, world, sharding, offload, bf16, optimizer, momentum,
                      muon_momentum=momentum, num_microbatches=2, seq_length=64, fsdp_gather_once=once)
     planned = plan(cfg, inp)[0]
     chunk = build_chunks(cfg, ps, seq_length=64)[0]
-    assert apply_fsdp(chunk, ps, offload, "cpu", once, shard=sharding == "fsdp", bf16=bf16)
+    assert apply_fsdp(chunk, ps, placement(inp), "cpu")
     docs = [40, 24]
     tokens, pos, psp = thd(docs, seed=rank)
     for sync in (False, True):
