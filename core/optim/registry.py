@@ -173,3 +173,8 @@ register(OptimizerSpec(
              "remainders": "it updates bf16 parameters without their fp32 masters: use muon or adamw",
              "host_masters": "its state is not kept on the host: use muon or adamw",
              "in_backward": NOT_MUON}))
+
+
+def unregister(name: str) -> None:
+    """Remove a registered optimizer (tests that register their own put the registry back)."""
+    _REGISTRY.pop(name, None)
