@@ -10,7 +10,7 @@ registers) on packed THD data across PP / EP / DP.
 A composer: flags (train_args.py) -> the family's spec from the registry (models/registry.py) ->
 validation (no process group yet) -> process groups -> ``parallelize`` (training/parallelize.py)
 inside the Trainer -> the loop of
-``core.train_step.train_step``. ``--dry-run N`` plans N ranks instead (training/plan.py).
+``core.train_step.train_step``. ``--dry-run N`` plans N ranks instead (training/planner/run.py).
 ``python pretrain_step37.py --help`` lists every flag by section.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from core.checkpointing import CheckpointError  # noqa: E402
 from core.parallel_state import ParallelState  # noqa: E402
 from train_args import parse, validate  # noqa: E402
-from training.plan import report  # noqa: E402
+from training.planner.run import report  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
 

@@ -22,6 +22,8 @@ from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from models import registry
 from training.parallelize import stage_layers
+from training.run_layout import (RunLayout, aux_loss_coeff, evaluates, model_config,  # noqa: F401
+                                 model_spec_and_config, validation_weights)
 
 # numeric rules for flags: (what the message says, test); None values (unset flags) pass
 POSITIVE = ("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
@@ -361,36 +363,6 @@ def parse(argv=None) -> argparse.Namespace:
     return sections(parser.parse_args(argv), parser)
 
 
-@dataclass
-class RunLayout:
-    """What validation derives: the model family and config, the parallel sizes, micro-batches
-    per step."""
-
-    spec: registry.ModelSpec
-    config: object  # the family's config class
-    sizes: ParallelSizes
-    num_microbatches: int  # per pipeline (DP rank) per iteration
-
-
-def model_spec_and_config(args):
-    """``(ModelSpec, config)``: from ``--hf-config`` (or ``--load-hf``'s config.json) by its
-    model_type, else from ``--model-preset``."""
-    m = args.model
-    vocab = {"vocab_size": m.vocab_size} if m.vocab_size is not None else {}
-    return registry.resolve(m.model_preset, m.hf_config or m.load_hf, attention_backend=m.attention_backend,
-                            **vocab)
-
-
-def model_config(args):
-    return model_spec_and_config(args)[1]
-
-
-def aux_loss_coeff(args, cfg) -> float:
-    """``--moe-aux-loss-coeff``, else the model's own default."""
-    c = args.model.moe_aux_loss_coeff
-    return cfg.aux_loss_coeff if c is None else c
-
-
 def validate(args, world: int, check_files: bool = True) -> RunLayout:
     """Everything that can be checked before process groups exist; ``check_files``: also the
     dataset, tokenizer and checkpoint paths (not when planning a run on another machine)."""
@@ -422,18 +394,6 @@ def run_facts(args, sizes: ParallelSizes, num_microbatches: int) -> RunFacts:
     return RunFacts(dense_replicas=sizes.dp * sizes.cp, num_microbatches=num_microbatches,
                     micro_batch_size=args.data.micro_batch_size, context_parallel=sizes.cp,
                     compile=args.model.compile, optimizer=args.optim.optimizer, optimizer_options=args.optim)
-
-
-def validation_weights(args) -> list[float] | None:
-    """The --split weights when evaluation reads the validation part of the training data;
-    None with --valid-data-path."""
-    return None if args.eval.valid_data_path else [float(x) for x in args.data.split.split(",")]
-
-
-def evaluates(args) -> bool:
-    """Whether the run evaluates: --eval-iters > 0 and validation data to read."""
-    w = validation_weights(args)
-    return args.eval.eval_iters > 0 and (w is None or w[1] > 0)
 
 
 def _check_context_parallel(args, cp: int) -> None:

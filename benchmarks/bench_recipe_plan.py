@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.plan_memory import build_planner_parser  # noqa: E402
 from train_args import sections, validate  # noqa: E402
-from training.plan import plan_inputs, search_plan  # noqa: E402
-from training.plan_search import evaluate  # noqa: E402
+from training.planner.run import plan_inputs, search_plan  # noqa: E402
+from training.planner.search import evaluate  # noqa: E402
 from training.recipe import recipe_flags as read_recipe  # noqa: E402
-from training.time_plan import TimeAssumptions, peak_tflops  # noqa: E402
+from training.planner.timing import TimeAssumptions, peak_tflops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "examples", "step37_flash_8xh200_thd_sft.sh")

@@ -26,9 +26,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.cli import add_to_parser, from_namespace  # noqa: E402
-from training.time_plan import TimeAssumptions  # noqa: E402
+from training.planner.timing import TimeAssumptions  # noqa: E402
 from train_args import SECTIONS, build_parser, sections, validate  # noqa: E402
-from training.plan import DEFAULT_DEVICE_GB, report, search_report  # noqa: E402
+from training.planner.run import DEFAULT_DEVICE_GB, report, search_report  # noqa: E402
 
 
 def build_planner_parser():

@@ -24,7 +24,7 @@ from core.train_step import StepSettings, train_step
 from data.loader import open_source, parse_data_path
 from data.tokenizers import build_tokenizer
 from models.registry import shapes_of
-from train_args import RunLayout, aux_loss_coeff, evaluates
+from training.run_layout import RunLayout, aux_loss_coeff, evaluates
 from training.checkpoints import RunCheckpoints, schedule_record
 from training.eval_data import make_loader, validation_loader
 from training.evaluate import evaluate

@@ -137,7 +137,7 @@ def long_pack(T: int, heads: int, kv_heads: int, head_dim: int, device, backend:
     from core.context_parallel.attention import attend_segments, device_plan
     from core.flops import avg_keys, device_peak_tflops
     from core.shapes import AttentionShape
-    from training.time_plan import TimeAssumptions, peak_tflops
+    from training.planner.timing import TimeAssumptions, peak_tflops
 
     common.free()
     shards = shards_of((T,))
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
           f"(inputs q, K/V, dy: {gib(long['inputs_gib'])} GiB), key buffer {long['key_buffer_gib']:.2f} GiB")
     print(f"  predicted (core/context_parallel/costs.py): key buffer kept for the backward "
           f"{long['predicted_key_buffer_gib']:.2f} GiB, gathered pool (transient) {long['predicted_gathered_gib']:.2f} GiB; "
-          f"(training/time_plan.py, at {long['assumed_mfu']:.0%} of the peak) forward + backward "
+          f"(training/planner/timing.py, at {long['assumed_mfu']:.0%} of the peak) forward + backward "
           f"{long['planned_ms']:.1f} ms")
     worst = max(max(r["varlen"][n] for n in NAMES) for r in rows)
     exact = all(r["passed"] for r in rows)

@@ -5,7 +5,7 @@ forward + backward, without recompute and with ``--recompute-granularity full``.
 
 What the peak holds beyond the weights and their gradients (all bf16 here) is the activations
 and the loss's working set; next to it the planner's prediction for the same stage and mode
-(``training/memory_plan.py``'s activations and recompute working set, from
+(``training/planner/memory.py``'s activations and recompute working set, from
 ``core/activations.py``), so a wrong activation model shows here first."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 def predicted_bytes(cfg, T: int, recompute: str) -> int:
     """The planner's activations (no pipeline: one micro-batch in flight) and recompute working
     set for a last stage that holds no decoder layer."""
-    from training.memory_plan import PlanInputs, _chunk_activations, _recompute_working_set
+    from training.planner.memory import PlanInputs, _chunk_activations, _recompute_working_set
 
     chunk = SimpleNamespace(layers=(), first=False, last=True)
     inp = PlanInputs(recompute=recompute, seq_length=T, micro_batch_size=1, bf16=True)

@@ -1,6 +1,6 @@
 """Part (e): Muon's Newton-Schulz (``core/optim/muon.py``, 5 quintic steps in bf16) on one EP8
 rank's stack of expert matrices (Step-3.7-Flash: [36, 1280, 4096], one projection of 36 of the
-288 experts): time, TFLOP/s, and the time the planner assumes for it (``training/time_plan.py``:
+288 experts): time, TFLOP/s, and the time the planner assumes for it (``training/planner/timing.py``:
 its Newton-Schulz FLOP count at ``--assumed-mfu`` of the peak). With ``--optimizer-in-backward``
 this runs inside the backward for every matrix, so it is on the step's critical path.
 
@@ -19,8 +19,8 @@ import torch  # noqa: E402
 def planned_flops(shape: tuple, steps: int) -> float:
     """The planner's FLOPs for orthogonalising one stack of this shape (its own count)."""
     from core.model_api import ParamSpec
-    from training.plan_shares import ChunkShare, TensorShare
-    from training.time_plan import optimizer_work
+    from training.planner.shares import ChunkShare, TensorShare
+    from training.planner.timing import optimizer_work
 
     t = torch.empty(shape, device="meta")
     chunk = ChunkShare(0, False, False, (0,), (TensorShare(t, ParamSpec(), 0),))
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from core.flops import device_peak_tflops
     from core.optim.muon import newton_schulz
     from models import registry
-    from training.time_plan import TimeAssumptions, peak_tflops
+    from training.planner.timing import TimeAssumptions, peak_tflops
 
     cfg = registry.resolve(common.preset_of(args))[1]
     moe = next(b.ffn for b in registry.shapes_of(cfg).blocks if b.ffn.moe)

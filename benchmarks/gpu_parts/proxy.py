@@ -12,7 +12,7 @@ layers and not 45: the host. The proxy keeps fp32 masters, bf16 staging and Adam
 memory for all it holds (about 5.5 GB per layer, 17 GB for the embedding and head), and the lent
 machine has 128 GiB; four layers also keep start-up and the steps within the part's two minutes.
 
-The prediction is the planner's (``training/memory_plan.py``, ``training/time_plan.py``) for the
+The prediction is the planner's (``training/planner/memory.py``, ``training/planner/timing.py``) for the
 same flags at EP8 on 8 GPUs, on the same four layers with all 288 experts (each rank's share 36):
 its step time less what the proxy cannot do on one GPU, the all-to-all and the data-parallel
 collectives (FSDP's gathers and reduce-scatters of the dense weights), and its device memory less
@@ -107,9 +107,9 @@ def predict(planned_cfg, seq: int, ep: int, workdir: str) -> dict:
     also runs the Newton-Schulz of every dense matrix (the EP rank runs 1/ep of it, the split)
     and holds the dense weights whole."""
     from train_args import parse, validate
-    from training.memory_plan import GB, plan
-    from training.plan import plan_inputs
-    from training.time_plan import plan_time, peak_tflops
+    from training.planner.memory import GB, plan
+    from training.planner.run import plan_inputs
+    from training.planner.timing import plan_time, peak_tflops
 
     path = os.path.join(workdir, f"planned_config_ep{ep}.json")
     with open(path, "w") as f:

@@ -1,5 +1,5 @@
 """What context parallelism adds per attention layer and micro-batch, for the planner
-(``training/memory_plan.py``, ``training/time_plan.py``): the key buffer autograd keeps and the
+(``training/planner/memory.py``, ``training/planner/timing.py``): the key buffer autograd keeps and the
 K/V bytes each rank receives, from what ``attention.py`` and ``exchange.py`` allocate and send.
 
 Counted for the case a CP layout is chosen for: one document filling the pack of ``T`` tokens

@@ -17,13 +17,13 @@ clip, as without this flag. Momentum > 0 with clipping would need the factor fir
 Where the work runs (CUDA): on a stream of its own, after the work queued so far on the stream
 the hook is called on (autograd's for a parameter FSDP does not manage, FSDP's reduce-scatter
 stream for one it does), so Newton-Schulz is not in the backward's queue: its kernels fill the
-time the compute stream waits for an all-to-all (``training/time_plan.hidden_newton_schulz``
+time the compute stream waits for an all-to-all (``training/planner/timing.hidden_newton_schulz``
 counts only the waits that come after the work is queued). A row-sharded batch's two
 all-to-alls go over FSDP's own data-parallel communicator, which runs its operations in issue
 order: FSDP's next reduce-scatter and all-gather wait for that batch's Newton-Schulz (as they
 did on the reduce-scatter stream; every rank issues them in the same order, so nothing
 deadlocks). The gradient is kept from reuse until that stream is done with it
-(``record_stream``), so about two blocks' gradients are alive (``training/memory_plan.py``
+(``record_stream``), so about two blocks' gradients are alive (``training/planner/memory.py``
 books them); ``end()`` makes the compute stream wait for it before anything reads a stepped
 weight or the step's norm. Without CUDA the same code runs in order.
 

@@ -80,10 +80,17 @@ def test_the_check_finds_what_the_first_wave_had():
 # ---------------------------------------------------------------- layering and family names
 FAMILY_WORDS = re.compile(r"step37|step3p|qwen", re.IGNORECASE)
 ALLOWED_WORDS = re.compile(r"pretrain_step37|step37-trainer")  # the entry script's and the project's name
+# every top-level package and module, lowest first: each may import only those listed before it
+# (tools and benchmarks, the command lines and measurements, stand above the rest)
+STACK = ("core", "models", "data", "training", "train_args", "pretrain_step37", "tools", "benchmarks")
 LAYERS = {  # package -> packages it must not import (shared/DESIGN.md)
-    "core": ("models", "training", "data", "train_args"),
-    "models": ("training", "train_args", "data"),
-    "data": ("models", "training", "train_args"),
+    "core": ("models", "training", "data", "train_args", "pretrain_step37", "tools", "benchmarks", "tests"),
+    "models": ("training", "train_args", "data", "pretrain_step37", "tools", "benchmarks", "tests"),
+    "data": ("models", "training", "train_args", "pretrain_step37", "tools", "benchmarks", "tests"),
+    "training": ("train_args", "pretrain_step37", "tools", "benchmarks", "tests"),
+    "train_args.py": ("pretrain_step37", "tools", "benchmarks", "tests"),
+    "pretrain_step37.py": ("tools", "benchmarks", "tests"),
+    "tools": ("benchmarks", "tests"),
 }
 NO_FAMILY = ["core", "training", "data", "tools", "models/common", "train_args.py", "pretrain_step37.py"]
 
@@ -136,9 +143,20 @@ def test_no_family_is_named_outside_its_folder_and_the_registry():
     assert not found, "model families named outside models/<family>/ and models/registry.py:\n" + "\n".join(found)
 
 
+def test_every_top_level_package_has_its_layer():
+    """A new top-level package or module must be placed in the layering (tests, examples and
+    the C++ sources aside)."""
+    tops = {n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "__init__.py"))
+            or (n.endswith(".py") and n != "setup.py")}
+    placed = {name.split(".py")[0] for name in LAYERS} | {"benchmarks", "tests"}
+    assert {t.split(".py")[0] for t in tops} <= placed, sorted(tops)
+    assert [p.split(".py")[0] for p in LAYERS] == list(STACK[:len(LAYERS)])
+
+
 def test_the_layering_and_name_checks_find_what_they_look_for():
-    assert layering_violations("from training.plan import plan", "core/x.py", LAYERS["core"])
+    assert layering_violations("from training.planner.run import plan", "core/x.py", LAYERS["core"])
     assert layering_violations("import data.loader", "core/x.py", LAYERS["core"])
+    assert layering_violations("from train_args import parse", "training/x.py", LAYERS["training"])
     assert not layering_violations("from core.init import local_rows", "models/x.py", LAYERS["models"])
     assert family_names("x = 1  # like Step37's router\n", "core/x.py")
     assert family_names('CACHE = "qwen3_moe"\n', "training/x.py")

@@ -17,10 +17,10 @@ from models.step37 import Step37Config
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
 from train_args import MemoryArgs, parse, validate
-from training.memory_plan import PlanInputs, plan
+from training.planner.memory import PlanInputs, plan
 from training.parallelize import build_chunks
-from training.plan_search import memory_modes, redundant
-from training.plan_shares import rank_shares
+from training.planner.search import memory_modes, redundant
+from training.planner.shares import rank_shares
 
 # ------------------------------------------------------------ an optimizer from the test tree
 
@@ -97,7 +97,7 @@ def test_a_registered_optimizer_trains_and_is_planned_by_its_declaration(sgd):
     adamw = sum(t.numel() * t.element_size() for st in opt.optimizers["adamw"].state.values() for t in st.values())
     assert planned.device["optimizer"] == state + adamw
 
-    from training.time_plan import optimizer_work
+    from training.planner.timing import optimizer_work
 
     share = rank_shares(cfg, 1, 1, 1, None, 64)[0][0]
     work = optimizer_work(share, 1, 1, sgd.name, 5, 0.25)
@@ -118,7 +118,7 @@ OPTIMIZERS = [["--optimizer", "muon", "--muon-momentum", "0"], ["--optimizer", "
 
 def _searchable(mode: MemoryMode, mbs: int, M: int) -> bool:
     """Modes of the search's own domain: recompute of every layer, chunks of one pack each
-    where a rank runs one micro-batch (``plan_search._recompute_modes``)."""
+    where a rank runs one micro-batch (``planner.search._recompute_modes``)."""
     if mode.recompute_num_layers:
         return False
     if mode.recompute_chunks == 1:
@@ -136,7 +136,7 @@ def test_validation_and_the_search_agree_on_every_memory_mode(world, extra, mbs,
         base_args = parse(["--data-path", "unused", "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
                            "--seq-length", "64", *optim, *extra])
         M = gbs // (mbs * world)
-        from training.plan import plan_inputs
+        from training.planner.run import plan_inputs
 
         for bf16 in (False, True):
             base = dataclasses.replace(plan_inputs(base_args), bf16=bf16)

@@ -12,9 +12,9 @@ from core.parallel_state import ParallelSizes, ParallelState
 from models.step37 import Step37Config
 from core.activations import cpu_sdpa_extra_bytes
 from models.registry import shapes_of
-from training.memory_plan import PlanInputs, _chunk_activations, placement, plan
+from training.planner.memory import PlanInputs, _chunk_activations, placement, plan
 from training.parallelize import build_chunks
-from training.plan_shares import rank_shares
+from training.planner.shares import rank_shares
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
 

@@ -84,8 +84,8 @@ def _assert_recipe_is_the_search_top_row(tmp_path, config_class, preset: str, sc
     batch and precision (searched in this process for GPUs of ``gpu_gb``), on the busiest GPU
     within ``device_gb``."""
     from train_args import build_parser, sections
-    from training.plan import plan_inputs
-    from training.plan_search import search
+    from training.planner.run import plan_inputs
+    from training.planner.search import search
 
     hf = tmp_path / preset
     hf.mkdir()
@@ -137,8 +137,8 @@ def test_two_node_recipe_plans_16_ranks_that_fit(gpu, device_gb):
     top rows: benchmarks/bench_recipe_plan.py prints them)."""
     from tools.plan_memory import build_planner_parser
     from train_args import sections, validate
-    from training.memory_plan import GB, plan
-    from training.plan import plan_inputs
+    from training.planner.memory import GB, plan
+    from training.planner.run import plan_inputs
 
     script = os.path.join(ROOT, "examples", "step37_flash_2node_thd_sft.sh")
     text = open(script).read()

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from models.step37 import Step37Config
-from training.memory_plan import PlanInputs
-from training.plan_search import RESERVE_SHARE, candidates, search
+from training.planner.memory import PlanInputs
+from training.planner.search import RESERVE_SHARE, candidates, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = ["--model-preset", "step37-flash", "--seq-length", "8192", "--global-batch-size", "32",
@@ -82,7 +82,7 @@ def test_search_adds_cp_sizes_only_for_long_sequences():
     """At 8K every candidate is CP1 (the test above); at 128K on 8 GPUs CP 2, 4 and 8 join (shards
     of 64K, 32K and 16K tokens, at least CP_MIN_TOKENS), EP carved out of DP x CP, and a row's
     flags name its CP size."""
-    from training.plan_search import cp_sizes
+    from training.planner.search import cp_sizes
 
     assert cp_sizes(8, 8192) == [1] and cp_sizes(8, 131072) == [1, 2, 4, 8] and cp_sizes(4, 16384) == [1, 2]
     cfg = Step37Config.preset("step37-flash")

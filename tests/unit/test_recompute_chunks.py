@@ -137,7 +137,7 @@ def test_chunks_need_full_recompute():
 
 
 def _flash_h100(**kw):
-    from training.memory_plan import PlanInputs
+    from training.planner.memory import PlanInputs
     base = dict(ep=8, dp=8, sharding="fsdp", cpu_offload="masters", optimizer_in_backward=True, recompute="full",
                 seq_length=8192, micro_batch_size=4, num_microbatches=1, bf16=True, device_gb=80)
     return PlanInputs(**{**base, **kw})
@@ -148,8 +148,8 @@ def test_the_planner_counts_one_chunk_and_the_offloaded_inputs():
     recompute working set and all-to-all buffers and adds one block's fp32 gradient sums;
     offloading moves every recomputed block's kept input but the two in flight to the host."""
     from models.registry import spec
-    from training.memory_plan import GB, MASTER, _plain_blocks, placement, plan
-    from training.plan_shares import ROOT, rank_shares
+    from training.planner.memory import GB, MASTER, _plain_blocks, placement, plan
+    from training.planner.shares import ROOT, rank_shares
 
     cfg = spec("step37").config_class.preset("step37-flash")
     whole, chunked, off = (plan(cfg, _flash_h100(**kw))[0] for kw in
@@ -176,7 +176,7 @@ def test_the_planner_frees_the_root_after_the_heads_only_with_one_stage_per_rank
     from dataclasses import replace
 
     from models.registry import spec
-    from training.memory_plan import plan
+    from training.planner.memory import plan
 
     cfg = spec("step37").config_class.preset("step37-flash")
     root = (cfg.vocab_size * cfg.hidden_size * 2 + cfg.hidden_size) * 2  # embedding, head, norm in bf16
@@ -192,8 +192,8 @@ def test_the_planner_frees_the_root_after_the_heads_only_with_one_stage_per_rank
 
 def max_block_bytes(cfg, inp) -> int:
     """The largest FSDP-managed block's bf16 bytes (gathered twice: in use and prefetched)."""
-    from training.memory_plan import _managed_blocks, placement
-    from training.plan_shares import ROOT, rank_shares
+    from training.planner.memory import _managed_blocks, placement
+    from training.planner.shares import ROOT, rank_shares
 
     share = rank_shares(cfg, 1, 1, inp.ep, None, inp.seq_length)[0][0]
     return max(n for k, n in _managed_blocks(share, placement(inp)).items() if k is not ROOT) * 2

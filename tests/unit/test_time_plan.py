@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from models.step37 import Step37Config
-from training.memory_plan import PlanInputs, plan
-from training.time_plan import TimeAssumptions, plan_time
+from training.planner.memory import PlanInputs, plan
+from training.planner.timing import TimeAssumptions, plan_time
 
 TINY = Step37Config.preset("tiny")
 # Forward FLOPs per token of the tiny model at seq_length 64 (hidden 64, head_dim 16, 2 KV heads):
@@ -121,8 +121,8 @@ def test_muon_under_fsdp_counts_the_busiest_owner_not_every_matrix():
     matrix rows at 2 + 2 bytes (bf16 both ways)."""
     from core.optim.build import classify
     from core.optim.muon_split import batches, ns_flops, owners
-    from training.plan_shares import rank_shares
-    from training.time_plan import optimizer_work
+    from training.planner.shares import rank_shares
+    from training.planner.timing import optimizer_work
 
     chunk = rank_shares(TINY, 1, 1, 2, None, 64)[0][0]
     matrices = [s for s in chunk.tensors if classify(s.spec, s.t, "muon") == "matrix"]
@@ -183,8 +183,8 @@ def test_in_backward_newton_schulz_fills_the_backwards_all_to_all_waits_by_hand(
     batches follow parameter order instead of the hooks', hence the FLOPs of both orders)."""
     from core.optim.build import classify
     from core.optim.muon_split import batches, ns_flops, owners
-    from training.plan_shares import rank_shares
-    from training.time_plan import _hook_order, optimizer_work
+    from training.planner.shares import rank_shares
+    from training.planner.timing import _hook_order, optimizer_work
 
     eff = 0.5e12
     a = TimeAssumptions(assumed_mfu=0.5, nvlink_gb_s=nvlink_gb_s)

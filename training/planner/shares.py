@@ -5,8 +5,8 @@ micro-batches, live p2p buffers, the executor's programs).
 
 Both are cached: a share depends only on (model, pp, vpp, ep, layout, seq_length) and the
 schedule facts only on (pp, vpp, micro-batches), so the search over memory modes, recompute
-and micro-batch sizes (``training/plan_search.py``) builds each once and derives the rest with
-arithmetic (``memory_plan.py``, ``time_plan.py``). EP ranks of one pipeline rank hold shares of
+and micro-batch sizes (``training/planner/search.py``) builds each once and derives the rest with
+arithmetic (``memory.py``, ``timing.py``). EP ranks of one pipeline rank hold shares of
 the same shapes (the experts split evenly), so one build per pipeline rank stands for all.
 """
 from __future__ import annotations

@@ -66,9 +66,9 @@ from core.optim.muon_split import batches, ns_flops, owners
 from core.pipeline.simulate import plan_makespan
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.memory_plan import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, kept_inputs,
+from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, kept_inputs,
                                   placement)
-from training.plan_shares import ChunkShare, rank_shares, schedule_facts
+from training.planner.shares import ChunkShare, rank_shares, schedule_facts
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
 ADAMW_BYTES = 28  # fp32 p, g, m, v read; p, m, v written

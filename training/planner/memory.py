@@ -1,5 +1,5 @@
 """Memory plan per rank, without allocating anything: each rank's share of the model is built on
-the meta device for the real layout (``plan_shares.py``, cached), its tensors counted, and
+the meta device for the real layout (``shares.py``, cached), its tensors counted, and
 activations taken from ``core/activations.py`` (the family's block shapes) times the schedule's peak in-flight micro-batches
 (from the pipeline simulator).
 
@@ -44,7 +44,7 @@ from core.optim.build import classify
 from core.parallel_state import ParallelSizes
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.plan_shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
+from training.planner.shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
 
 GB = 10**9
 MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
@@ -246,7 +246,7 @@ def _plain_blocks(chunk: ChunkShare, pl: Placement) -> dict:
 
 def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
                 pl: Placement | None = None) -> RankMemory:
-    """One rank's plan from its chunks' shares (``plan_shares.rank_shares``)."""
+    """One rank's plan from its chunks' shares (``shares.rank_shares``)."""
     pl = pl or placement(inp)
     facts = schedule_facts(inp.pp, inp.vpp, inp.num_microbatches)
     T, b, H = inp.local_tokens, inp.act_bytes, cfg.hidden_size

@@ -5,7 +5,7 @@ predicted step time, those that fit ranked fastest first.
 
 The model, sequence length, global batch (in packs), precision and optimizer stay as given;
 layers split by cost (the trainer's default layout). Each (pp, vpp, ep) share is built once on
-the meta device (``plan_shares.py``); the rest is arithmetic, so a search over ~1,500 layouts of
+the meta device (``shares.py``); the rest is arithmetic, so a search over ~2,100 layouts of
 Step-3.7-Flash takes seconds. Any registered model family: the shares and costs come from its
 chunks and shapes.
 """
@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, replace
 
 from core.memory_mode import SHARDING_MODES, MemoryMode, RunFacts
 
-from training.memory_plan import GB, PlanInputs, placement, plan
-from training.time_plan import TimeAssumptions, peak_tflops, plan_time
+from training.planner.memory import GB, PlanInputs, placement, plan
+from training.planner.timing import TimeAssumptions, peak_tflops, plan_time
 
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)

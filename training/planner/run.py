@@ -2,16 +2,16 @@
 --world-size N`` are this one code path, over the same parsed training flags, so a training
 command pasted into the planner plans exactly that run (defaults agree by construction): memory
 per rank and the predicted step time. ``tools/plan_memory.py --search`` ranks every layout of
-the world size with the same two models (``training/plan_search.py``)."""
+the world size with the same two models (``training/planner/search.py``)."""
 from __future__ import annotations
 
 import json
 import math
 
-from training.memory_plan import GB, PlanInputs, as_dict, format_table, plan
-from training.time_plan import TimeAssumptions, format_time, peak_tflops, plan_time, summary
-from training.time_plan import as_dict as time_dict
-from train_args import RunLayout, model_config
+from training.planner.memory import GB, PlanInputs, as_dict, format_table, plan
+from training.planner.timing import TimeAssumptions, format_time, peak_tflops, plan_time, summary
+from training.planner.timing import as_dict as time_dict
+from training.run_layout import RunLayout, model_config
 
 DEFAULT_DEVICE_GB = 141.0  # H200
 
@@ -87,8 +87,8 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
 def search_plan(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_gb: float = 0.0,
                 assumptions: TimeAssumptions | None = None, progress: bool = True,
                 reserve_gb: float | None = None) -> list:
-    """Every layout of ``world`` ranks for these flags, planned and ranked (``plan_search.Row``)."""
-    from training.plan_search import search
+    """Every layout of ``world`` ranks for these flags, planned and ranked (``search.Row``)."""
+    from training.planner.search import search
 
     base = plan_inputs(args, device_gb=device_gb)
     return search(model_config(args), world, base, args.data.global_batch_size, assumptions or TimeAssumptions(),
@@ -98,8 +98,8 @@ def search_plan(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_
 def search_report(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, host_gb: float = 0.0,
                   assumptions: TimeAssumptions | None = None, top: int = 20, as_json: bool = False,
                   prog: str = "plan_memory", reserve_gb: float | None = None) -> int:
-    """``--search``: rank every layout of ``world`` ranks for these flags (see plan_search.py)."""
-    from training.plan_search import report as print_rows
+    """``--search``: rank every layout of ``world`` ranks for these flags (see search.py)."""
+    from training.planner.search import report as print_rows
 
     a = assumptions or TimeAssumptions()
     rows = search_plan(args, world, device_gb=device_gb, host_gb=host_gb, assumptions=a, reserve_gb=reserve_gb)
