@@ -244,17 +244,47 @@ def _plain_blocks(chunk: ChunkShare, pl: Placement) -> dict:
     return out
 
 
+@dataclass
+class _Managed:
+    """What FSDP manages on a rank (its units' parameters whole, the fp32 ones, its sharded
+    gradients on the device) and its units' sizes (the largest block; the root's)."""
+
+    numel: int = 0
+    fp32: int = 0
+    device_grads: int = 0
+    largest_block: int = 0
+    root: int = 0  # FSDP2 keeps the root gathered forward to backward
+
+
 def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
                 pl: Placement | None = None) -> RankMemory:
-    """One rank's plan from its chunks' shares (``shares.rank_shares``)."""
+    """One rank's plan from its chunks' shares (``shares.rank_shares``): each column from the
+    placement the memory mode gives (``core/memory_mode.py``), one function a column."""
     pl = pl or placement(inp)
     facts = schedule_facts(inp.pp, inp.vpp, inp.num_microbatches)
     T, b, H = inp.local_tokens, inp.act_bytes, cfg.hidden_size
     r = RankMemory(pp_rank, ep_rank)
     dev = dict.fromkeys(COLUMNS, 0)
     host = dict.fromkeys(("parameters", "gradients", "optimizer", "activations"), 0)
-    managed_numel, managed_fp32, managed_dev_grads, largest_block, per_step_gather, cp_pool = 0, 0, 0, 0, 0, 0
-    moved = 0  # --offload-recompute-inputs: host memory, one block's inputs back on the device at a time
+    managed = _stored(chunks, inp, pl, dev, host, r)
+    in_flight = facts.peak_in_flight[pp_rank]
+    dev["activations"], host["activations"] = _activations(cfg, chunks, inp, in_flight)
+    dev["recompute working set"] = max(_recompute_working_set(cfg, c, inp.chunk_tokens, b, inp) for c in chunks)
+    dev["cp K/V"] = _cp_columns(cfg, chunks, inp, in_flight)
+    dev["unsharded grads"], r.overlap = _unsharded_grads(chunks, inp, pl, managed)
+    dev["gathered layers"] = _gathered_layers(inp, pl, managed, dev["unsharded grads"])
+    dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
+    if inp.ep > 1:
+        dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
+    r.device, r.host = dev, host
+    r.fits = r.device_total <= inp.device_gb * GB
+    return r
+
+
+def _stored(chunks: list, inp: PlanInputs, pl: Placement, dev: dict, host: dict, r: RankMemory) -> _Managed:
+    """Parameters, their kept gradients and optimizer state, on the device or the host as placed;
+    returns what FSDP manages."""
+    m = _Managed()
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         for kind in KINDS:
@@ -272,65 +302,76 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
                 where["optimizer"] += t[kind]["optimizer"]
             r.parameters += t[kind]["shard"]
             if pl.managed[kind]:
-                managed_numel += t[kind]["numel"]
-                managed_fp32 += t[kind]["fp32"]
-                managed_dev_grads += 0 if pl.offloaded[kind] else _gradient_bytes(t[kind], inp)
+                m.numel += t[kind]["numel"]
+                m.fp32 += t[kind]["fp32"]
+                m.device_grads += 0 if pl.offloaded[kind] else _gradient_bytes(t[kind], inp)
         blocks = _managed_blocks(chunk, pl)
-        largest_block = max([largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
-        per_step_gather += blocks.get(ROOT, 0)  # FSDP2 keeps the root gathered forward to backward
-        dev["activations"] += _chunk_activations(cfg, chunk, T, b, inp)
-        dev["recompute working set"] = max(dev["recompute working set"],
-                                           _recompute_working_set(cfg, chunk, inp.chunk_tokens, b, inp))
-        moved += offloaded_inputs(cfg, chunk, inp)
-        kept, pool = _cp_key_buffers(cfg, chunk, inp)
-        dev["cp K/V"] += kept
-        cp_pool = max(cp_pool, pool)
-    # in-flight micro-batches: the simulator's peak for this rank, spread over its chunks
-    for key in ("activations", "cp K/V"):
-        dev[key] = dev[key] * facts.peak_in_flight[pp_rank] // len(chunks)
-    moved = moved * facts.peak_in_flight[pp_rank] // len(chunks)
-    dev["activations"] -= moved
-    host["activations"] = moved
-    dev["cp K/V"] += cp_pool
-    if managed_numel:
-        if pl.gather_per_microbatch:
-            dev["gathered layers"] = (2 * largest_block + per_step_gather) * b
-        else:
-            dev["gathered layers"] = managed_numel * b + managed_fp32 * (MASTER - b)  # fp32 routers
+        m.largest_block = max([m.largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
+        m.root += blocks.get(ROOT, 0)
+    return m
+
+
+def _activations(cfg, chunks: list, inp: PlanInputs, in_flight: int) -> tuple[int, int]:
+    """(device, host) bytes of the activations kept for the backward: the schedule's peak
+    in-flight micro-batches (the simulator's, spread over the rank's chunks); with
+    ``--offload-recompute-inputs`` the recomputed blocks' kept inputs wait on the host."""
+    b = inp.act_bytes
+    kept = sum(_chunk_activations(cfg, c, inp.local_tokens, b, inp) for c in chunks) * in_flight // len(chunks)
+    moved = sum(offloaded_inputs(cfg, c, inp) for c in chunks) * in_flight // len(chunks)
+    return kept - moved, moved
+
+
+def _cp_columns(cfg, chunks: list, inp: PlanInputs, in_flight: int) -> int:
+    """Context parallelism's key buffers for the in-flight micro-batches and the largest
+    all-gathered pool (``_cp_key_buffers``)."""
+    buffers = [_cp_key_buffers(cfg, c, inp) for c in chunks]
+    return sum(k for k, _ in buffers) * in_flight // len(chunks) + max(p for _, p in buffers)
+
+
+def _unsharded_grads(chunks: list, inp: PlanInputs, pl: Placement, m: _Managed) -> tuple[int, int]:
+    """(bytes, overlap) of the gradients alive before they reach their shards, as the mode makes
+    them: FSDP's fp32 accumulators for the whole step while sync is off (several micro-batches;
+    the sharded gradients appear as the synchronising backward frees them: ``overlap``), else one
+    unit's gradient at a time (autograd's in the compute dtype, FSDP's fp32 copy for the reduce);
+    under ``--recompute-chunks`` the block the backward is making sums its chunks' gradients in
+    fp32 (FSDP's units as over micro-batches, counted above; a block's parameters FSDP does not
+    manage in an fp32 sum each gradient joins as autograd stores it: the sum in place of the
+    block's gradient, and one tensor's gradient beside it, ``core/transformer/chunked.py``); under
+    ``--optimizer-in-backward`` parameters FSDP does not manage keep their gradients until their
+    hooks step them on the steps' own stream, behind the backward: the block it is stepping and
+    the block the backward is making (``core/optim/in_backward.py``)."""
+    b, total, overlap = inp.act_bytes, 0, 0
+    if m.numel:
         if inp.num_microbatches > 1 and not pl.sync_every_microbatch:
-            dev["unsharded grads"] = managed_numel * MASTER  # fp32 accumulators, sync off
-            r.overlap = min(managed_dev_grads, dev["unsharded grads"])
-        else:  # one unit's gradient at a time: autograd's (compute dtype), FSDP's fp32 for the reduce
-            largest = max(largest_block, per_step_gather)
-            dev["unsharded grads"] = largest * (b + MASTER if b < MASTER else MASTER)
+            total = m.numel * MASTER  # fp32 accumulators, sync off
+            overlap = min(m.device_grads, total)
+        else:
+            total = max(m.largest_block, m.root) * (b + MASTER if b < MASTER else MASTER)
+    plain = max((n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT), default=0)
     if inp.recompute_chunks > 1:
-        # the block the backward is making sums its chunks' gradients in fp32: FSDP's units as
-        # they do over micro-batches (their fp32 accumulator and the chunk's gradient: the bytes of
-        # the compute-dtype gradient and its fp32 reduce copy counted above); a block's parameters
-        # FSDP does not manage (``core/transformer/chunked.py``) in an fp32 sum that each gradient
-        # joins as autograd stores it: the sum in place of the block's gradient, and one tensor's
-        # gradient beside it
-        plain = [n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT]
         tensor = max((x.t.numel() for c in chunks for x in c.tensors
                       if x.block is not ROOT and not pl.managed["expert" if x.expert else "dense"]), default=0)
-        dev["unsharded grads"] += max(plain, default=0) * (MASTER - b) + tensor * b
+        total += plain * (MASTER - b) + tensor * b
     if inp.optimizer_in_backward:
-        # parameters FSDP does not manage keep their gradients until their hooks step them on the
-        # steps' own stream (core/optim/in_backward.py), which runs behind the backward: the block
-        # it is stepping and the block the backward is making
-        plain = [n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT]
-        dev["unsharded grads"] += 2 * max(plain, default=0) * b
-    if managed_numel and pl.gather_per_microbatch and inp.pp == 1:
-        # the root's weights are freed once the heads' backward is done (core/distributed/fsdp.py):
-        # held through the forward, not beside the layers' backward, whose gradient bytes the
-        # forward does not hold: the peak is the larger of the two phases
-        dev["gathered layers"] -= min(per_step_gather * b, dev["unsharded grads"])
-    dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
-    if inp.ep > 1:
-        dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
-    r.device, r.host = dev, host
-    r.fits = r.device_total <= inp.device_gb * GB
-    return r
+        total += 2 * plain * b
+    return total, overlap
+
+
+def _gathered_layers(inp: PlanInputs, pl: Placement, m: _Managed, unsharded_grads: int) -> int:
+    """FSDP's gathered compute copies: per micro-batch and pass the largest block twice (one
+    prefetched) and the root; gathered once, every managed unit (fp32 routers in fp32). With one
+    stage per rank the root's weights are freed once the heads' backward is done
+    (``core/distributed/fsdp.py``): held through the forward, not beside the layers' backward,
+    whose gradient bytes the forward does not hold, so the peak is the larger of the two phases."""
+    if not m.numel:
+        return 0
+    b = inp.act_bytes
+    if not pl.gather_per_microbatch:
+        return m.numel * b + m.fp32 * (MASTER - b)
+    gathered = (2 * m.largest_block + m.root) * b
+    if inp.pp == 1:
+        gathered -= min(m.root * b, unsharded_grads)
+    return gathered
 
 
 def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
