@@ -33,24 +33,9 @@ class MemoryMode:
                                "and reduction (FSDP2 mixed precision; without --data-parallel-sharding "
                                "on one-rank meshes); routers, RoPE, norm and softmax statistics and "
                                "the loss stay fp32")
-    store_param_remainders: bool = option(False, "with --bf16: hold each parameter as its bf16 compute value "
-                                                 "plus a 16-bit remainder, which together are its fp32 master "
-                                                 "bit for bit (4 bytes per parameter instead of 4 + a 2-byte "
-                                                 "bf16 copy); the optimizer updates the fp32 value and splits it "
-                                                 "again, checkpoints hold the fp32 masters")
-    optimizer_in_backward: bool = option(False, "Muon's matrices step inside the backward, each as soon as its "
-                                                "gradient is final, and free that gradient at once (no "
-                                                "whole-model gradient buffer); needs one micro-batch per rank "
-                                                "and step, --optimizer muon and, with clipping, "
-                                                "--muon-momentum 0 (momentum-free Muon ignores a global "
-                                                "gradient scale, so clipping cannot change its updates; the "
-                                                "AdamW groups step after the backward, clipped as always)")
     data_parallel_sharding: str = option("none", "fsdp: FSDP2-shard dense parameters over the DP ranks "
                                                  "and experts over the expert-DP ranks",
                                          choices=("none", "fsdp"))
-    fsdp_gather_once: bool = option(False, "with fsdp: gather each stage's parameters once per step "
-                                           "and keep them until the optimizer step (fewer all-gathers, "
-                                           "the memory of an unsharded stage)")
     cpu_offload: str = option("none", "host memory for FSDP shards: all (every shard, its gradient and "
                                       "optimizer state; copied to the device for each micro-batch's "
                                       "forward and backward), experts (only the experts'), optimizer "
@@ -63,6 +48,21 @@ class MemoryMode:
                                       "finished update goes to the host once, the new bf16 weights come "
                                       "back once per step; one micro-batch per rank and step)",
                                 choices=("none", "all", "experts", "optimizer", "masters"))
+    fsdp_gather_once: bool = option(False, "with fsdp: gather each stage's parameters once per step "
+                                           "and keep them until the optimizer step (fewer all-gathers, "
+                                           "the memory of an unsharded stage)")
+    store_param_remainders: bool = option(False, "with --bf16: hold each parameter as its bf16 compute value "
+                                                 "plus a 16-bit remainder, which together are its fp32 master "
+                                                 "bit for bit (4 bytes per parameter instead of 4 + a 2-byte "
+                                                 "bf16 copy); the optimizer updates the fp32 value and splits it "
+                                                 "again, checkpoints hold the fp32 masters")
+    optimizer_in_backward: bool = option(False, "Muon's matrices step inside the backward, each as soon as its "
+                                                "gradient is final, and free that gradient at once (no "
+                                                "whole-model gradient buffer); needs one micro-batch per rank "
+                                                "and step, --optimizer muon and, with clipping, "
+                                                "--muon-momentum 0 (momentum-free Muon ignores a global "
+                                                "gradient scale, so clipping cannot change its updates; the "
+                                                "AdamW groups step after the backward, clipped as always)")
     recompute_granularity: str = option("none", "activation recompute: whole layers (full) or "
                                                 "attention and FFN internals (selective), and the "
                                                 "MTP depths up to their heads when every layer of "
@@ -82,7 +82,6 @@ class MemoryMode:
                                                    "keeps for its backward waits in pinned host memory "
                                                    "(copied out on a stream of its own, back when the "
                                                    "layer's backward starts)")
-
     def __post_init__(self):
         self.check_flags()
 
@@ -163,6 +162,17 @@ class MemoryMode:
 
     # ---------------------------------------------------------------------------- what it means
 
+    def runs_like_another(self, dense_replicas: int) -> bool:
+        """Runs exactly like another mode (the search lists only that one): gather-once without
+        sharding (units on one-rank meshes are gathered once anyway) or with ``--cpu-offload
+        optimizer`` (which gathers once); with one dense replica nothing shards, so fsdp without
+        FSDP's offload (or with gather-once) is the plain mode, and offload puts units on one-rank
+        meshes gathered once per step."""
+        fsdp = self.data_parallel_sharding == "fsdp"
+        if self.fsdp_gather_once and (not fsdp or self.cpu_offload == "optimizer"):
+            return True
+        return dense_replicas == 1 and fsdp and (self.fsdp_offload == "none" or self.fsdp_gather_once)
+
     @property
     def host_masters(self) -> bool:
         """fp32 masters and optimizer state on the host, bf16 weights the only device copy."""
@@ -220,6 +230,18 @@ class MemoryMode:
         return Placement(roles=roles, shard=shard, self_meshes=self_meshes, gather_once=gather_once,
                          sync_every_microbatch=resident, host_masters=self.host_masters,
                          remainders=self.store_param_remainders, bf16=self.bf16, pin_offloaded=not resident)
+
+    def flags(self, always: tuple = (), skip: tuple = ()) -> list[str]:
+        """The command-line flags that select this mode: those off their default (and the fields
+        in ``always``), in the table's order, less the fields in ``skip``."""
+        out = []
+        for f in dataclasses.fields(MemoryMode):
+            value = getattr(self, f.name)
+            if f.name in skip or (value == f.default and f.name not in always):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            out.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
+        return out
 
     @classmethod
     def flag_names(cls) -> list[str]:

@@ -19,7 +19,7 @@ from tests.unit.test_model_thd import labels_for
 from train_args import MemoryArgs, parse, validate
 from training.planner.memory import PlanInputs, plan
 from training.parallelize import build_chunks
-from training.planner.search import memory_modes, redundant
+from training.planner.search import memory_modes
 from training.planner.shares import rank_shares
 
 # ------------------------------------------------------------ an optimizer from the test tree
@@ -150,7 +150,7 @@ def test_validation_and_the_search_agree_on_every_memory_mode(world, extra, mbs,
                     accepted = True
                 except ValueError:
                     accepted = False
-                searched = mode in listed or (redundant(mode, world) and accepted)
+                searched = mode in listed or (mode.runs_like_another(world) and accepted)
                 assert accepted == searched, (optim, mode)
                 checked += 1
     assert checked > 500

@@ -51,27 +51,23 @@ class Row:
     idle: float              # pipeline bubble and imbalance
     fits: bool
 
+    @property
+    def mode(self) -> MemoryMode:
+        """Its memory flags (the precision is the base's: bf16 here only so that every mode is
+        legal; ``flags`` leaves it out)."""
+        return MemoryMode(bf16=True, data_parallel_sharding=self.sharding, cpu_offload=self.cpu_offload,
+                          fsdp_gather_once=self.gather_once, store_param_remainders=self.remainders,
+                          optimizer_in_backward=self.in_backward, recompute_granularity=self.recompute,
+                          recompute_chunks=self.recompute_chunks, offload_recompute_inputs=self.offload_inputs)
+
     def flags(self) -> str:
-        """The training flags that select this layout."""
+        """The training flags that select this layout (the precision and optimizer are the base's)."""
         out = [f"--pipeline-model-parallel-size {self.pp}", f"--expert-model-parallel-size {self.ep}"]
         if self.cp > 1:
             out.append(f"--context-parallel-size {self.cp}")
         if self.vpp > 1:
             out.append(f"--virtual-pipeline-model-parallel-size {self.vpp}")
-        out.append(f"--data-parallel-sharding {self.sharding}")
-        if self.cpu_offload != "none":
-            out.append(f"--cpu-offload {self.cpu_offload}")
-        if self.gather_once:
-            out.append("--fsdp-gather-once")
-        if self.remainders:
-            out.append("--store-param-remainders")
-        if self.in_backward:
-            out.append("--optimizer-in-backward")
-        out.append(f"--recompute-granularity {self.recompute}")
-        if self.recompute_chunks > 1:
-            out.append(f"--recompute-chunks {self.recompute_chunks}")
-        if self.offload_inputs:
-            out.append("--offload-recompute-inputs")
+        out += self.mode.flags(always=("data_parallel_sharding", "recompute_granularity"), skip=("bf16",))
         out.append(f"--micro-batch-size {self.micro_batch_size}")
         return " ".join(out)
 
@@ -127,7 +123,7 @@ SEARCH_OFFLOAD_ORDER = ("none", "experts", "all", "optimizer", "masters")
 def memory_modes(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> list[MemoryMode]:
     """Every memory mode (``core/memory_mode.py``) that runs on this layout (``MemoryMode.check``
     accepts it, with the base's precision, optimizer and its options, as validation would), less
-    those that would run like another one listed (``redundant``); recompute as
+    those that would run like another one listed (``MemoryMode.runs_like_another``); recompute as
     ``_recompute_modes`` lists it."""
     out = []
     for offload, sharding, once, inb, rem in itertools.product(SEARCH_OFFLOAD_ORDER, SHARDING_MODES, (False, True),
@@ -140,7 +136,7 @@ def memory_modes(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> 
                                   offload_recompute_inputs=off)
             except ValueError:  # the flags alone refuse it
                 continue
-            if not redundant(mode, replicas) and mode.allows(run_facts(base, replicas, mbs, cp, M)):
+            if not mode.runs_like_another(replicas) and mode.allows(run_facts(base, replicas, mbs, cp, M)):
                 out.append(mode)
     return out
 
@@ -149,17 +145,6 @@ def run_facts(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> Run
     """What a mode is checked against on this layout (``PlanInputs.run_facts`` of the candidate)."""
     return RunFacts(dense_replicas=replicas, num_microbatches=M, micro_batch_size=mbs, context_parallel=cp,
                     compile=base.compile, optimizer=base.optimizer, optimizer_options=base)
-
-
-def redundant(mode: MemoryMode, replicas: int) -> bool:
-    """Modes that run exactly like another: gather-once without sharding (units on one-rank
-    meshes are gathered once anyway) or with ``--cpu-offload optimizer`` (which gathers once);
-    with one dense replica nothing shards, so fsdp without FSDP's offload (or with gather-once)
-    is the plain mode, and offload puts units on one-rank meshes gathered once per step."""
-    fsdp = mode.data_parallel_sharding == "fsdp"
-    if mode.fsdp_gather_once and (not fsdp or mode.cpu_offload == "optimizer"):
-        return True
-    return replicas == 1 and fsdp and (mode.cpu_offload in ("none", "masters") or mode.fsdp_gather_once)
 
 
 def plan_fields(mode: MemoryMode) -> dict:
