@@ -7,6 +7,7 @@ characters, so a search for the answer in the rendered text would find the marku
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -145,7 +146,8 @@ def _check(toks, name, messages, mask_history, reasoning_loss):
     return got
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("CHAT_PROPERTY_EXAMPLES", 80)), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(TEMPLATES)), body=st.lists(message, min_size=1, max_size=5),
        mask_history=st.booleans(), reasoning_loss=st.booleans())
 @example(name="chatml", body=[{"role": "assistant", "content": "d"}], mask_history=False,
@@ -177,11 +179,12 @@ def test_well_formed_conversations_are_accepted(toks, name, turns):
 ISSUE_ANSWERS = [["d"], ["a"], ["s"], ["assistant"], ["im_end"], ["a b", "t"], [""], ["  \n"]]
 
 
+@pytest.mark.parametrize("kind", ["huggingface", "byte"])
 @pytest.mark.parametrize("mask_history", [False, True])
-def test_the_issues_rows_through_preprocessing(tmp_path, hf_tokenizer_dir, mask_history):
+def test_the_issues_rows_through_preprocessing(tmp_path, hf_tokenizer_dir, mask_history, kind):
     """The issue's rows with tests/conftest.py's ChatML tokenizer (a template without a generation
-    prompt): each accepted row's targets are its answers plus <|im_end|>, the empty answers are
-    rejected with a reason, and accepted + rejected == rows."""
+    prompt) and with the built-in template: each accepted row's targets are its answers plus
+    <|im_end|>, the empty answers are rejected with a reason, and accepted + rejected == rows."""
     rows = []
     for answers in ISSUE_ANSWERS:
         msgs = [QUESTION]
@@ -191,14 +194,14 @@ def test_the_issues_rows_through_preprocessing(tmp_path, hf_tokenizer_dir, mask_
         rows.append({"messages": msgs})
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = PreprocessConfig(input=[str(tmp_path / "c.jsonl")], output_prefix=str(tmp_path / "o"),
-                           tokenizer_type="huggingface", tokenizer_model=hf_tokenizer_dir,
+                           tokenizer_type=kind, tokenizer_model=hf_tokenizer_dir if kind != "byte" else None,
                            chat="messages", mask_history=mask_history, max_rejected_fraction=1.0)
     stats = preprocess.run(cfg, progress=False)
     assert stats.accepted + stats.num_rejected == stats.rows_read == len(rows)
     rejects = [json.loads(line) for line in open(tmp_path / "o_rejects.jsonl")]
     assert [(r["line"], r["reason"]) for r in rejects] == [(7, "empty_text"), (8, "empty_text")]
     assert "message 1: the assistant's answer is empty" in rejects[0]["detail"]
-    tok = build_tokenizer("huggingface", hf_tokenizer_dir)
+    tok = build_tokenizer(kind, hf_tokenizer_dir if kind != "byte" else None)
     text, mask = IndexedDataset(tmp_path / "o_text_document"), IndexedDataset(tmp_path / "o_loss_mask_document")
     got = [tok.decode(text[i][mask[i] == 1].tolist()) for i in range(len(text))]
     kept = ISSUE_ANSWERS[:6]
