@@ -119,7 +119,7 @@ def flag_error(args) -> str | None:
     if args.max_new_tokens < 1:
         return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
     if bad_t:
-        return f"--temperature must be a finite number >= 0 (0 is greedy), got {bad_t[0]}"
+        return f"--temperature must be a finite number >= 0 (0 is greedy), got {bad_t[0]:g}"
     if min(args.top_k, args.threads) < 0:
         return "--top-k and --threads must be >= 0"
     if args.tokenizer_model and not args.tokenizer_type:

@@ -13,7 +13,7 @@ from core.checkpointing import save_checkpoint
 from core.packed_seq import PackedSeqParams
 from data.tokenizers import ByteTokenizer
 from models import registry
-from tools.generate import generate, load_model, main
+from tools.generate import generate, load_model, main, prompt_ids
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -79,7 +79,7 @@ def _imported(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 is greedy), got nan"),
     (["--temperature", "0", "inf"], "--temperature must be a finite number >= 0 (0 is greedy), got inf"),
-    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 is greedy), got -1.0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 is greedy), got -1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--tokenizer-model", "tok.json"], "--tokenizer-model needs --tokenizer-type (huggingface or "
                                         "sentencepiece): the model alone does not say how to read it"),
@@ -137,6 +137,19 @@ def test_empty_and_long_prompts_and_a_capped_max_new_tokens(tmp_path, capsys):
                             f"{prompt[:40]!r} (the model's context is {context} tokens, the prompt "
                             f"{context - 3})\n")
     assert re.search(r"^\[greedy\] '.*' -> '.{0,3}'$", captured.out, re.M)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-moe-tiny"])
+def test_an_empty_prompt_starts_from_the_end_of_document_token(tmp_path, preset):
+    """Both families: the continuation of '' is the greedy continuation of [EOD] (was a traceback
+    inside attention: torch.cat() of an empty list)."""
+    _, ck = _checkpoint(tmp_path, preset)
+    model, _, _ = load_model(ck)
+    tok = ByteTokenizer()
+    assert prompt_ids(tok, "", 64, 4) == ([tok.eod_id], 4)
+    new = generate(model, [tok.eod_id], 4, 0.0, 0, stop=-1, generator=torch.Generator(), max_len=64, vocab=260)
+    assert len(new) == 4
+    assert main(["--load", ck, "--prompt", "", "--max-new-tokens", "4", "--temperature", "0"]) == 0
 
 
 def test_the_cli_refuses_nan_without_a_traceback(tmp_path):
