@@ -229,3 +229,28 @@ def test_a_template_that_rewrites_history_once_more_follows_is_rejected(toks):
     assert e.value.reason == "template_error"
     assert e.value.detail.startswith("assistant message 2: the chat template renders the messages "
                                      "before it differently once it follows them")
+
+
+def test_qwen3_tool_call_turns_are_placed_with_reasoning_and_rejected_without(toks):
+    """Qwen3's rule renders a tool-call turn without reasoning plainly once the tool's answer
+    follows, but with an empty <think> block while it is the last message: where it ends cannot
+    be told, and the row is rejected naming the message. With reasoning it is rendered the same
+    both ways, and its whole turn is the target."""
+    tok = toks["qwen3"]
+    tok.chat_template = QWEN3.replace(
+        "{{- '<|im_end|>\\n' -}}",
+        "{%- for c in m.tool_calls or [] -%}{{- '<tool_call>' + c.function.name + '</tool_call>' -}}"
+        "{%- endfor -%}{{- '<|im_end|>\\n' -}}", 1)
+    try:
+        call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+        row = [QUESTION, call, {"role": "tool", "content": "42"}, {"role": "assistant", "content": "d"}]
+        with pytest.raises(RowError) as e:
+            encode_chat(tok, row)
+        assert e.value.reason == "template_error" and e.value.detail.startswith(
+            "assistant message 1: it has tool calls, and the chat template renders the conversation "
+            "through it differently once more messages follow")
+        row[1] = {**call, "reasoning_content": "use f"}
+        # the last turn's empty <think> block is markup before its content, not a target
+        assert targets(tok, row) == "<think>\nuse f\n</think>\n\n<tool_call>f</tool_call><|im_end|>d<|im_end|>"
+    finally:
+        tok.chat_template = QWEN3
