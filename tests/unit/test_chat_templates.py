@@ -254,3 +254,21 @@ def test_qwen3_tool_call_turns_are_placed_with_reasoning_and_rejected_without(to
         assert targets(tok, row) == "<think>\nuse f\n</think>\n\n<tool_call>f</tool_call><|im_end|>d<|im_end|>"
     finally:
         tok.chat_template = QWEN3
+
+
+def test_a_generation_prompt_that_opens_the_thinking_block(toks):
+    """The prompt ends '<think>\\n': a turn with reasoning is a target from there (the marker is
+    prompt, as at inference); a turn without it, which the template writes without the block,
+    begins after the previous message instead, and its header is context."""
+    tok = toks["chatml"]
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>\n"
+        "{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    try:
+        row = [QUESTION, {"role": "assistant", "content": "a"}, {"role": "user", "content": "s"},
+               {"role": "assistant", "content": "d", "reasoning_content": "think"}]
+        assert targets(tok, row) == "a<|im_end|>think\n</think>\n\nd<|im_end|>"
+        assert targets(tok, row, reasoning_loss=False) == "a<|im_end|>\n</think>\n\nd<|im_end|>"
+    finally:
+        tok.chat_template = CHATML
