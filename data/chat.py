@@ -334,6 +334,8 @@ def _turn_span(tok: Tokenizer, messages: list[dict], i: int, text: str, reasonin
     if min(x for x in (rstart, cstart, begin) if x >= 0) < begin:
         raise _template_error(i, "the chat template writes its text before the messages that "
                                  "precede it")
+    if 0 <= cstart < rstart:
+        raise _template_error(i, "the chat template writes its reasoning after its content")
     if rstart >= 0:
         start = (begin if prompted else rstart) if reasoning_loss else rend
     elif calls and not prompted:

@@ -272,3 +272,29 @@ def test_a_generation_prompt_that_opens_the_thinking_block(toks):
         assert targets(tok, row, reasoning_loss=False) == "a<|im_end|>\n</think>\n\nd<|im_end|>"
     finally:
         tok.chat_template = CHATML
+
+
+@pytest.mark.parametrize("template, detail", [
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.reasoning_content %}"
+     "<think>{{ m.reasoning_content }}</think>{% endif %}<|im_end|>\n{% endfor %}",
+     "assistant message 1: the chat template writes its reasoning after its content"),
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+     "{% if messages[-1].role == 'assistant' %}(last: {{ messages[-1].content }}){% endif %}",
+     "assistant message 1: the chat template writes its content or reasoning more than once"),
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+     "{% if messages[-1].content == 'd' %}(d again){% endif %}",
+     "assistant message 1: its content does not appear verbatim in the rendered chat template (the "
+     "template rewrites it, or renders the rest differently because of it)"),
+])
+def test_odd_templates_are_rejected_naming_the_message(toks, template, detail):
+    """Reasoning after the answer, an answer written twice, a rendering that depends on the
+    answer elsewhere: no exact place, so the row is rejected, never mis-masked."""
+    tok = toks["chatml"]
+    tok.chat_template = template
+    try:
+        with pytest.raises(RowError) as e:
+            reasoning = {"reasoning_content": "r"} if "reasoning_content" in template else {}
+            encode_chat(tok, [QUESTION, {"role": "assistant", "content": "d", **reasoning}])
+        assert e.value.reason == "template_error" and e.value.detail.startswith(detail), e.value.detail
+    finally:
+        tok.chat_template = CHATML
