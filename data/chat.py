@@ -24,12 +24,27 @@ Loss mask (uint8, one entry per token; 1 means "this token is a training target"
   closing ``<|im_end|>``;
 * tokenizer template: every token overlapping an assistant message's content, plus the one
   token right after it, which is the template's end-of-turn token (``<|im_end|>``,
-  ``<|eot_id|>``, ``</s>``...). Assistant content must appear verbatim in the rendered text;
-  a template that rewrites it gets the row rejected (``template_error``), never mis-masked.
-  An assistant turn with tool calls is located by rendering the conversation before it (with
-  the generation prompt) and through it: the mask covers everything between the two, up to
-  and including the end-of-turn token. A template whose renderings are not prefixes of one
-  another cannot be located this way, and the row is rejected (``template_error``).
+  ``<|eot_id|>``, ``</s>``...). The content is never searched for (an answer such as "a" or
+  "assistant" also occurs in the markup): the conversation is rendered again with the message's
+  content (and reasoning) replaced by placeholders, and putting the message's own text back in
+  their places must give the rendered text exactly; the placeholders' places are then where the
+  template wrote it. The turn must also begin where the rendering of the messages before it
+  ends, with the generation prompt where the template has one (a template without one, or whose
+  generation prompt opens a thinking block the turn lacks, writes the turn's header there, which
+  is context). A template that rewrites the content (upper-cases it, strips it), writes it
+  twice, or renders the earlier messages differently once the turn follows them (Qwen3's gives
+  the last turn an empty ``<think>`` block, so an assistant turn straight after another one is
+  rendered both ways) gets the row rejected (``template_error``, naming the message), never
+  mis-masked. An assistant turn with tool calls spans from the end of the generation prompt to
+  the end of the rendering of the conversation through it, end-of-turn token included; a
+  template whose renderings are not prefixes of one another cannot be located this way, and the
+  row is rejected (``template_error``).
+
+Masks are token-granular: where the tokenizer merges the markup's last characters and the
+content's first into one token, that token is a target.
+
+An assistant message without tool calls whose content is empty or whitespace only is rejected
+(``empty_text``): there is nothing to train on but a bare end-of-turn token.
 
 Reasoning: an assistant message may carry ``reasoning_content`` (or ``thinking``), the text the
 model thinks before it answers. The built-in template writes it before the content as
@@ -100,6 +115,10 @@ def validate_messages(messages) -> list[dict]:
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise RowError("wrong_type", f"message {i}: {key} must be a string, got "
                                              f"{type(m[key]).__name__}")
+        if m["role"] == "assistant" and not calls and not m["content"].strip():
+            raise RowError("empty_text", f"message {i}: the assistant's answer is empty after "
+                                         "stripping whitespace (nothing to train on but the "
+                                         "end-of-turn token)")
         has_assistant |= m["role"] == "assistant"
     if not has_assistant:
         raise RowError("no_assistant_turn", "no message has role 'assistant'")
@@ -220,37 +239,118 @@ def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = 
         raise RowError("template_error", f"chat template failed: {e}") from None
 
 
-def _tool_call_turn(tok: Tokenizer, messages: list[dict], i: int, text: str) -> tuple[int, int]:
-    """Characters of assistant turn ``i`` (with tool calls) in ``text``: between the rendering
-    of the conversation before it, generation prompt included, and the rendering through it."""
-    before = _render(tok, messages[:i], add_generation_prompt=True)
+# Placeholders for a message's own text: private-use characters only, which no template writes and
+# no case or whitespace filter changes.
+CONTENT_MARK, REASONING_MARK = "\ue000\ue001\ue002\ue003", "\ue000\ue002\ue001\ue003"
+
+
+def _template_error(i: int, what: str) -> RowError:
+    return RowError("template_error", f"assistant message {i}: {what}; the row is left out rather "
+                                      "than mis-masked")
+
+
+def _turn_start(tok: Tokenizer, messages: list[dict], i: int, text: str,
+                prompt: bool) -> tuple[int, bool]:
+    """Where assistant turn ``i`` begins in ``text``: the end of the rendering of the messages
+    before it with the generation prompt (``True``: the model generates from there; ``prompt``
+    says the template writes one), else (no generation prompt, or one the turn does not begin
+    with, e.g. one that opens a thinking block the turn lacks) the end of their rendering without
+    it (``False``). A template that renders the earlier messages differently once turn ``i``
+    follows has no such point."""
+    if prompt:
+        prompted = _render(tok, messages[:i], add_generation_prompt=True)
+        if text.startswith(prompted):
+            return len(prompted), True
+    plain = _render(tok, messages[:i])
+    if text.startswith(plain):
+        return len(plain), False
+    raise _template_error(i, "the chat template renders the messages before it differently once "
+                             "it follows them")
+
+
+def _fill(out: str, fills: dict[str, str]) -> tuple[str, dict[str, int]]:
+    """``out`` with each placeholder replaced by its text, and where each text starts there."""
+    if not fills:
+        return out, {}
+    parts = re.split("(" + "|".join(map(re.escape, fills)) + ")", out)
+    filled, at, n = [], {}, 0
+    for p in parts:
+        if p in fills:
+            at[p], p = n, fills[p]
+        filled.append(p)
+        n += len(p)
+    return "".join(filled), at
+
+
+def _locate(tok: Tokenizer, messages: list[dict], i: int, text: str,
+            with_content: bool) -> tuple[int, int, int]:
+    """(reasoning start, reasoning end, content start) of message ``i`` in ``text``; -1 for the
+    reasoning where the template does not render it (Qwen3's drops that of earlier turns), and
+    for the content without ``with_content``.
+
+    The conversation is rendered again with the message's content (``with_content``) and its
+    reasoning replaced by placeholders. Putting the message's own text back in their places must
+    give ``text`` exactly: then the template writes that text verbatim, once, there, and nothing
+    else it writes depends on it, and the positions follow without any search. A template that
+    rewrites the text (upper-cases it, strips it) fails this. Reasoning may be written stripped
+    of surrounding newlines or whitespace, as templates do: at most one form gives ``text``."""
+    m = messages[i]
+    key = next((k for k in REASONING_KEYS if m.get(k)), None)
+    if not (with_content or key):
+        return -1, -1, -1
+    marked = dict(m)
+    if with_content:
+        marked["content"] = CONTENT_MARK
+    if key:
+        marked[key] = REASONING_MARK
+    out = _render(tok, messages[:i] + [marked] + messages[i + 1:])
+    unfound = _template_error(i, "its content" + (" or reasoning" if key else "") + " does not "
+                                 "appear verbatim in the rendered chat template (the template "
+                                 "rewrites it, or renders the rest differently because of it)")
+    if with_content and out.count(CONTENT_MARK) != 1 or out.count(REASONING_MARK) > 1:
+        if with_content and not out.count(CONTENT_MARK):
+            raise unfound
+        raise _template_error(i, "the chat template writes its content or reasoning more than once")
+    fills = {CONTENT_MARK: m["content"]} if with_content else {}
+    forms = dict.fromkeys([m[key], m[key].strip("\n"), m[key].strip()]) if key else {}
+    for form in forms if REASONING_MARK in out else [None]:
+        filled, at = _fill(out, {**fills, **({REASONING_MARK: form} if form is not None else {})})
+        if filled == text:
+            r = at.get(REASONING_MARK, -1)
+            return r, (r + len(form) if r >= 0 else -1), at.get(CONTENT_MARK, -1)
+    raise unfound
+
+
+def _turn_span(tok: Tokenizer, messages: list[dict], i: int, text: str, reasoning_loss: bool,
+               prompt: bool) -> tuple[int, int, bool]:
+    """The span to train on of assistant turn ``i``: its content and the token after it (the
+    end-of-turn token); with reasoning rendered, from the generation prompt's end (or the
+    reasoning's start) with ``reasoning_loss``, else from the reasoning's end. A turn with tool
+    calls: everything from there to the end of the rendering through it (end-of-turn included)."""
+    m = messages[i]
+    calls = bool(m.get("tool_calls"))
+    begin, prompted = _turn_start(tok, messages, i, text, prompt)
+    rstart, rend, cstart = _locate(tok, messages, i, text, with_content=not calls)
+    if min(x for x in (rstart, cstart, begin) if x >= 0) < begin:
+        raise _template_error(i, "the chat template writes its text before the messages that "
+                                 "precede it")
+    if 0 <= cstart < rstart:
+        raise _template_error(i, "the chat template writes its reasoning after its content")
+    if rstart >= 0:
+        start = (begin if prompted else rstart) if reasoning_loss else rend
+    elif calls and not prompted:
+        raise _template_error(i, "it has tool calls, and without a generation prompt that it "
+                                 "begins with, where its turn starts is unknown")
+    else:
+        start = begin if calls else cstart
+    if not calls:
+        return start, cstart + len(m["content"]), True
     through = _render(tok, messages[:i + 1])
-    if not (through.startswith(before) and text.startswith(through)):
-        raise RowError("template_error", f"assistant message {i} has tool_calls, and the chat "
-                                         "template does not render the conversation as a growing "
-                                         "prefix, so its turn cannot be located")
-    return len(before), len(through.rstrip())
-
-
-def _generation_start(tok: Tokenizer, messages: list[dict], i: int, text: str, limit: int) -> int:
-    """Where the model starts generating assistant turn ``i``: the end of the rendering of the
-    conversation before it with the generation prompt, when the template has one and that
-    rendering is a prefix of ``text`` ending by ``limit``; else ``limit``."""
-    if "add_generation_prompt" not in tok.chat_template:
-        return limit
-    before = _render(tok, messages[:i], add_generation_prompt=True)
-    return len(before) if text.startswith(before) and len(before) <= limit else limit
-
-
-def _find_turn(text: str, m: dict, cursor: int) -> tuple[int, int]:
-    """(start of the reasoning text or -1, start of the content) of a message, from ``cursor``;
-    the content is looked for after the reasoning when the template rendered it."""
-    content, reasoning = m.get("content") or "", reasoning_of(m).strip()  # templates strip it
-    rpos = text.find(reasoning, cursor) if reasoning else -1
-    pos = text.find(content, rpos + len(reasoning)) if rpos >= 0 else -1
-    if pos < 0:
-        rpos, pos = -1, text.find(content, cursor)
-    return rpos, pos
+    if not text.startswith(through):
+        raise _template_error(i, "it has tool calls, and the chat template renders the "
+                                 "conversation through it differently once more messages follow, "
+                                 "so where its turn ends is unknown")
+    return start, len(through.rstrip()), False
 
 
 def render_with_template(tok: Tokenizer, messages: list[dict], reasoning_loss: bool = True,
@@ -264,31 +364,11 @@ def render_with_template(tok: Tokenizer, messages: list[dict], reasoning_loss: b
     targets = target_turns(messages, mask_history)
     messages = _for_template(tok, messages)
     text = _render(tok, messages)
-    spans, cursor = [], 0
-    for i, (m, target) in enumerate(zip(messages, targets)):
-        reasoning = reasoning_of(m).strip()  # templates write it stripped of surrounding newlines
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            start, cursor = _tool_call_turn(tok, messages, i, text)
-            rpos = text.find(reasoning, start, cursor) if reasoning else -1
-            if rpos >= 0 and not reasoning_loss:
-                start = rpos + len(reasoning)
-            if target:
-                spans.append((start, cursor, False))
-            continue
-        rpos, pos = _find_turn(text, m, cursor)
-        if pos < 0:
-            if m["role"] == "assistant":
-                raise RowError("template_error", f"assistant message {i} does not appear verbatim "
-                                                 "in the rendered chat template")
-            continue
-        end = pos + len(m.get("content") or "")
-        if target:
-            start = pos
-            if rpos >= 0:
-                start = _generation_start(tok, messages, i, text, rpos) if reasoning_loss \
-                    else rpos + len(reasoning)
-            spans.append((start, end, True))
-        cursor = end
+    # Whether the template writes a generation prompt (not just names the variable).
+    prompt = ("add_generation_prompt" in tok.chat_template
+              and _render(tok, messages, add_generation_prompt=True) != text)
+    spans = [_turn_span(tok, messages, i, text, reasoning_loss, prompt)
+             for i, target in enumerate(targets) if target]
     return text, spans
 
 

@@ -48,6 +48,21 @@ def is_saved_dataset(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, n)) for n in ("state.json", "dataset_info.json"))
 
 
+INPUT_ENDINGS = (".parquet", ".arrow", ".feather", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
+
+
+def _folder_hint(path: str) -> str:
+    """How to give the input files a folder holds: a glob per kind it holds, as many as are."""
+    names = [n for n in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, n))
+             and not is_tool_output(n)]
+    endings = [e for e in INPUT_ENDINGS if any(n.endswith(e) for n in names)]
+    if not endings:
+        return (f"it holds no {', '.join(INPUT_ENDINGS)} file; give the input files by name or "
+                "glob")
+    globs = " ".join(f"'{os.path.join(path, '*' + e)}'" for e in endings)
+    return f"give its files: --input {globs}"
+
+
 def saved_dataset_files(path: str) -> list[str]:
     """The Arrow files of a ``save_to_disk`` folder, in its ``state.json``'s order;
     ``ValueError`` for a folder that is not one (a ``DatasetDict``'s names its splits)."""
@@ -59,8 +74,7 @@ def saved_dataset_files(path: str) -> list[str]:
                          ", so that no test split is trained on")
     if not is_saved_dataset(path):
         raise ValueError(f"--input {path}: a folder, but not a datasets.save_to_disk folder (no "
-                         "state.json and dataset_info.json); give its files, e.g. "
-                         f"--input '{os.path.join(path, '*.parquet')}'")
+                         f"state.json and dataset_info.json); {_folder_hint(path)}")
     state_path = os.path.join(path, "state.json")
     try:
         with open(state_path, encoding="utf-8") as f:

@@ -18,6 +18,7 @@ weight), ``to_dict()`` and ``to_hf()``; the class gives ``from_hf(path_or_dict, 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -69,13 +70,34 @@ def _load_built_in() -> None:
 
 
 def import_model_module(name: str | None) -> None:
-    """Import ``--model-module`` (it calls ``register``); a bad name is a clear error."""
+    """Import ``--model-module`` (it calls ``register``). Anything that goes wrong is a one-line
+    ``ValueError`` naming the module: a name that does not import, a syntax error (its file and
+    line), and any exception the module raises while it runs (where, in its file)."""
     if not name:
         return
     try:
         importlib.import_module(name)
+    except SyntaxError as e:  # IndentationError and TabError included
+        raise ValueError(f"--model-module {name!r}: {e.filename}, line {e.lineno}: "
+                         f"{type(e).__name__}: {e.msg}") from None
     except ImportError as e:
-        raise ValueError(f"--model-module {name!r}: cannot import it ({e})") from e
+        raise ValueError(f"--model-module {name!r}: cannot import it ({e})") from None
+    except Exception as e:  # the module's own code raised while it was imported
+        raise ValueError(f"--model-module {name!r} raised {type(e).__name__} while it was imported"
+                         f"{_where(name, e)}: {e}") from None
+
+
+def _where(name: str, e: BaseException) -> str:
+    """', at FILE, line N' of the innermost frame in the module's own file (else the innermost)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    try:
+        origin = importlib.util.find_spec(name).origin
+    except (ImportError, AttributeError, ValueError):
+        origin = None
+    own = [f for f in frames if origin and f.filename == origin] or frames[-1:]
+    return f", at {own[-1].filename}, line {own[-1].lineno}" if own else ""
 
 
 def families() -> dict[str, ModelSpec]:

@@ -92,11 +92,24 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def check_out_folder(out: str, what: str) -> None:
+    """OUT names a folder to write into: refuse, in one line, a path where a file stands (itself or
+    the nearest part of it that exists), which would otherwise fail mid-run with a raw errno."""
+    part = os.path.abspath(out)
+    while not os.path.exists(part) and os.path.dirname(part) != part:
+        part = os.path.dirname(part)
+    if os.path.exists(part) and not os.path.isdir(part):
+        where = "is a file" if part == os.path.abspath(out) else f"is inside {part}, which is a file"
+        raise ValueError(f"OUT {out} {where}, not a folder: {what} writes a folder there; remove the "
+                         "file or choose another OUT")
+
+
 def cmd_export(args) -> int:
     from core.checkpointing import load_checkpoint, read_meta, resolve
 
     from training.checkpoints import checkpoint_model
 
+    check_out_folder(args.out, "export")
     registry.import_model_module(args.model_module)
     path = resolve(args.checkpoint, "CKPT")
     meta = read_meta(path)
@@ -167,6 +180,7 @@ def cmd_import(args) -> int:
     from core.checkpoint_dir import read_pointer
     from core.checkpointing import save_checkpoint
 
+    check_out_folder(args.out, "import")
     latest = read_pointer(args.out) if os.path.isdir(args.out) else None
     if latest is not None:
         raise ValueError(f"OUT {args.out} already holds a run's checkpoints ('latest' is {latest}): importing "

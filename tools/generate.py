@@ -5,14 +5,19 @@
         [--max-new-tokens 48] [--temperature 0 0.8] [--top-k 0] [--seed 0]
 
 Any registered model family (the checkpoint's meta.json names it and holds its config); the
-tokenizer is the one the run recorded, unless --tokenizer-type / --tokenizer-model say otherwise.
-Each prompt is continued greedily (temperature 0) and by sampling at each other --temperature.
+tokenizer is the one the run recorded, unless --tokenizer-type / --tokenizer-model say otherwise
+(a checkpoint imported from Hugging Face records none: give them). Each prompt is continued
+greedily (temperature 0) and by sampling at each other --temperature. An empty prompt starts from
+the end-of-document token (an unconditional sample); a prompt must leave room in the model's
+context for one new token, and --max-new-tokens is capped at what the context leaves (said
+before it starts). Bad flags exit 2 with a one-line reason.
 Single process on CPU (or the current GPU), fp32, no KV cache: every new token runs the whole
 sequence again, which is fine at this size (the tiny model: milliseconds per token).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -87,51 +92,132 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load", required=True, help="a --save directory (its latest checkpoint) or an iter_* directory")
     ap.add_argument("--prompt", action="append", help="text to continue (repeat for several; default: "
                                                        "'The'); with a byte-level BPE, end it without a "
-                                                       "space: words carry their leading space")
-    ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens to add to each prompt at most")
+                                                       "space: words carry their leading space. An "
+                                                       "empty prompt starts from the end-of-document "
+                                                       "token (an unconditional sample); a prompt must "
+                                                       "be shorter than the model's context")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens to add to each prompt at most; "
+                    "capped at what the model's context leaves after the prompt (said before it starts)")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.8],
-                    help="0 is greedy; each value gives one line per prompt")
+                    help="0 is greedy; each value (finite, >= 0) gives one line per prompt")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens only (0: all)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    ap.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: the one the run recorded")
-    ap.add_argument("--tokenizer-model", help="default: the one the run recorded")
+    ap.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                    help="default: the one the run recorded (required for a checkpoint imported from "
+                         "Hugging Face, which records none); another than the recorded one is warned of")
+    ap.add_argument("--tokenizer-model", help="its file or directory (needs --tokenizer-type; default: "
+                                              "the one the run recorded)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a small model runs fastest on "
                                                           "one; 0: torch's default)")
     ap.add_argument("--model-module", help="import this module first (it registers another model family)")
     return ap
 
 
+def flag_error(args) -> str | None:
+    """What is wrong with the flags, in one line, or None."""
+    bad_t = [t for t in args.temperature if not (math.isfinite(t) and t >= 0)]
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if bad_t:
+        return f"--temperature must be a finite number >= 0 (0 is greedy), got {bad_t[0]:g}"
+    if min(args.top_k, args.threads) < 0:
+        return "--top-k and --threads must be >= 0"
+    if args.tokenizer_model and not args.tokenizer_type:
+        return ("--tokenizer-model needs --tokenizer-type (huggingface or sentencepiece): the "
+                "model alone does not say how to read it")
+    if args.tokenizer_type == "byte" and args.tokenizer_model:
+        return "--tokenizer-type byte takes no --tokenizer-model"
+    if args.tokenizer_type not in (None, "byte") and not args.tokenizer_model:
+        return f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model"
+    return None
+
+
+def choose_tokenizer(args, meta: dict, path: str):
+    """(tokenizer, what to call it, a warning or None). The flags' tokenizer when given (a
+    warning when it is not the one the run recorded: its ids may mean other text, but the
+    recorded path may have moved, so it is not refused); else the recorded one; a checkpoint
+    that records none (imported from Hugging Face) is a ``SystemExit(2)`` asking for the flags."""
+    recorded = meta.get("tokenizer") or {}
+    if args.tokenizer_type:
+        given = (args.tokenizer_type, args.tokenizer_model)
+        tok = build_tokenizer(*given)
+        was = (recorded.get("type"), recorded.get("model"))
+        same = was[0] == given[0] and (given[0] == "byte" or (
+            was[1] is not None and os.path.realpath(was[1]) == os.path.realpath(given[1])))
+        warning = None if same or not was[0] else (
+            f"generate: warning: the run trained with --tokenizer-type {was[0]}"
+            f"{f' --tokenizer-model {was[1]}' if was[1] else ''}, not the tokenizer given; unless "
+            "it is a copy of that one, its ids mean other text and the lines will be garbage")
+        return tok, " ".join(x for x in given if x), warning
+    if not recorded.get("type"):
+        source = meta.get("source")
+        hint = f" (e.g. --tokenizer-type huggingface --tokenizer-model {source})" if source else ""
+        raise SystemExit(f"generate: error: {path} records no tokenizer (a checkpoint imported "
+                         f"from Hugging Face): pass --tokenizer-type and --tokenizer-model{hint}")
+    return build_tokenizer(recorded["type"], recorded.get("model")), recorded["type"], None
+
+
+def prompt_ids(tok, prompt: str, context: int, max_new: int) -> tuple[list[int], int]:
+    """(the prompt's ids, the new tokens it gets): an empty prompt is the end-of-document token;
+    a ``SystemExit(2)`` for a prompt that leaves the context no room; a note on stderr when
+    ``max_new`` is capped at what the context leaves."""
+    ids = tok.encode(prompt)
+    if not ids:
+        if tok.eod_id < 0:
+            raise SystemExit(f"generate: error: --prompt {prompt!r} is empty and the tokenizer has "
+                             "no end-of-document token to start from: give a prompt")
+        ids = [tok.eod_id]
+    if len(ids) >= context:
+        raise SystemExit(f"generate: error: --prompt {prompt[:40]!r}{'...' if len(prompt) > 40 else ''} "
+                         f"is {len(ids)} tokens, and the model's context is {context} "
+                         f"(max_position_embeddings): give at most {context - 1} tokens")
+    room = context - len(ids)
+    if max_new > room:
+        print(f"generate: --max-new-tokens {max_new} is capped at {room} for --prompt {prompt[:40]!r} "
+              f"(the model's context is {context} tokens, the prompt {len(ids)})", file=sys.stderr)
+    return ids, min(max_new, room)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process on purpose
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 1 or any(t < 0 for t in args.temperature) or min(args.top_k, args.threads) < 0:
-        print("generate: error: --max-new-tokens must be >= 1, --temperature, --top-k and --threads >= 0",
-              file=sys.stderr)
+    if (err := flag_error(args)) is not None:
+        print(f"generate: error: {err}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         model, meta, path = load_model(args.load, args.model_module)
-        recorded = meta.get("tokenizer") or {}
-        kind = args.tokenizer_type or recorded.get("type") or "byte"
-        tok = build_tokenizer(kind, args.tokenizer_model or (recorded.get("model") if not args.tokenizer_type else None))
+        tok, kind, warning = choose_tokenizer(args, meta, path)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 1
+    if warning:
+        print(warning, file=sys.stderr)
     if tok.vocab_size > model.config.vocab_size:
         print(f"generate: error: the tokenizer has {tok.vocab_size} entries, the model {model.config.vocab_size}",
               file=sys.stderr)
         return 1
+    context = model.config.max_position_embeddings
+    prompts = [(p, *prompt_ids(tok, p, context, args.max_new_tokens)) for p in args.prompt or ["The"]]
     gen = torch.Generator().manual_seed(args.seed)
     t0, made = time.perf_counter(), 0
     print(f"generate: {path} (iteration {meta.get('iteration')}, {meta.get('family')}), tokenizer {kind}")
-    for prompt in args.prompt or ["The"]:
-        ids = tok.encode(prompt)
+    for prompt, ids, max_new in prompts:
         for t in args.temperature:
-            new = generate(model, ids, args.max_new_tokens, t, args.top_k, tok.eod_id, gen,
-                           model.config.max_position_embeddings, tok.vocab_size)
+            new = generate(model, ids, max_new, t, args.top_k, tok.eod_id, gen, context, tok.vocab_size)
             made += len(new)
             label = "greedy" if t == 0 else f"T={t:g}"
             print(f"[{label:>6}] {prompt!r} -> {tok.decode(new)!r}")

@@ -19,6 +19,7 @@ model, sequence length, global batch, precision and optimizer stay as given:
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -61,6 +62,10 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     args = sections(ns, parser)
     try:
+        if not (math.isfinite(ns.device_gb) and ns.device_gb > 0):
+            raise ValueError(f"--device-gb must be a finite number > 0, got {ns.device_gb:g}")
+        if not (math.isfinite(ns.host_gb) and ns.host_gb >= 0):
+            raise ValueError(f"--host-gb must be a finite number >= 0 (0: no limit), got {ns.host_gb:g}")
         assumptions = getattr(args, "time", None) or from_namespace(TimeAssumptions, ns)
         if ns.search:
             if ns.top < 1:

@@ -129,3 +129,24 @@ def test_the_converter_names_its_own_arguments(tmp_path, capsys):
     assert convert(["import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 1
     assert "already holds a run's checkpoints ('latest' is iter_0000200)" in capsys.readouterr().err
     assert (tmp_path / "run" / "latest").read_text().strip() == "iter_0000200"
+
+
+def test_out_onto_a_plain_file_is_one_clear_line(tmp_path, capsys):
+    """export (and import) onto a path where a file stands: refused before any work, naming OUT,
+    not a raw [Errno 17] (or [Errno 20] for a path inside a file)."""
+    (tmp_path / "taken").write_text("not a folder")
+    for argv, message in [
+        (["export", str(tmp_path / "run"), str(tmp_path / "taken")],
+         f"OUT {tmp_path / 'taken'} is a file, not a folder: export writes a folder there; remove the file "
+         "or choose another OUT"),
+        (["export", str(tmp_path / "run"), str(tmp_path / "taken" / "hf")],
+         f"OUT {tmp_path / 'taken' / 'hf'} is inside {tmp_path / 'taken'}, which is a file, not a folder: "
+         "export writes a folder there"),
+        (["import", str(tmp_path / "hf"), str(tmp_path / "taken")],
+         f"OUT {tmp_path / 'taken'} is a file, not a folder: import writes a folder there"),
+    ]:
+        assert convert(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"convert_checkpoint: error: {message}") and err.count("\n") == 1, err
+        assert "Errno" not in err
+    assert (tmp_path / "taken").read_text() == "not a folder"

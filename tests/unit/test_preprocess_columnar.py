@@ -184,6 +184,25 @@ def test_save_to_disk_folders_globs_and_files_given_twice(tmp_path, capsys):
     assert "a folder, but not a datasets.save_to_disk folder" in capsys.readouterr().err
 
 
+def test_a_saved_folder_without_state_json_suggests_the_files_it_holds(tmp_path, capsys):
+    """save_to_disk's Arrow shards without state.json: the error names '*.arrow', not a kind of
+    file the folder does not hold; a folder with several kinds names each; one with none says so."""
+    write_saved_dataset(tmp_path / "ds", pa.Table.from_pylist([{"text": "a"}, {"text": "b"}]))
+    os.remove(tmp_path / "ds" / "state.json")
+    assert main(["--input", str(tmp_path / "ds"), "--output-prefix", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert (f"--input {tmp_path / 'ds'}: a folder, but not a datasets.save_to_disk folder (no state.json "
+            f"and dataset_info.json); give its files: --input '{tmp_path / 'ds' / '*.arrow'}'") in err
+    assert main(["--input", str(tmp_path / "ds" / "*.arrow"), "--output-prefix", str(tmp_path / "x")]) == 0
+    (tmp_path / "ds" / "more.jsonl.gz").write_bytes(b"")
+    assert main(["--input", str(tmp_path / "ds"), "--output-prefix", str(tmp_path / "y")]) == 1
+    assert (f"give its files: --input '{tmp_path / 'ds' / '*.arrow'}' '{tmp_path / 'ds' / '*.jsonl.gz'}'"
+            in capsys.readouterr().err)
+    (tmp_path / "empty").mkdir()
+    assert main(["--input", str(tmp_path / "empty"), "--output-prefix", str(tmp_path / "z")]) == 1
+    assert "it holds no .parquet, .arrow, .feather, .jsonl, .jsonl.gz, .json, .json.gz file" in capsys.readouterr().err
+
+
 def test_units_of_work_stay_near_chunk_mb_and_cover_the_file(tmp_path):
     """Units hold about --chunk-mb of the columns read (bounded memory): Parquet by row groups,
     Arrow by record batches, a batch larger than a unit cut into row ranges; their bytes add up
