@@ -44,6 +44,7 @@ from core.optim.host_masters import HostMasters
 from core.optim.masters import RemainderMasters, to_bf16_storage
 from core.parallel_state import ParallelState, local_device
 from core.transformer.block import apply_recompute
+from core.transformer.chunked import ChunkedRecompute
 from models.registry import shapes_of, spec_of
 from training.startup import materialize
 
@@ -62,6 +63,7 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     # one master storage for the rank: bf16 + remainder, or fp32 in host memory
     masters = RemainderMasters() if mem.store_param_remainders else HostMasters() if host else None
     comm = cp_comm(ps) if ps.sizes.cp > 1 else None
+    chunked = ChunkedRecompute()  # the rank's offload stream and pending gradients (--recompute-chunks)
     for chunk in chunks:
         if masters is not None:  # bf16 parameters; their fp32 masters come at materialisation
             to_bf16_storage(chunk)
@@ -70,7 +72,7 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
         if comm is not None:
             apply_context_parallel(chunk, comm)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
-                        mem.offload_recompute_inputs)
+                        mem.offload_recompute_inputs, shared=chunked)
         apply_fsdp(chunk, ps, "none" if host else mem.cpu_offload, device.type, gather_once=mem.fsdp_gather_once,
                    shard=mem.data_parallel_sharding == "fsdp", bf16=mem.bf16,
                    one_rank_meshes=not (masters is not None and one_microbatch))

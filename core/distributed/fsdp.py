@@ -108,9 +108,9 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
     chunk.reduce_every_backward = resident
     # the root's weights (embedding, final norm, heads) are last read by the heads' backward; with
     # one stage per rank no later micro-batch's forward has saved them, so they are freed then
-    # rather than after the whole backward (the model calls ``after_head_backward``)
+    # rather than after the whole backward
     if not gather_once and ps.sizes.pp == 1:
-        chunk.after_head_backward = chunk.reshard
+        ReleaseRootAfterHeads.attach(chunk)
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -118,6 +118,33 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
             if gather_once:
                 m.set_reshard_after_backward(False)
     return True
+
+
+class ReleaseRootAfterHeads:
+    """A forward hook on the chunk's last decoder layer (``blocks()``, the last id >= 0), whose
+    output is all the heads read of the trunk (``core/model_api.py``): on a forward that will run a
+    backward it hooks that output's gradient, which is whole once every head's backward (main
+    head and extra blocks) has run, and then calls ``release`` (the root's ``reshard``)."""
+
+    def __init__(self, release):
+        self.release = release
+
+    @classmethod
+    def attach(cls, chunk: torch.nn.Module) -> "ReleaseRootAfterHeads | None":
+        layers = [m for i, m in chunk.blocks() if i >= 0]
+        if not layers:
+            return None
+        hook = cls(chunk.reshard)
+        layers[-1].register_forward_hook(hook)
+        return hook
+
+    def __call__(self, module, args, output) -> None:
+        h = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and h.requires_grad:
+            h.register_hook(self._heads_done)
+
+    def _heads_done(self, grad) -> None:
+        self.release()
 
 
 def reshard(chunks) -> None:

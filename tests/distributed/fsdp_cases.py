@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from core.distributed.fsdp import ReleaseRootAfterHeads
 from core.distributed.grads import clip_gradients
 from core.model_api import iter_params
 from core.optim.build import build_optimizer
@@ -76,6 +77,12 @@ class _CollectiveCounter(dict):
             setattr(dist, n, fn)
 
 
+def root_release(chunk):
+    """The hook ``apply_fsdp`` attached to the chunk's last decoder layer (None without one)."""
+    last = [m for i, m in chunk.blocks() if i >= 0][-1]
+    return next((h for h in last._forward_hooks.values() if isinstance(h, ReleaseRootAfterHeads)), None)
+
+
 def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=False, chunks=1):
     """``chunks`` > 1: micro-batches of that many packs, each recomputed block run a pack at a time
     (``--recompute-chunks``) against the reference's whole micro-batches."""
@@ -93,11 +100,11 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
     chunks = parallelize(cfg, ps, run_args(pp, 1, ep, *flags))
     released, early = [], pp == 1 and not gather_once and offload != "optimizer"  # "optimizer" gathers once
     if early:  # the root's weights are freed once the heads' backward is done
-        chunk = chunks[0]
-        reshard = chunk.after_head_backward
-        chunk.after_head_backward = lambda: (reshard(), released.append(isinstance(chunk.head_weight, DTensor)))
+        chunk, hook = chunks[0], root_release(chunks[0])
+        reshard = hook.release
+        hook.release = lambda: (reshard(), released.append(isinstance(chunk.head_weight, DTensor)))
     else:
-        assert all(c.after_head_backward is None for c in chunks)
+        assert all(root_release(c) is None for c in chunks)
     opt, _ = build_optimizer(chunks, _optim_cfg(optimizer))
     s = settings(cfg, clip_grad=1.0)
     for step, batches in enumerate(steps):

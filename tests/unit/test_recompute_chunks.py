@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from core.optim.in_backward import InBackwardSteps
 from core.transformer.attention_backends import DocLayout
 from core.transformer.block import apply_recompute
-from core.transformer.chunked import PENDING, chunk_cuts
+from core.transformer.chunked import PendingGrads, chunk_cuts
 from tests.unit.test_head_loss import _step37
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
@@ -120,12 +120,12 @@ def test_in_backward_hooks_wait_for_the_last_chunk():
             return None
 
     steps = InBackwardSteps.__new__(InBackwardSteps)
-    steps.muon, steps.active, steps.stream, steps.held = Muon(), True, None, {}
+    steps.muon, steps.active, steps.stream, steps.held, steps.pending = Muon(), True, None, {}, PendingGrads()
     steps._stepped = lambda p, kept: None
     p.register_post_accumulate_grad_hook(steps._hook(Muon.param_groups[0], counted=False))
-    setattr(p, PENDING, True)
+    steps.pending.set(p, True)
     (p * 2).sum().backward()
-    setattr(p, PENDING, False)
+    steps.pending.set(p, False)
     (p * 3).sum().backward()
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((2, 2), 5.0))
 
