@@ -14,6 +14,13 @@ one-rank mesh so FSDP moves them between host and device.
 With a pipeline, ``PipelineExecutor`` turns gradient reduction off for every backward of a
 chunk but its last one in the step, so FSDP reduce-scatters once per step (every backward
 under ``--cpu-offload optimizer``, see ``apply_fsdp``).
+
+Backward prefetch: FSDP2 prefetches, at a unit's pre-backward, the unit whose forward ended just
+before its own (the reverse of the recorded post-forward order). A block run in chunks
+(``--recompute-chunks``, ``core/transformer/chunked.py``) records its inner units' forwards once
+per chunk, so that order points inside the block and the block before it is gathered only when
+its own backward starts. Such blocks get an explicit order instead
+(:func:`backward_prefetch_order`, FSDP2's public ``set_modules_to_backward_prefetch``).
 """
 from __future__ import annotations
 
@@ -111,6 +118,8 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
     # rather than after the whole backward
     if not gather_once and ps.sizes.pp == 1:
         ReleaseRootAfterHeads.attach(chunk)
+    for unit, targets in backward_prefetch_order(chunk):
+        unit.set_modules_to_backward_prefetch(targets)
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -118,6 +127,25 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, cpu_offload: str = "no
             if gather_once:
                 m.set_reshard_after_backward(False)
     return True
+
+
+def backward_prefetch_order(chunk: torch.nn.Module, is_unit=None) -> list:
+    """``[(block, units it prefetches in its backward)]`` for each block of the chunk run in chunks
+    that is an FSDP unit (``is_unit``, by default: an ``FSDPModule``): its inner units in forward
+    order (the block's backward starts by rerunning its first chunk, which needs them), then the
+    block before it (gathered while this one runs its chunks, as FSDP's default gathers the
+    previous block during an unchunked block's backward)."""
+    is_unit = is_unit or (lambda m: isinstance(m, FSDPModule))
+    blocks = [b for _, b in chunk.blocks()]
+    out = []
+    for i, block in enumerate(blocks):
+        if getattr(block, "recompute_chunks", 1) <= 1 or getattr(block, "recompute", "none") != "full" \
+                or not is_unit(block):
+            continue
+        inner = [m for m in block.modules() if m is not block and is_unit(m)]
+        before = [blocks[i - 1]] if i > 0 and is_unit(blocks[i - 1]) else []
+        out.append((block, inner + before))
+    return out
 
 
 class ReleaseRootAfterHeads:

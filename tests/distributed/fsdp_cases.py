@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from core.distributed.fsdp import ReleaseRootAfterHeads
+from core.distributed.fsdp import ReleaseRootAfterHeads, backward_prefetch_order
+from core.distributed.fsdp_internals import backward_prefetch
 from core.distributed.grads import clip_gradients
 from core.model_api import iter_params
 from core.optim.build import build_optimizer
@@ -95,9 +97,15 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
 
     flags = ["--data-parallel-sharding", "fsdp", "--cpu-offload", offload, "--recompute-granularity",
              recompute] + (["--fsdp-gather-once"] if gather_once else [])
-    if chunks > 1:
+    chunked = chunks > 1
+    if chunked:
         flags += ["--recompute-chunks", str(chunks), "--micro-batch-size", str(chunks)]
     chunks = parallelize(cfg, ps, run_args(pp, 1, ep, *flags))
+    for chunk in chunks if chunked else []:  # the explicit backward prefetch order reached FSDP
+        units = [m for m in chunk.modules() if isinstance(m, FSDPModule)]
+        order = backward_prefetch_order(chunk)
+        assert any(targets for _, targets in order), order
+        assert all(backward_prefetch(u, units) == targets for u, targets in order), order
     released, early = [], pp == 1 and not gather_once and offload != "optimizer"  # "optimizer" gathers once
     if early:  # the root's weights are freed once the heads' backward is done
         chunk, hook = chunks[0], root_release(chunks[0])
