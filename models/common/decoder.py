@@ -79,16 +79,23 @@ class DecoderLM(nn.Module):
         return self.tied_head
 
     def build_extra(self, experts: range | None) -> None:
-        """Blocks after the last layer, on the last stage (multi-token prediction)."""
+        """Blocks after the last layer, on the last stage: multi-token prediction is a
+        ``core.transformer.mtp.MultiTokenPrediction`` held as ``self.mtp`` (the family builds its
+        depths' decoder blocks; the methods below run them)."""
 
     def extra_blocks(self) -> list[tuple[int, nn.Module]]:
-        return []
+        mtp = getattr(self, "mtp", None)
+        return mtp.blocks() if mtp is not None else []
 
     def extra_heads(self) -> list[nn.Module]:
-        return []
+        mtp = getattr(self, "mtp", None)
+        return mtp.heads() if mtp is not None else []
 
     def extra_losses(self, out: StageOutput, stats: list, h, tokens, labels, ropes, layout, valid) -> None:
         """Add the extra blocks' losses (and MoE statistics) to ``out``."""
+        mtp = getattr(self, "mtp", None)
+        if mtp is not None:
+            mtp.add_losses(out, stats, self.embed_tokens, h, tokens, labels, ropes, layout, valid)
 
     # ------------------------------------------------------------------ build
     def _build(self, own: list, first: bool, last: bool, experts: range | None) -> None:
