@@ -5,7 +5,8 @@ against fp32 logits; grouped_mm in bf16 against a per-expert loop, forward and b
 experts that get no row (and a batch of none); fp32 layers on CUDA (sdpa, the loop); compiled
 layers (varlen inside the graph) against eager; and short 1-GPU training runs with --bf16:
 eager, --compile, --cpu-offload optimizer and experts; --optimizer-in-backward's steps on their
-own stream against the step after the backward (bitwise); chunked recompute with offloaded inputs against the unchunked block, its blocks on one copy stream. The comparisons are the GPU check's own
+own stream against the step after the backward (bitwise); chunked recompute with offloaded inputs
+against the unchunked block, its blocks on one copy stream. The comparisons are the GPU check's own
 (``benchmarks/gpu_parts``) at smaller shapes. The training flags a test adds come last, so they
 override the defaults (argparse keeps the last value)."""
 from __future__ import annotations
@@ -271,7 +272,8 @@ def test_chunked_blocks_share_one_offload_stream_per_device():
     apply_recompute(model, "full", chunks=2, offload_inputs=True)
     streams = []
     init = chunked._Stash.__init__
-    chunked._Stash.__init__ = lambda self, t, offload, stream: (init(self, t, offload, stream), streams.append(stream))[0]
+    chunked._Stash.__init__ = lambda self, t, offload, stream: (init(self, t, offload, stream),
+                                                                streams.append(stream))[0]
     try:
         tokens, pos, psp = thd(lengths, seed=3)
         out = model(tokens.cuda(), pos.cuda(), psp.to("cuda"), labels=labels_for(tokens, lengths).cuda())
