@@ -39,6 +39,7 @@ from core.moe.router import router_stats
 from core.packed_seq import PackedSeqParams
 from core.transformer.attention_backends import DocLayout
 
+
 class PendingGrads:
     """The parameters whose gradient still accumulates over a chunked block's chunks (in fp32,
     beside autograd): hooks that take a gradient as final (``core/optim/in_backward.py``) ask
