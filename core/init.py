@@ -130,28 +130,14 @@ def init_buffers(model: nn.Module, device) -> None:
         reset(device)
 
 
-def fsdp_param_groups(state) -> list:
-    """An FSDP2 state's parameter groups: a list since torch 2.12 (per-parameter meshes), one
-    optional group before (torch 2.11), which newer releases still give for one group."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
 def host_parameters(model: nn.Module) -> set[int]:
-    """Ids of the parameters FSDP keeps in host memory (CPU offload). FSDP2 records the policy
-    only on its parameter groups (no public getter), so this reads them there."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    """Ids of the parameters FSDP keeps in host memory (CPU offload; FSDP2 records the policy
+    only on its parameter groups: ``core/distributed/fsdp_internals.py``)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    out = set()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            for group in fsdp_param_groups(m._get_fsdp_state()):
-                if isinstance(group.offload_policy, CPUOffloadPolicy):
-                    out |= {id(fp.sharded_param) for fp in group.fsdp_params}
-    return out
+    from core.distributed.fsdp_internals import offloaded_shards
+
+    return {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in offloaded_shards(m)}
 
 
 def allocate(model: nn.Module, device) -> None:

@@ -15,10 +15,12 @@ chunk of a model implements:
   depth) ``k`` is ``-1 - k``; recompute, ``--compile`` and the planner work block by block;
 - ``forward(tokens, position_ids, packed_seq_params, *, hidden=None, labels=None)``: with
   ``labels`` (the training path) it returns a :class:`StageOutput`. Every stage receives the
-  whole micro-batch and uses what its role needs;
-- ``after_head_backward``: an attribute core may set to a callable (FSDP sets the root's
-  ``reshard`` with one stage per rank); the last stage calls it once its heads' backward is done
-  (a gradient hook on the trunk's output), after which it reads none of the root's weights.
+  whole micro-batch and uses what its role needs.
+
+The last stage's heads (final norm, head, extra blocks) read of the trunk only the output of its
+last decoder layer (the first element of that block's output): core hooks its gradient, whole
+once the heads' backward is done, after which none of the root's weights is read (FSDP frees
+them then with one stage per rank: ``core/distributed/fsdp.py``).
 """
 from __future__ import annotations
 

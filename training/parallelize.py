@@ -45,6 +45,7 @@ from core.optim.host_masters import HostMasters
 from core.optim.masters import RemainderMasters, to_bf16_storage
 from core.parallel_state import ParallelState, local_device
 from core.transformer.block import apply_recompute
+from core.transformer.chunked import ChunkedRecompute
 from models.registry import shapes_of, spec_of
 from training.startup import materialize
 
@@ -63,6 +64,7 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     # one master storage for the rank: bf16 + remainder, or fp32 in host memory
     masters = RemainderMasters() if placement.remainders else HostMasters() if placement.host_masters else None
     comm = cp_comm(ps) if ps.sizes.cp > 1 else None
+    chunked = ChunkedRecompute()  # the rank's offload stream and pending gradients (--recompute-chunks)
     for chunk in chunks:
         if masters is not None:  # bf16 parameters; their fp32 masters come at materialisation
             to_bf16_storage(chunk)
@@ -71,7 +73,7 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
         if comm is not None:
             apply_context_parallel(chunk, comm)
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
-                        mem.offload_recompute_inputs)
+                        mem.offload_recompute_inputs, shared=chunked)
         apply_fsdp(chunk, ps, placement, device.type)
         if m.compile:
             apply_compile(chunk, m.compile_backend)

@@ -21,6 +21,7 @@ from core.optim.in_backward import InBackwardSteps
 from core.optim.lr_schedule import apply_lr, lr_multiplier
 from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
+from core.transformer.block import pending_grads
 from data.loader import open_source, parse_data_path
 from data.tokenizers import build_tokenizer
 from models.registry import shapes_of
@@ -57,7 +58,8 @@ class Trainer:
         self.build_s = time.perf_counter() - t0
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
         if a.memory.optimizer_in_backward:  # Muon's matrices step in the backward (hooks)
-            self.optimizer.in_backward = InBackwardSteps(self.optimizer.optimizers["muon"], specs_of(self.chunks), ps)
+            self.optimizer.in_backward = InBackwardSteps(self.optimizer.optimizers["muon"], specs_of(self.chunks), ps,
+                                                         pending_grads(self.chunks))
         shapes = shapes_of(self.cfg)
         self.settings = StepSettings(
             hidden_size=self.cfg.hidden_size, device=local_device(),

@@ -15,6 +15,13 @@ With a pipeline, ``PipelineExecutor`` turns gradient reduction off for every bac
 chunk but its last one in the step, so FSDP reduce-scatters once per step (every backward
 under ``--cpu-offload optimizer``, see ``apply_fsdp``). What is sharded, offloaded and gathered
 when is the memory mode's placement (``core/memory_mode.py``), which the planner books too.
+
+Backward prefetch: FSDP2 prefetches, at a unit's pre-backward, the unit whose forward ended just
+before its own (the reverse of the recorded post-forward order). A block run in chunks
+(``--recompute-chunks``, ``core/transformer/chunked.py``) records its inner units' forwards once
+per chunk, so that order points inside the block and the block before it is gathered only when
+its own backward starts. Such blocks get an explicit order instead
+(:func:`backward_prefetch_order`, FSDP2's public ``set_modules_to_backward_prefetch``).
 """
 from __future__ import annotations
 
@@ -99,9 +106,11 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, placement: Placement, 
     chunk.reduce_every_backward = pl.sync_every_microbatch
     # the root's weights (embedding, final norm, heads) are last read by the heads' backward; with
     # one stage per rank no later micro-batch's forward has saved them, so they are freed then
-    # rather than after the whole backward (the model calls ``after_head_backward``)
+    # rather than after the whole backward
     if pl.gather_per_microbatch and ps.sizes.pp == 1:
-        chunk.after_head_backward = chunk.reshard
+        ReleaseRootAfterHeads.attach(chunk)
+    for unit, targets in backward_prefetch_order(chunk):
+        unit.set_modules_to_backward_prefetch(targets)
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -109,6 +118,52 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, placement: Placement, 
             if pl.gather_once:
                 m.set_reshard_after_backward(False)
     return True
+
+
+def backward_prefetch_order(chunk: torch.nn.Module, is_unit=None) -> list:
+    """``[(block, units it prefetches in its backward)]`` for each block of the chunk run in chunks
+    that is an FSDP unit (``is_unit``, by default: an ``FSDPModule``): its inner units in forward
+    order (the block's backward starts by rerunning its first chunk, which needs them), then the
+    block before it (gathered while this one runs its chunks, as FSDP's default gathers the
+    previous block during an unchunked block's backward)."""
+    is_unit = is_unit or (lambda m: isinstance(m, FSDPModule))
+    blocks = [b for _, b in chunk.blocks()]
+    out = []
+    for i, block in enumerate(blocks):
+        if getattr(block, "recompute_chunks", 1) <= 1 or getattr(block, "recompute", "none") != "full" \
+                or not is_unit(block):
+            continue
+        inner = [m for m in block.modules() if m is not block and is_unit(m)]
+        before = [blocks[i - 1]] if i > 0 and is_unit(blocks[i - 1]) else []
+        out.append((block, inner + before))
+    return out
+
+
+class ReleaseRootAfterHeads:
+    """A forward hook on the chunk's last decoder layer (``blocks()``, the last id >= 0), whose
+    output is all the heads read of the trunk (``core/model_api.py``): on a forward that will run a
+    backward it hooks that output's gradient, which is whole once every head's backward (main
+    head and extra blocks) has run, and then calls ``release`` (the root's ``reshard``)."""
+
+    def __init__(self, release):
+        self.release = release
+
+    @classmethod
+    def attach(cls, chunk: torch.nn.Module) -> "ReleaseRootAfterHeads | None":
+        layers = [m for i, m in chunk.blocks() if i >= 0]
+        if not layers:
+            return None
+        hook = cls(chunk.reshard)
+        layers[-1].register_forward_hook(hook)
+        return hook
+
+    def __call__(self, module, args, output) -> None:
+        h = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and h.requires_grad:
+            h.register_hook(self._heads_done)
+
+    def _heads_done(self, grad) -> None:
+        self.release()
 
 
 def reshard(chunks) -> None:

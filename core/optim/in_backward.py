@@ -5,8 +5,10 @@ When a rank runs one micro-batch per step, a parameter's gradient is final when 
 has produced it: FSDP calls the parameter's post-accumulate-grad hooks right after it reduce-
 scatters a unit's gradients (so a sharded matrix steps on its reduced shard, and its fp32 remainder
 master is joined, updated and split back), and autograd calls them for a parameter FSDP does not
-manage (under ``--recompute-chunks`` only after the block's last chunk: ``PENDING``). The hook orthogonalises the matrix (``Muon.update``), adds the gradient's square norm to
-the step's (on the device), and drops the gradient.
+manage (under ``--recompute-chunks`` only after the block's last chunk: until then the
+parameter is in ``pending``, ``core/transformer/chunked.PendingGrads``). The hook orthogonalises
+the matrix (``Muon.update``), adds the gradient's square norm to the step's (on the device), and
+drops the gradient.
 
 Why clipping does not wait for it: with momentum 0, Muon's update of a gradient ``g`` is
 ``NS(g / |g|)``, the same for ``c * g`` with any ``c > 0`` up to rounding, so a global clip factor
@@ -42,15 +44,18 @@ import torch
 from core.distributed.grads import local, owns, square_norm
 from core.optim.muon_split import closes_batch, splittable
 from core.parallel_state import ParallelState, local_device
-from core.transformer.chunked import PENDING
+from core.transformer.chunked import PendingGrads
 
 
 class InBackwardSteps:
-    """The hooks on one Muon optimizer's matrices; ``begin()`` before each step's backward."""
+    """The hooks on one Muon optimizer's matrices; ``begin()`` before each step's backward.
+    ``pending``: the parameters whose gradient a chunked block still accumulates
+    (``core.transformer.block.pending_grads(chunks)``; None without ``--recompute-chunks``)."""
 
-    def __init__(self, muon, specs: list, ps: ParallelState):
+    def __init__(self, muon, specs: list, ps: ParallelState, pending: PendingGrads | None = None):
         device = local_device()
         self.muon = muon
+        self.pending = pending if pending is not None else PendingGrads()
         self.sq = torch.zeros((), dtype=torch.float64, device=device)        # their gradients' square norm
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)   # matrices left unchanged
         spec_of = {id(p): spec for p, spec in specs}
@@ -75,8 +80,8 @@ class InBackwardSteps:
 
     def _hook(self, group: dict, counted: bool):
         def step(p) -> None:
-            if p.grad is None or not self.active or getattr(p, PENDING, False):
-                return  # PENDING: a chunked block's gradient still accumulates (core/transformer/chunked.py)
+            if p.grad is None or not self.active or p in self.pending:
+                return  # pending: a chunked block's gradient still accumulates (core/transformer/chunked.py)
             with torch.no_grad(), self._own_stream(p.grad):
                 if counted:
                     g = local(p.grad)

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.moe.layer import MoELayer
 from core.transformer.attention_backends import DocLayout
-from core.transformer.chunked import chunked_recompute
+from core.transformer.chunked import ChunkedRecompute, chunked_recompute
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -26,11 +26,13 @@ class _Recomputed:
     recompute: str = "none"
     recompute_chunks: int = 1      # token chunks run one after another (core/transformer/chunked.py)
     offload_inputs: bool = False   # kept inputs wait in host memory
+    chunked: ChunkedRecompute | None = None  # what the rank's chunked blocks share
 
     def _full(self, fn, *args):
         """``fn(*tensors, ropes, layout, valid)`` under full recompute, keeping only its inputs."""
         if self.recompute_chunks > 1 or self.offload_inputs:
-            return chunked_recompute(self, fn, args[:-3], *args[-3:], self.recompute_chunks, self.offload_inputs)
+            return chunked_recompute(self, fn, args[:-3], *args[-3:], self.recompute_chunks, self.offload_inputs,
+                                     self.chunked)
         return checkpoint(fn, *args, use_reentrant=False)
 
 
@@ -94,24 +96,27 @@ class RecomputeUnit(_Recomputed, nn.Module):
         return fn(*args)
 
 
-def _set_recompute(block: nn.Module, granularity: str, chunks: int, offload: bool) -> None:
+def _set_recompute(block: nn.Module, granularity: str, chunks: int, offload: bool, shared) -> None:
     outer = isinstance(block, RecomputeUnit)
     if outer:
         block.recompute, block.recompute_chunks, block.offload_inputs = granularity, chunks, offload
+        block.chunked = shared
     inner = "none" if outer and granularity == "full" else granularity
     for m in block.modules():
         if isinstance(m, DecoderBlock):
             m.recompute = inner
             m.recompute_chunks, m.offload_inputs = (chunks, offload) if inner == "full" else (1, False)
+            m.chunked = shared if inner == "full" else None
 
 
 def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0, chunks: int = 1,
-                    offload_inputs: bool = False) -> None:
+                    offload_inputs: bool = False, shared: ChunkedRecompute | None = None) -> None:
     """Set activation recompute on the chunk's blocks (``chunk.blocks()``): its decoder layers
     (ids >= 0; ``num_layers`` > 0: only its first N) and, when all of them are, the extra blocks
     that follow them (ids < 0, the MTP depths). Under ``full``, ``chunks`` > 1 runs each
     recomputed block a token chunk at a time and ``offload_inputs`` keeps its inputs in host
-    memory (``core/transformer/chunked.py``)."""
+    memory (``core/transformer/chunked.py``); ``shared``: what the rank's chunked blocks share (its
+    offload stream and pending gradients: one for all of a rank's chunks), made here if not given."""
     if granularity not in RECOMPUTE:
         raise ValueError(f"--recompute-granularity {granularity!r}: expected none, selective or full")
     if (chunks > 1 or offload_inputs) and granularity != "full":
@@ -120,11 +125,23 @@ def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0, chu
     chosen = layers if num_layers <= 0 else layers[:num_layers]
     recompute_extra = recomputes_extra_blocks(num_layers, len(layers))
     extra = [m for i, m in chunk.blocks() if i < 0] if recompute_extra else []
+    shared = shared if shared is not None else ChunkedRecompute()
     for block in chosen + extra:
-        _set_recompute(block, granularity, chunks, offload_inputs)
+        _set_recompute(block, granularity, chunks, offload_inputs, shared)
 
 
 def recomputes_extra_blocks(num_layers: int, chunk_layers: int) -> bool:
     """Whether :func:`apply_recompute` recomputes the extra blocks of a chunk of
     ``chunk_layers`` decoder layers (the planner asks the same)."""
     return num_layers <= 0 or num_layers >= chunk_layers
+
+
+def pending_grads(chunks: list):
+    """The :class:`~core.transformer.chunked.PendingGrads` of the chunks' chunked blocks (None
+    without any): what tells the in-backward optimizer that a block's gradient is not final yet."""
+    found = {id(m.chunked): m.chunked for c in chunks for m in c.modules()
+             if isinstance(m, _Recomputed) and m.chunked is not None and m.recompute_chunks > 1}
+    if len(found) > 1:
+        raise ValueError("the chunks' blocks were given different ChunkedRecompute objects: pass one to every "
+                         "apply_recompute call of the rank (parallelize does)")
+    return next(iter(found.values())).pending if found else None

@@ -13,7 +13,13 @@ would give, without a whole-model gradient buffer, so ``--optimizer-in-backward`
 
 ``--offload-recompute-inputs``: the kept inputs wait in (pinned) host memory between the forward
 and the backward, copied out on a stream of their own (the compute stream never waits for it)
-and back on the compute stream when the block's backward starts.
+and back on the compute stream when the block's backward starts. That stream is one per device,
+made once and shared by every block (:class:`ChunkedRecompute`, which ``parallelize`` makes once
+per rank): a stream per block would draw 45 from torch's pool of 32 high-priority streams,
+which FSDP2's copy-in, all-gather and reduce-scatter streams come from too, and so share theirs.
+
+FSDP2's private API (a unit's parameter groups and training state) is reached through
+``core/distributed/fsdp_internals.py``.
 
 The arithmetic is the unchunked block's, chunk by chunk: token-wise maths and attention are
 unchanged, gradients are sums over chunks in another order (fp32 rounding). The MoE statistics
@@ -26,16 +32,51 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from core.distributed import fsdp_internals as fsdp
 from core.moe.layer import MoELayer
 from core.moe.router import router_stats
 from core.packed_seq import PackedSeqParams
 from core.transformer.attention_backends import DocLayout
 
-# set on a block's own parameters while their gradient still accumulates over its chunks (in fp32,
-# beside autograd): hooks that take a gradient as final (core/optim/in_backward.py) leave it alone
-PENDING = "_recompute_chunk_pending"
+
+class PendingGrads:
+    """The parameters whose gradient still accumulates over a chunked block's chunks (in fp32,
+    beside autograd): hooks that take a gradient as final (``core/optim/in_backward.py``) ask
+    ``p in pending`` and leave it alone until the block's last chunk."""
+
+    def __init__(self):
+        self._ids: set[int] = set()
+
+    def set(self, p: torch.Tensor, pending: bool) -> None:
+        (self._ids.add if pending else self._ids.discard)(id(p))
+
+    def __contains__(self, p) -> bool:
+        return id(p) in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+class ChunkedRecompute:
+    """What a rank's chunked blocks share: ``pending`` (:class:`PendingGrads`, which the in-backward
+    optimizer is given) and the offload copy stream of each device, made on first use and kept
+    (CUDA only). ``parallelize`` makes one per rank and ``apply_recompute`` hands it to the blocks;
+    without one each ``apply_recompute`` call makes its own."""
+
+    def __init__(self):
+        self.pending = PendingGrads()
+        self._streams: dict[int, object] = {}  # device index -> torch.cuda.Stream
+
+    def offload_stream(self, device: torch.device):
+        """The device's copy stream: high priority (the copy-out is short and the compute stream's
+        next kernels need not wait behind it), drawn once from torch's high-priority pool, so it is
+        not one of FSDP2's streams (three per root, drawn at the root's first forward, before any
+        block's) while the device has fewer than 32 such streams."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(torch.device("cuda", index), priority=-1)
+        return self._streams[index]
 
 
 @dataclass
@@ -47,7 +88,8 @@ class _Run:
     units: list           # the block's inner FSDP units
     block: torch.nn.Module
     offload: bool
-    stream: object        # the block's copy stream (CUDA with offload), else None
+    stream: object        # the device's copy stream (CUDA with offload), else None
+    pending: PendingGrads
 
 
 @dataclass
@@ -134,33 +176,17 @@ def _inner_units(block: torch.nn.Module) -> list:
     return [m for m in block.modules() if m is not block and isinstance(m, FSDPModule)]
 
 
-def _group(unit):
-    return unit._get_fsdp_state()._fsdp_param_group  # reduce_grads / reshard_after_backward: no getter
-
-
-def _in_backward(unit) -> bool:
-    """FSDP takes the unit as in its backward already (it then skips the unit's forward hooks)."""
-    return unit._get_fsdp_state()._training_state == TrainingState.PRE_BACKWARD
-
-
 class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Run, n_in, *tensors):
         fn, chunks = run.fn, run.chunks
         inputs, outs, stats = tensors[:n_in], [], []
-        kept = [(u, _group(u).post_forward_mesh_info) for u in run.units]
-        try:  # the inner units stay gathered over the chunks: one all-gather, not one per chunk
-            for u, _ in kept:
-                _group(u).post_forward_mesh_info = None  # no reshard after forward (FSDP's own switch)
-            with torch.no_grad():
-                for ch in chunks:
-                    *o, s = fn(*(t[ch.start:ch.end] for t in inputs), ch)
-                    outs.append(o)
-                    stats += [s] if s is not None else []
-        finally:
-            for u, mesh in kept:
-                _group(u).post_forward_mesh_info = mesh
-                u.reshard()  # as after its forward (a no-op where it stays gathered)
+        # the inner units stay gathered over the chunks: one all-gather, not one per chunk
+        with fsdp.gathered_through_forward(run.units), torch.no_grad():
+            for ch in chunks:
+                *o, s = fn(*(t[ch.start:ch.end] for t in inputs), ch)
+                outs.append(o)
+                stats += [s] if s is not None else []
         ctx.run, ctx.n_out, ctx.has_stats = run, len(outs[0]), bool(stats)
         ctx.needs = [t.requires_grad for t in inputs]
         ctx.stash = [_Stash(t.detach(), run.offload, run.stream) for t in inputs]
@@ -178,9 +204,10 @@ class _Chunked(torch.autograd.Function):
         del ctx.stash
         grad_outs, grad_prob = grads[:ctx.n_out], grads[ctx.n_out] if ctx.has_stats else None
         grad_in = [torch.zeros_like(t) if need else None for t, need in zip(inputs, ctx.needs)]
-        saved = [(u, _group(u).reduce_grads, _group(u).reshard_after_backward) for u in units]
+        saved = [(u, *fsdp.gradient_settings(u)) for u in units]
         inner = {m for u in units for m in u.modules()}  # FSDP accumulates their parameters itself
-        acc, marked = {}, {}  # id -> fp32 sum of the earlier chunks; parameters marked PENDING
+        pending = ctx.run.pending
+        acc, marked = {}, {}  # id -> fp32 sum of the earlier chunks; parameters marked pending
         try:
             for k, ch in enumerate(chunks):
                 last = k == len(chunks) - 1
@@ -190,7 +217,7 @@ class _Chunked(torch.autograd.Function):
                 # FSDP runs a unit's hooks in its first rerun only: later ones see it in backward
                 # already and skip them (as under hook-based checkpointing), so this runs its
                 # post-backward (accumulate in fp32, or on the last chunk reduce) itself
-                manual = [u for u in units if _in_backward(u)]
+                manual = [u for u in units if fsdp.in_backward(u)]
                 for u in manual:
                     u.unshard()  # a no-op: kept gathered since its first chunk
                 with torch.enable_grad():
@@ -209,7 +236,7 @@ class _Chunked(torch.autograd.Function):
                 mine = {id(p) for m in block.modules() if m not in inner for p in m.parameters(recurse=False)}
                 own = [p for p in _leaves(roots) if id(p) in mine]
                 for p in own:
-                    setattr(p, PENDING, not last)
+                    pending.set(p, not last)
                     marked[id(p)] = p
                 if last:  # the earlier chunks' sum joins this chunk's gradient before autograd stores it
                     hooks = [p.register_hook(_adds(acc, id(p))) for p in own if id(p) in acc]
@@ -220,7 +247,7 @@ class _Chunked(torch.autograd.Function):
                 for h in hooks:
                     h.remove()
                 for u in manual:
-                    _group(u).post_backward()
+                    fsdp.post_backward(u)
                 for g, t in zip(grad_in, ins):
                     if g is not None and t.grad is not None:
                         g[ch.start:ch.end] = t.grad
@@ -234,7 +261,7 @@ class _Chunked(torch.autograd.Function):
                 u.set_requires_gradient_sync(reduce, recurse=False)
                 u.set_reshard_after_backward(reshard, recurse=False)
             for p in marked.values():
-                setattr(p, PENDING, False)
+                pending.set(p, False)
         return (None, None, *grad_in)
 
 
@@ -272,22 +299,19 @@ def _adds(acc: dict, key: int):
 
 
 def chunked_recompute(block: torch.nn.Module, fn, tensors: tuple, ropes: dict, layout: DocLayout, valid,
-                      chunks: int, offload: bool):
+                      chunks: int, offload: bool, shared: ChunkedRecompute):
     """``fn(*tensor_chunks, ropes, layout, valid)`` returns ``(*outputs, MoE statistics or None)``
     for one chunk; this returns the same for the whole micro-batch (outputs concatenated,
     statistics summed), recomputing each chunk in the backward. ``block``: the FSDP unit whose
     inner units wait for the last chunk before they reduce, and whose MoE layer (at most one)
-    makes the statistics."""
+    makes the statistics; ``shared``: what the rank's chunked blocks share."""
     moe = [m for m in block.modules() if isinstance(m, MoELayer)]
     top_k = moe[0].router.top_k if moe else 0
-    stream = None
-    if offload and tensors[0].device.type == "cuda":  # the block's copy stream, made once
-        stream = getattr(block, "_offload_stream", None)
-        if stream is None or stream.device != tensors[0].device:
-            # high priority: its own pool, not a stream the in-backward steps may have drawn
-            stream = block._offload_stream = torch.cuda.Stream(tensors[0].device, priority=-1)
+    device = tensors[0].device
+    stream = shared.offload_stream(device) if offload and device.type == "cuda" else None
     run = _Run(lambda *a: fn(*a[:-1], a[-1].ropes, a[-1].layout, a[-1].valid),
-               make_chunks(layout, ropes, valid, chunks), _inner_units(block), block, offload, stream)
+               make_chunks(layout, ropes, valid, chunks), _inner_units(block), block, offload, stream,
+               shared.pending)
     out = _Chunked.apply(run, len(tensors), *tensors)
     if not top_k:
         return (*out, None)

@@ -44,7 +44,6 @@ class DecoderLM(nn.Module):
     allocated when that is ``meta``)."""
 
     weight_adapter = None   # the family's Hugging Face weight adapter class (core/hf_checkpoint.py)
-    after_head_backward = None  # set by core (FSDP): called once the heads' backward is done
     aux_scope = "layer"     # core.moe.aux: how the MoE auxiliary loss averages over layers
     router_fp32 = True      # routers compute in fp32 under --bf16 (an FSDP unit of their own)
 
@@ -80,16 +79,23 @@ class DecoderLM(nn.Module):
         return self.tied_head
 
     def build_extra(self, experts: range | None) -> None:
-        """Blocks after the last layer, on the last stage (multi-token prediction)."""
+        """Blocks after the last layer, on the last stage: multi-token prediction is a
+        ``core.transformer.mtp.MultiTokenPrediction`` held as ``self.mtp`` (the family builds its
+        depths' decoder blocks; the methods below run them)."""
 
     def extra_blocks(self) -> list[tuple[int, nn.Module]]:
-        return []
+        mtp = getattr(self, "mtp", None)
+        return mtp.blocks() if mtp is not None else []
 
     def extra_heads(self) -> list[nn.Module]:
-        return []
+        mtp = getattr(self, "mtp", None)
+        return mtp.heads() if mtp is not None else []
 
     def extra_losses(self, out: StageOutput, stats: list, h, tokens, labels, ropes, layout, valid) -> None:
         """Add the extra blocks' losses (and MoE statistics) to ``out``."""
+        mtp = getattr(self, "mtp", None)
+        if mtp is not None:
+            mtp.add_losses(out, stats, self.embed_tokens, h, tokens, labels, ropes, layout, valid)
 
     # ------------------------------------------------------------------ build
     def _build(self, own: list, first: bool, last: bool, experts: range | None) -> None:
@@ -159,15 +165,10 @@ class DecoderLM(nn.Module):
             return self.logits(self.norm(x)) if self.last else x
         if not self.last:
             return self._with_moe_stats(StageOutput(hidden=x), stats)
-        if self.after_head_backward is not None and x.requires_grad:
-            x.register_hook(self._heads_done)  # x's gradient is whole once every head's backward ran
         loss_sum, num_tokens = linear_cross_entropy(self.norm(x), self.head_weight, labels)
         out = StageOutput(loss_sum=loss_sum, num_tokens=num_tokens)
         self.extra_losses(out, stats, x, tokens, labels, ropes, layout, valid)
         return self._with_moe_stats(out, stats)
-
-    def _heads_done(self, grad) -> None:
-        self.after_head_backward()
 
     @property
     def head_weight(self) -> torch.Tensor:

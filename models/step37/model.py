@@ -1,27 +1,17 @@
 """Step-3.7 text decoder on THD input, from core's blocks (``models/common/decoder.py``): gated
 GQA with per-head ``(1 + w)`` q/k norms, sliding and full layers with their own RoPE, dense
-SwiGLU or sigmoid-routed MoE with a shared expert, SwiGLU clamps, multi-token prediction.
-
-Multi-token prediction, depth k = 1..D (DeepSeek-V3 style): ``h_k = block_k(eh_proj([enorm(
-embed(x shifted by k)), hnorm(h_{k-1})]))`` with ``h_0`` the main model's last hidden state
-before the final norm, and depth k's logits at position t predict token t + k + 1. Shifts stay
-inside each document: a position whose shifted input or target would come from the next
-document gets padding and no target. Each depth's head computes its loss a tile at a time
-(``core/loss.py``: no ``[T, vocab]`` logits); under ``--recompute-granularity full`` everything
-of a depth before its head is recomputed in the backward (the depth keeps its inputs and its
-head's input), under ``selective`` its decoder block drops its internals.
+SwiGLU or sigmoid-routed MoE with a shared expert, SwiGLU clamps, multi-token prediction
+(``core/transformer/mtp.py``; each depth's decoder block has its own layer type, FFN and clamps).
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from core.loss import IGNORE_INDEX, linear_cross_entropy
 from core.moe.layer import MoELayer
 from core.transformer.attention import Attention
-from core.transformer.attention_backends import DocLayout
-from core.transformer.block import DecoderBlock, RecomputeUnit
+from core.transformer.block import DecoderBlock
 from core.transformer.mlp import SwiGLUMLP
+from core.transformer.mtp import MTPDepth, MultiTokenPrediction
 from core.transformer.norm import RMSNorm
 from models.common.decoder import DecoderLM
 from models.step37.config import Step37Config
@@ -44,33 +34,6 @@ def decoder_layer(cfg: Step37Config, layer_type: str, mlp_type: str, limit: floa
                              correction_bias=True, renormalize=True), "moe"
     return DecoderBlock(RMSNorm(H, cfg.rms_norm_eps), attn, RMSNorm(H, cfg.rms_norm_eps), ffn,
                         ffn_name=name, rope_key=layer_type)
-
-
-class MTPDepth(RecomputeUnit):
-    def __init__(self, cfg: Step37Config, k: int, experts: range | None = None):
-        super().__init__()
-        H = cfg.hidden_size
-        self.enorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = decoder_layer(cfg, cfg.mtp_layer_types[k], cfg.mtp_mlp_layer_types[k],
-                                   cfg.mtp_swiglu_limits[k], cfg.mtp_swiglu_limits_shared[k], experts)
-        self.head_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.head = nn.Linear(H, cfg.vocab_size, bias=False)
-
-    def forward(self, emb_TH, h_prev_TH, ropes, layout, valid_T, labels_T):
-        """(hidden state for the next depth, this depth's summed token loss and target count,
-        MoE statistics or None). The head runs inside the forward so a wrapper that gathers this
-        module's weights (FSDP) covers it; it stays outside the recomputed part, whose rerun
-        would otherwise add a pass over the vocabulary to the one the loss's backward makes."""
-        h, h_norm, stats = self.recomputed(self._trunk, emb_TH, h_prev_TH, ropes, layout, valid_T)
-        loss, count = linear_cross_entropy(h_norm, self.head.weight, labels_T)
-        return h, loss, count, stats
-
-    def _trunk(self, emb_TH, h_prev_TH, ropes, layout, valid_T):
-        x = self.eh_proj(torch.cat([self.enorm(emb_TH), self.hnorm(h_prev_TH)], dim=-1))
-        h, stats = self.block(x, ropes, layout, valid_T)
-        return h, self.head_norm(h), stats
 
 
 class Step37Model(DecoderLM):
@@ -99,41 +62,9 @@ class Step37Model(DecoderLM):
         return self.config.num_mtp_layers > 0  # MTP feeds shifted token embeddings
 
     def build_extra(self, experts: range | None) -> None:
-        cfg = self.config
-        self.mtp = nn.ModuleDict({str(k): MTPDepth(cfg, k, experts) for k in range(cfg.num_mtp_layers)}) \
-            if cfg.num_mtp_layers > 0 else None
-
-    def extra_blocks(self) -> list[tuple[int, nn.Module]]:
-        mtp = getattr(self, "mtp", None)
-        return [(-1 - int(k), d) for k, d in mtp.items()] if mtp is not None else []
-
-    def extra_heads(self) -> list[nn.Module]:
-        return [d.head for _, d in self.extra_blocks()]
-
-    def extra_losses(self, out, stats, h, tokens, labels, ropes, layout, valid) -> None:
-        if getattr(self, "mtp", None) is None:
-            return
-        cp = layout.params.cp  # a context-parallel shard: the shifts were made on the whole pack
-        if cp is not None and (cp.mtp_inputs is None or cp.mtp_inputs.shape[0] < len(self.mtp)):
-            raise ValueError(f"the context-parallel shard carries no shifted inputs for {len(self.mtp)} MTP "
-                             "depths: shard it with mtp_depths=num_mtp_layers (data/cp_shard.py)")
-        nxt, ok = _next_in_document(layout, tokens.device) if cp is None else (None, None)
-        shifted_tokens, shifted_labels = tokens, labels
-        for k, depth in enumerate(self.mtp.values(), start=1):
-            if cp is not None:
-                shifted_tokens, shifted_labels = cp.mtp_inputs[k - 1], cp.mtp_labels[k - 1]
-            else:
-                shifted_tokens = torch.where(ok, shifted_tokens[nxt], torch.zeros_like(tokens))
-                shifted_labels = torch.where(ok, shifted_labels[nxt], torch.full_like(labels, IGNORE_INDEX))
-            h, loss, n, s = depth(self.embed_tokens(shifted_tokens), h, ropes, layout, valid, shifted_labels)
-            stats += [s] if s is not None else []
-            out.mtp_loss_sums.append(loss)
-            out.mtp_num_tokens.append(n)
-
-
-def _next_in_document(layout: DocLayout, device):
-    """Index of the next position and whether it is a real token of the same document, computed
-    on ``device`` from the layout's device boundaries (no host-to-device copy mid-forward)."""
-    T = layout.total
-    idx = torch.arange(1, T + 1, device=device)
-    return idx.clamp(max=T - 1), idx < layout.real_end(device)
+        cfg = self.config  # each depth's own decoder block (layer type, FFN, clamps)
+        self.mtp = MultiTokenPrediction([
+            MTPDepth(cfg.hidden_size, cfg.vocab_size,
+                     decoder_layer(cfg, cfg.mtp_layer_types[k], cfg.mtp_mlp_layer_types[k], cfg.mtp_swiglu_limits[k],
+                                   cfg.mtp_swiglu_limits_shared[k], experts), self.make_norm)
+            for k in range(cfg.num_mtp_layers)]) if cfg.num_mtp_layers > 0 else None

@@ -5,8 +5,11 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from core.distributed.fsdp import ReleaseRootAfterHeads, backward_prefetch_order
+from core.distributed.fsdp_internals import backward_prefetch
 from core.distributed.grads import clip_gradients
 from core.model_api import iter_params
 from core.optim.build import build_optimizer
@@ -76,6 +79,12 @@ class _CollectiveCounter(dict):
             setattr(dist, n, fn)
 
 
+def root_release(chunk):
+    """The hook ``apply_fsdp`` attached to the chunk's last decoder layer (None without one)."""
+    last = [m for i, m in chunk.blocks() if i >= 0][-1]
+    return next((h for h in last._forward_hooks.values() if isinstance(h, ReleaseRootAfterHeads)), None)
+
+
 def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=False, chunks=1):
     """``chunks`` > 1: micro-batches of that many packs, each recomputed block run a pack at a time
     (``--recompute-chunks``) against the reference's whole micro-batches."""
@@ -88,16 +97,22 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
 
     flags = ["--data-parallel-sharding", "fsdp", "--cpu-offload", offload, "--recompute-granularity",
              recompute] + (["--fsdp-gather-once"] if gather_once else [])
-    if chunks > 1:
+    chunked = chunks > 1
+    if chunked:
         flags += ["--recompute-chunks", str(chunks), "--micro-batch-size", str(chunks)]
     chunks = parallelize(cfg, ps, run_args(pp, 1, ep, *flags))
+    for chunk in chunks if chunked else []:  # the explicit backward prefetch order reached FSDP
+        units = [m for m in chunk.modules() if isinstance(m, FSDPModule)]
+        order = backward_prefetch_order(chunk)
+        assert any(targets for _, targets in order), order
+        assert all(backward_prefetch(u, units) == targets for u, targets in order), order
     released, early = [], pp == 1 and not gather_once and offload != "optimizer"  # "optimizer" gathers once
     if early:  # the root's weights are freed once the heads' backward is done
-        chunk = chunks[0]
-        reshard = chunk.after_head_backward
-        chunk.after_head_backward = lambda: (reshard(), released.append(isinstance(chunk.head_weight, DTensor)))
+        chunk, hook = chunks[0], root_release(chunks[0])
+        reshard = hook.release
+        hook.release = lambda: (reshard(), released.append(isinstance(chunk.head_weight, DTensor)))
     else:
-        assert all(c.after_head_backward is None for c in chunks)
+        assert all(root_release(c) is None for c in chunks)
     opt, _ = build_optimizer(chunks, _optim_cfg(optimizer))
     s = settings(cfg, clip_grad=1.0)
     for step, batches in enumerate(steps):

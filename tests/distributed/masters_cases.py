@@ -14,6 +14,7 @@ from core.optim.in_backward import InBackwardSteps
 from core.optim.masters import masters_of
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
+from core.transformer.block import pending_grads
 from tests.distributed.parallel_cases import micro_batches, run_args, settings, tiny_config
 from training.parallelize import parallelize
 
@@ -40,7 +41,7 @@ def build(cfg, ps, ep: int, mode: str, optimizer: str):
     chunks = parallelize(cfg, ps, run_args(1, 1, ep, *flags))
     opt, _ = build_optimizer(chunks, optim_cfg(optimizer))
     if "--optimizer-in-backward" in flags and optimizer == "muon":
-        opt.in_backward = InBackwardSteps(opt.optimizers["muon"], specs_of(chunks), ps)
+        opt.in_backward = InBackwardSteps(opt.optimizers["muon"], specs_of(chunks), ps, pending_grads(chunks))
     return chunks, opt
 
 

@@ -5,7 +5,8 @@ against fp32 logits; grouped_mm in bf16 against a per-expert loop, forward and b
 experts that get no row (and a batch of none); fp32 layers on CUDA (sdpa, the loop); compiled
 layers (varlen inside the graph) against eager; and short 1-GPU training runs with --bf16:
 eager, --compile, --cpu-offload optimizer and experts; --optimizer-in-backward's steps on their
-own stream against the step after the backward (bitwise); chunked recompute with offloaded inputs against the unchunked block. The comparisons are the GPU check's own
+own stream against the step after the backward (bitwise); chunked recompute with offloaded inputs
+against the unchunked block, its blocks on one copy stream. The comparisons are the GPU check's own
 (``benchmarks/gpu_parts``) at smaller shapes. The training flags a test adds come last, so they
 override the defaults (argparse keeps the last value)."""
 from __future__ import annotations
@@ -253,3 +254,35 @@ def test_chunked_recompute_with_offloaded_inputs_on_cuda_equals_unchunked():
     assert stashed and set(stashed) == {"cpu"}
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and got.keys() == ref.keys()
     assert max(_rel(got[n], ref[n]) for n in ref) <= 1e-5
+
+
+def test_chunked_blocks_share_one_offload_stream_per_device():
+    """--offload-recompute-inputs on CUDA: every chunked block copies its inputs out on the one
+    high-priority stream the rank's ``ChunkedRecompute`` made for the device (not one per block,
+    which would cycle through torch's pool of 32 that FSDP2's streams come from)."""
+    import core.transformer.chunked as chunked
+    from core.transformer.block import apply_recompute
+    from models.step37 import Step37Config, Step37Model
+    from tests.unit.test_model_hf import thd
+    from tests.unit.test_model_thd import labels_for
+
+    lengths = [9, 3, 12, 1, 11, 12, 20, 4]
+    cfg = Step37Config.from_hf(Step37Config.preset("tiny").to_hf(), attention_backend="sdpa")
+    model = Step37Model(cfg, seed=0).cuda()
+    apply_recompute(model, "full", chunks=2, offload_inputs=True)
+    streams = []
+    init = chunked._Stash.__init__
+    chunked._Stash.__init__ = lambda self, t, offload, stream: (init(self, t, offload, stream),
+                                                                streams.append(stream))[0]
+    try:
+        tokens, pos, psp = thd(lengths, seed=3)
+        out = model(tokens.cuda(), pos.cuda(), psp.to("cuda"), labels=labels_for(tokens, lengths).cuda())
+        (out.loss_sum + sum(out.mtp_loss_sums)).backward()
+    finally:
+        chunked._Stash.__init__ = init
+    shared = {id(m.chunked): m.chunked for m in model.modules() if getattr(m, "chunked", None) is not None}
+    assert len(shared) == 1
+    (ctx,) = shared.values()
+    assert len(streams) >= len(model.blocks()) > 1  # a stash per kept input, one or more per block
+    assert all(s is ctx.offload_stream(torch.device("cuda")) for s in streams)
+    assert streams[0].priority < 0

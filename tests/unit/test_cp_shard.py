@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 from core.context_parallel.shard import check_divisible, mtp_shifts, owners, shard_positions, unshard
 from core.transformer.attention_backends import DocLayout
+from core.transformer.mtp import next_in_document as _next_in_document
 from data.cp_shard import shard_batch
 from data.indexed_dataset import InMemoryDataset
 from data.thd import IGNORE_INDEX, build_thd_batch
-from models.step37.model import _next_in_document
 
 PAD = 999
 

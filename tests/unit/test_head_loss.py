@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import core.loss
+import core.transformer.mtp
 import models.common.decoder
-import models.step37.model
 from core.activations import extra_block_bytes, head_bytes
 from core.memory import SavedTensorBytes
 from core.transformer.block import apply_recompute
@@ -61,7 +61,7 @@ def test_training_loss_and_gradients_equal_full_logits(build, monkeypatch):
     monkeypatch.setattr(core.loss, "TILE_BYTES", 4096)  # tiles of 8 tokens x 128 entries: T 38, vocab 320 split unevenly
     assert core.loss.tile_shape(38, 320, 64) == (8, 128)
     chunked, grads, out = _step(model)
-    for module in (models.common.decoder, models.step37.model):
+    for module in (models.common.decoder, core.transformer.mtp):
         monkeypatch.setattr(module, "linear_cross_entropy", _full_logits_loss)
     full, ref, ref_out = _step(model)
     assert torch.equal(out.num_tokens, ref_out.num_tokens)

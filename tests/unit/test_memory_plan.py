@@ -118,11 +118,9 @@ def _fsdp_params(chunk):
     """FSDP2's per-parameter records (private API: the only place its accumulators live)."""
     from torch.distributed.fsdp import FSDPModule
 
-    out = []
-    for m in chunk.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        out += group.fsdp_params if group is not None else []
-    return out
+    from core.distributed.fsdp_internals import fsdp_params
+
+    return [fp for m in chunk.modules() if isinstance(m, FSDPModule) for fp in fsdp_params(m)]
 
 
 def _check_fsdp_bytes(rank, world, sharding, offload, bf16, optimizer, momentum, once):

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from core.optim.in_backward import InBackwardSteps
 from core.transformer.attention_backends import DocLayout
 from core.transformer.block import apply_recompute
-from core.transformer.chunked import PENDING, chunk_cuts
+from core.transformer.chunked import PendingGrads, chunk_cuts
 from tests.unit.test_head_loss import _step37
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
@@ -120,12 +120,12 @@ def test_in_backward_hooks_wait_for_the_last_chunk():
             return None
 
     steps = InBackwardSteps.__new__(InBackwardSteps)
-    steps.muon, steps.active, steps.stream, steps.held = Muon(), True, None, {}
+    steps.muon, steps.active, steps.stream, steps.held, steps.pending = Muon(), True, None, {}, PendingGrads()
     steps._stepped = lambda p, kept: None
     p.register_post_accumulate_grad_hook(steps._hook(Muon.param_groups[0], counted=False))
-    setattr(p, PENDING, True)
+    steps.pending.set(p, True)
     (p * 2).sum().backward()
-    setattr(p, PENDING, False)
+    steps.pending.set(p, False)
     (p * 3).sum().backward()
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((2, 2), 5.0))
 
@@ -197,3 +197,77 @@ def max_block_bytes(cfg, inp) -> int:
 
     share = rank_shares(cfg, 1, 1, inp.ep, None, inp.seq_length)[0][0]
     return max(n for k, n in _managed_blocks(share, placement(inp)).items() if k is not ROOT) * 2
+
+
+def test_each_chunked_block_prefetches_its_inner_units_then_the_block_before():
+    """The backward prefetch order ``apply_fsdp`` sets (``core/distributed/fsdp.py``): FSDP's own
+    order would point inside a block run in chunks (its inner units record N forwards), so each
+    such block prefetches its router and experts (its first chunk's rerun needs them) and then the
+    block before it. The tiny Step-3.7: a dense layer 0, MoE layers 1-3, two dense MTP depths."""
+    from core.distributed.fsdp import backward_prefetch_order
+
+    model = _step37()
+    apply_recompute(model, "full", chunks=2)
+    units = {id(u.module) for u in model.fsdp_units()}
+    name = {id(m): n for n, m in model.named_modules()}
+    order = {name[id(b)]: [name[id(t)] for t in targets]
+             for b, targets in backward_prefetch_order(model, lambda m: id(m) in units)}
+    assert order == {
+        "layers.0": [],
+        "layers.1": ["layers.1.moe.router", "layers.1.moe.experts", "layers.0"],
+        "layers.2": ["layers.2.moe.router", "layers.2.moe.experts", "layers.1"],
+        "layers.3": ["layers.3.moe.router", "layers.3.moe.experts", "layers.2"],
+        "mtp.0": ["layers.3"],
+        "mtp.1": ["mtp.0"],
+    }
+    apply_recompute(model, "full")  # unchunked blocks keep FSDP's own order
+    assert backward_prefetch_order(model, lambda m: id(m) in units) == []
+    apply_recompute(model, "full", num_layers=2, chunks=2)  # only the chunked ones (the first two layers)
+    assert [name[id(b)] for b, _ in backward_prefetch_order(model, lambda m: id(m) in units)] == \
+        ["layers.0", "layers.1"]
+
+
+def test_one_offload_stream_per_device_made_once(monkeypatch):
+    """``ChunkedRecompute.offload_stream`` (CUDA only; faked here): one high-priority stream per
+    device index, made on first use and returned to every block after."""
+    from core.transformer.chunked import ChunkedRecompute
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority=0: made.append((device, priority)) or object())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    shared = ChunkedRecompute()
+    first = shared.offload_stream(torch.device("cuda", 0))
+    assert all(shared.offload_stream(torch.device("cuda", 0)) is first for _ in range(45))  # 45 blocks, one stream
+    assert shared.offload_stream(torch.device("cuda")) is shared.offload_stream(torch.device("cuda", 1)) is not first
+    assert made == [(torch.device("cuda", 0), -1), (torch.device("cuda", 1), -1)]
+
+
+def test_the_in_backward_step_takes_each_chunked_matrix_once_with_its_whole_gradient():
+    """``pending_grads(chunks)`` handed to ``InBackwardSteps``, as the trainer does: blocks run 2
+    chunks at a time without FSDP (autograd calls a matrix's hooks once per chunk), and each Muon
+    matrix steps once, on its gradient summed over both chunks: bit for bit what the same
+    backward leaves without the optimizer (the same sums, in the same order)."""
+    from types import SimpleNamespace
+
+    from core.model_api import specs_of
+    from core.optim.build import build_optimizer
+    from core.parallel_state import ParallelState
+    from core.transformer.block import pending_grads
+
+    model, ref_model = _step37(), _step37()
+    for m in (model, ref_model):
+        apply_recompute(m, "full", chunks=2)
+    _, _, ref = _step(ref_model)
+    opt, _ = build_optimizer([model], SimpleNamespace(
+        optimizer="muon", lr=0.02, adamw_lr=None, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        muon_momentum=0.0, muon_nesterov=True, muon_ns_steps=5, muon_ns_method="quintic", muon_lr_adjust="rms",
+        muon_ns_dtype="fp32", dion_momentum=0.9, dion_rank_fraction=0.5))
+    muon, name, seen = opt.optimizers["muon"], {id(p): n for n, p in model.named_parameters()}, {}
+    muon.update = lambda p, group, guard: seen.setdefault(name[id(p)], []).append(p.grad.clone()) or torch.tensor(True)
+    steps = InBackwardSteps(muon, specs_of([model]), ParallelState.single(), pending_grads([model]))
+    steps.begin()
+    _step(model)
+    steps.end()
+    matrices = {name[id(p)] for p in steps.params}
+    assert matrices and seen.keys() == matrices
+    assert all(len(g) == 1 and torch.equal(g[0], ref[n]) for n, g in seen.items())

@@ -8,7 +8,7 @@ import ast
 import os
 from types import SimpleNamespace
 
-from core.init import fsdp_param_groups
+from core.distributed.fsdp_internals import fsdp_param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
