@@ -97,6 +97,8 @@ def measure(run_cfg, seq: int, steps: int, workdir: str, seed: int = 0) -> dict:
     return {"rc": rc, "steps": len(rows),
             "step_s": statistics.median(r["step_ms"] for r in later) / 1e3 if later else None,
             "peak_gib": max((r["peak_mem_gib"] for r in rows), default=None),
+            "peak_reserved_gib": max((r["peak_reserved_gib"] for r in rows if r.get("peak_reserved_gib") is not None),
+                                     default=None),
             "mfu": statistics.median(r["mfu"] for r in later) if later and later[0]["mfu"] is not None else None,
             "tflops": statistics.median(r["tflops_per_gpu"] for r in later) if later else None}
 
@@ -149,6 +151,7 @@ def main(argv=None) -> int:
     print(f"{'':<22}{'measured':>10}{'planned':>10}")
     print(f"{'step s':<22}{f(got['step_s'], '.2f'):>10}{pred['step_s']:>10.2f}")
     print(f"{'peak device GiB':<22}{f(got['peak_gib'], '.1f'):>10}{pred['device_gib']:>10.1f}")
+    print(f"{'peak reserved GiB':<22}{f(got['peak_reserved_gib'], '.1f'):>10}{pred['device_gib']:>10.1f}")
     print(f"{'MFU':<22}{f(got['mfu'] and 100 * got['mfu'], '.1f'):>9}%{100 * pred['mfu']:>9.1f}%")
     print(f"planned: the EP{ep} rank's step {pred['planned_step_s']:.2f} s less its all-to-all "
           f"{pred['all_to_all_s']:.2f} s and data-parallel collectives {pred['dp_comm_s']:.2f} s (a one-GPU proxy "
@@ -160,11 +163,16 @@ def main(argv=None) -> int:
     passed = got["rc"] == 0 and got["step_s"] is not None
     ratio = f", {got['step_s'] / pred['step_s']:.2f}x the plan" if passed else ""
     headline = (f"proxy EP{ep} rank ({len(idx)} layers): step {f(got['step_s'], '.2f')} s vs planned "
-                f"{pred['step_s']:.2f} s{ratio}; peak {f(got['peak_gib'], '.1f')} GiB vs {pred['device_gib']:.1f}; "
+                f"{pred['step_s']:.2f} s{ratio}; peak {f(got['peak_gib'], '.1f')} GiB (reserved "
+                f"{f(got['peak_reserved_gib'], '.1f')}) vs {pred['device_gib']:.1f}; "
                 f"MFU {f(got['mfu'] and 100 * got['mfu'], '.1f')}% vs {100 * pred['mfu']:.1f}%"
                 + ("" if passed else f"; the training run FAILED (exit {got['rc']})"))
+    compare = [{"what": "step", "measured": got["step_s"], "planned": pred["step_s"], "unit": "s"},
+               *common.memory_compare("device memory", {"peak_allocated_gib": got["peak_gib"],
+                                                        "peak_reserved_gib": got["peak_reserved_gib"]}, pred["device_gib"]),
+               {"what": "MFU", "measured": got["mfu"], "planned": pred["mfu"]}]
     return common.finish(args, {"part": "h", "passed": passed, "layers": idx, "ep": ep, "measured": got,
-                                "planned": pred, "planned_one_gpu": here, "headline": headline})
+                                "planned": pred, "planned_one_gpu": here, "headline": headline, "compare": compare})
 
 
 if __name__ == "__main__":

@@ -85,6 +85,11 @@ def test_experts_full_width_cases_are_the_recipes():
 def test_moe_layer_part_reads_nothing_back(tmp_path):
     rc, r = _run(moe_layer, tmp_path)
     assert rc == 0 and r["host_reads"] == [] and r["ms"] > 0 and r["tflops"] > 0, r
+    # no allocator on the CPU: the peaks are None, the planner's figure is there, above the
+    # weights and gradients it holds (fp32 on the CPU: 4 bytes each)
+    assert [(c["what"], c["measured"]) for c in r["compare"]] == [
+        ("one MoE layer fwd+bwd: peak allocated", None), ("one MoE layer fwd+bwd: peak reserved", None)]
+    assert r["compare"][0]["planned"] == r["planned_gib"] > 2 * 4 * r["parameters"] / 2**30
 
 
 def test_head_part_measures_both_recompute_modes(tmp_path):
@@ -92,6 +97,10 @@ def test_head_part_measures_both_recompute_modes(tmp_path):
     assert rc == 0 and [row["recompute"] for row in r["rows"]] == ["none", "full"]
     none, full = r["rows"]
     assert none["mtp_depths"] == 2 and 0 < full["predicted_gib"] < none["predicted_gib"]
+    for row in r["rows"]:  # the planner's peak: its activations on top of the weights and gradients held
+        assert row["planned_peak_gib"] == pytest.approx(row["predicted_gib"] + row["params_gib"] + row["grads_gib"])
+        assert row["peak_allocated_gib"] is None and row["peak_reserved_gib"] is None
+    assert len(r["compare"]) == 4 and r["compare"][1]["what"] == "head + MTP, recompute none: peak reserved"
 
 
 def test_newton_schulz_part_times_an_ep_rank_stack(tmp_path):
