@@ -60,7 +60,9 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     device = local_device()
     host = mem.cpu_offload == "masters"
     # one master storage for the rank: bf16 + remainder, or fp32 in host memory
-    masters = RemainderMasters() if mem.store_param_remainders else HostMasters() if host else None
+    # (host masters: update workers x intra-op threads sized to the rank's cores, set by the entry point)
+    masters = RemainderMasters() if mem.store_param_remainders else \
+        HostMasters(cores=torch.get_num_threads()) if host else None
     comm = cp_comm(ps) if ps.sizes.cp > 1 else None
     for chunk in chunks:
         if masters is not None:  # bf16 parameters; their fp32 masters come at materialisation
@@ -78,6 +80,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_compile(chunk, m.compile_backend)
         materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,
                     hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0, masters=masters)
+    if isinstance(masters, HostMasters):
+        masters.pin()  # the staging slab: one pinned allocation, timed for the start-up log
     return chunks
 
 

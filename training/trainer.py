@@ -19,6 +19,7 @@ from core.model_api import specs_of
 from core.optim.build import build_optimizer
 from core.optim.in_backward import InBackwardSteps
 from core.optim.lr_schedule import apply_lr, lr_multiplier
+from core.optim.masters import masters_of
 from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from data.loader import open_source, parse_data_path
@@ -74,6 +75,9 @@ class Trainer:
         self.ckpt = RunCheckpoints(args, self.log)
         self.profiler = StepProfiler(a.logging, ps.rank, self.log)
         self.log.info(self._startup_summary())
+        describe = getattr(masters_of(self.chunks), "describe", None)
+        if describe is not None:  # --cpu-offload masters: the pinned slab, its pinning time, the threads
+            self.log.info(describe())
         if torch.cuda.is_available() and not a.memory.bf16:
             self.log.warning("fp32 on the GPU (no --bf16): attention runs sdpa per document (flash takes "
                              "16-bit inputs only) and the experts a per-expert loop that reads its sizes on "
