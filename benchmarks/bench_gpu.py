@@ -100,7 +100,8 @@ def time_steps(model, x, dy, batch, warmup: int, iters: int, device) -> dict:
         seconds = [s.elapsed_time(e) / 1e3 for s, e in seconds]
     peak = torch.cuda.max_memory_allocated(device) / GiB if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) / GiB if cuda else None
-    return {"seconds": statistics.median(seconds), "peak_gib": peak, "peak_reserved_gib": reserved, "first_output": first}
+    return {"seconds": statistics.median(seconds), "peak_gib": peak, "peak_reserved_gib": reserved,
+            "first_output": first}
 
 
 def _oom(name: str, e: Exception) -> dict:

@@ -65,7 +65,10 @@ def gpu_parts(preset: str | None, bench_args: list[str]) -> list[Part]:
     (c, d, e, the two recipe proxies h and h100, i, f1, f2, g). docs/performance.md says which
     part answers which prediction."""
     model = ["--model-preset", preset] if preset else []  # else the parts' own default full-width preset
-    mod = lambda name, *more: [PY, "-m", f"benchmarks.gpu_parts.{name}", *model, *more, "--json", "{json}"]  # noqa: E731
+
+    def mod(name, *more):
+        return [PY, "-m", f"benchmarks.gpu_parts.{name}", *model, *more, "--json", "{json}"]
+
     pytest = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/gpu/test_cuda_paths.py", "-k"]
     return [
         Part("build", "the C++ extension, built in place for this Python", [PY, "tools/build_ext.py"], 60),
