@@ -61,7 +61,7 @@ class Part:
 
 def gpu_parts(preset: str | None, bench_args: list[str]) -> list[Part]:
     """The parts in the order of what they decide: build and environment; correctness (the CUDA
-    tests of the newest features, then a and b, then the older CUDA tests); then the timings
+    tests of the newest features, the compiled one apart, then a and b, then the older CUDA tests); then the timings
     (c, d, e, the two recipe proxies h and h100, i, f1, f2, g). docs/performance.md says which
     part answers which prediction."""
     model = ["--model-preset", preset] if preset else []  # else the parts' own default full-width preset
@@ -74,11 +74,13 @@ def gpu_parts(preset: str | None, bench_args: list[str]) -> list[Part]:
         Part("build", "the C++ extension, built in place for this Python", [PY, "tools/build_ext.py"], 60),
         Part("env", "versions and the GPU", [PY, "tools/gpu_check_env.py", "--json", "{json}"], 20),
         Part("t1", "CUDA tests of the newest features: chunked recompute with offloaded inputs, the in-backward "
-             "side stream, compiled varlen without recompiles, host masters, offloaded runs", pytest + [NEWEST], 150),
+             "side stream, host masters, offloaded runs", pytest + [NEWEST], 150),
+        Part("t1c", "CUDA test of compiled layers with varlen against eager, without recompiles (inductor's "
+             "compilation is most of it)", pytest + [COMPILED], 120),
         Part("a", "varlen vs sdpa in bf16, forward + backward", mod("attention"), 45),
         Part("b", "grouped_mm vs the per-expert loop, forward + backward", mod("experts"), 45),
         Part("t2", "the older CUDA tests: varlen, grouped_mm, fp32 layers, the chunked loss at small shapes",
-             pytest + [f"not ({NEWEST}) and not {TRAINING}"], 60),
+             pytest + [f"not ({NEWEST}) and not {COMPILED} and not {TRAINING}"], 60),
         Part("c", "one MoE layer: syncs, time, MFU, peak memory vs the planner", mod("moe_layer"), 45),
         Part("d", "head + MTP depths at T 8192: peak memory vs the planner", mod("head"), 60),
         Part("e", "Newton-Schulz on one EP8 rank's expert stack", mod("newton_schulz"), 30),
@@ -94,9 +96,9 @@ def gpu_parts(preset: str | None, bench_args: list[str]) -> list[Part]:
     ]
 
 
-# pytest -k expressions: the newest features' CUDA tests (t1) and the two training runs f1, f2
-NEWEST = ("offloaded_inputs or own_stream or compiled_layers_with_varlen or offloaded_training_run "
-          "or host_masters")
+# pytest -k expressions: the newest features' CUDA tests (t1, t1c) and the two training runs f1, f2
+NEWEST = "offloaded_inputs or own_stream or offloaded_training_run or host_masters"
+COMPILED = "compiled_layers_with_varlen"
 TRAINING = "(test_one_gpu_bf16_training_run or test_one_gpu_bf16_compiled_training_run)"
 
 

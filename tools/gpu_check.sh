@@ -5,7 +5,7 @@
 # which prediction):
 #   build  the C++ extension, in place, for this Python (first: data/ needs it)
 #   env    versions and the GPU
-#   t1     the CUDA tests of the newest features (tests/gpu)
+#   t1     the CUDA tests of the newest features (tests/gpu)   t1c  the compiled-varlen one
 #   a      varlen vs sdpa in bf16, fwd+bwd   b      grouped_mm vs the per-expert loop, fwd+bwd
 #   t2     the older CUDA tests (tests/gpu)
 #   c      one MoE layer: syncs, MFU, peak   d      head + MTP depths at T 8192: peak memory

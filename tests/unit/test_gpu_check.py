@@ -111,7 +111,7 @@ def test_an_earlier_checks_json_is_not_read_as_this_ones(tmp_path):
 def test_the_parts_are_in_the_order_of_what_they_decide_and_each_fits_the_budget():
     parts = gpu_check.gpu_parts("qwen3-30b-a3b", ["--compile"])
     keys = [p.key for p in parts]
-    assert keys == ["build", "env", "t1", "a", "b", "t2", "c", "d", "e", "h", "h100", "i", "f1", "f2", "g"]
+    assert keys == ["build", "env", "t1", "t1c", "a", "b", "t2", "c", "d", "e", "h", "h100", "i", "f1", "f2", "g"]
     for p in parts:
         if p.key in ("a", "b", "c", "d", "e", "i", "h", "h100", "g"):  # the model-specific ones
             assert p.cmd[p.cmd.index("--model-preset") + 1] == "qwen3-30b-a3b", p
@@ -122,16 +122,17 @@ def test_the_parts_are_in_the_order_of_what_they_decide_and_each_fits_the_budget
 
 
 def test_the_test_parts_select_every_cuda_test_once():
-    """t1, t2, f1 and f2's pytest -k expressions split tests/gpu's tests: each in exactly one."""
+    """t1, t1c, t2, f1 and f2's pytest -k expressions split tests/gpu's tests: each in exactly one."""
     from _pytest.mark.expression import Expression
 
     tree = ast.parse(open(os.path.join(ROOT, "tests", "gpu", "test_cuda_paths.py")).read())
     names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
     parts = {p.key: p for p in gpu_check.gpu_parts(None, [])}
     chosen = {k: {n for n in names if Expression.compile(parts[k].cmd[-1]).evaluate(lambda w, n=n: w in n)}
-              for k in ("t1", "t2", "f1", "f2")}
+              for k in ("t1", "t1c", "t2", "f1", "f2")}
     assert sorted(n for c in chosen.values() for n in c) == sorted(names)
     assert chosen["f1"] == {"test_one_gpu_bf16_training_run"}
-    assert {"test_chunked_recompute_with_offloaded_inputs_on_cuda_equals_unchunked",
-            "test_optimizer_in_backward_on_its_own_stream_equals_the_step_after_the_backward",
-            "test_compiled_layers_with_varlen_in_bf16_match_eager_without_recompiling"} <= chosen["t1"]
+    assert chosen["t1c"] == {"test_compiled_layers_with_varlen_in_bf16_match_eager_without_recompiling"}
+    assert chosen["t1"] == {"test_chunked_recompute_with_offloaded_inputs_on_cuda_equals_unchunked",
+                            "test_optimizer_in_backward_on_its_own_stream_equals_the_step_after_the_backward",
+                            "test_one_gpu_bf16_host_masters_training_run", "test_one_gpu_bf16_offloaded_training_run"}
