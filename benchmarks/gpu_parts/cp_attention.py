@@ -249,7 +249,10 @@ def main(argv=None) -> int:
                 f"tokens CP{CP} rank {RANK}: fwd+bwd {long['ms']:.0f} ms (planned {long['planned_ms']:.0f}), peak {gib(long['peak_gib'])} GiB "
                 f"(reserved {gib(long['peak_reserved_gib'])}, planned {gib(long['planned_peak_gib'])}), "
                 f"key buffer {long['key_buffer_gib']:.2f} GiB (predicted {long['predicted_key_buffer_gib']:.2f})")
-    return common.finish(args, {"part": "i", "passed": passed, "rows": rows, "long": long, "compare": long["compare"],
+    timing = {"what": f"CP{CP} shard of {long['tokens']} tokens fwd+bwd", "measured": long["ms"],
+              "planned": long["planned_ms"], "unit": "ms"}
+    return common.finish(args, {"part": "i", "passed": passed, "rows": rows, "long": long,
+                                "compare": [timing, *long["compare"]],
                                 "lengths": TINY_LENGTHS if args.tiny else LENGTHS, "skipped": skipped,
                                 "headline": headline})
 

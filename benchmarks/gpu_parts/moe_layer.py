@@ -22,6 +22,7 @@ def run(preset: str, device, seq: int, seed: int = 0, iters: int = 5) -> dict:
     from core.flops import device_peak_tflops
     from models import registry
     from tests.host_reads import HostReads
+    from training.time_plan import TimeAssumptions
 
     full = registry.resolve(preset)[1]
     cfg, idx = slice_config(full, layers=moe_layers(full)[:1])
@@ -53,7 +54,9 @@ def run(preset: str, device, seq: int, seed: int = 0, iters: int = 5) -> dict:
     return {"layer": idx[0], "parameters": sum(p.numel() for p in ours.parameters()), "tokens": sum(lengths),
             "documents": len(lengths), "ms": ms, "tflops": tflops, "mfu": tflops / peak_tf if peak_tf else None,
             "peak_gib": peak["peak_allocated_gib"], **peak, "planned_gib": planned,
-            "compare": common.memory_compare("one MoE layer fwd+bwd", peak, planned), "syncs": syncs,
+            "compare": [{"what": "one MoE layer fwd+bwd MFU", "measured": tflops / peak_tf if peak_tf else None,
+                         "planned": TimeAssumptions().assumed_mfu},  # the planner's MFU for every matmul
+                        *common.memory_compare("one MoE layer fwd+bwd", peak, planned)], "syncs": syncs,
             "host_reads": [f"{w}: {k}" for k, w in reads.reads],
             "passed": not syncs and not reads.reads}
 

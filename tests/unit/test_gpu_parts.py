@@ -45,6 +45,8 @@ def test_cp_attention_part_runs_on_the_cpu(tmp_path):
     # 5 + 3 + 2 + 1 rows twice; full: prefixes 5 + 40, 3 + 24, 2 + 16, 1 + 8 keys
     full = r["rows"][1]
     assert (full["queries"], full["segments"], full["key_rows"]) == (22, 8, 99)
+    assert [c["what"] for c in r["compare"]] == [f"CP4 shard of 512 tokens fwd+bwd{k}" for k in
+                                                 ("", ": peak allocated", ": peak reserved")]
     long = r["long"]  # one document of 512 tokens: (1 + 1/8) x 512 key rows
     assert long["queries"] == 128 and long["key_rows"] == long["key_rows_predicted"] == 576 and long["finite"]
 
@@ -88,8 +90,10 @@ def test_moe_layer_part_reads_nothing_back(tmp_path):
     # no allocator on the CPU: the peaks are None, the planner's figure is there, above the
     # weights and gradients it holds (fp32 on the CPU: 4 bytes each)
     assert [(c["what"], c["measured"]) for c in r["compare"]] == [
-        ("one MoE layer fwd+bwd: peak allocated", None), ("one MoE layer fwd+bwd: peak reserved", None)]
-    assert r["compare"][0]["planned"] == r["planned_gib"] > 2 * 4 * r["parameters"] / 2**30
+        ("one MoE layer fwd+bwd MFU", None), ("one MoE layer fwd+bwd: peak allocated", None),
+        ("one MoE layer fwd+bwd: peak reserved", None)]
+    assert r["compare"][0]["planned"] == 0.4  # the planner's assumed MFU (no peak on the CPU: none measured)
+    assert r["compare"][1]["planned"] == r["planned_gib"] > 2 * 4 * r["parameters"] / 2**30
 
 
 def test_head_part_measures_both_recompute_modes(tmp_path):
@@ -106,6 +110,8 @@ def test_head_part_measures_both_recompute_modes(tmp_path):
 def test_newton_schulz_part_times_an_ep_rank_stack(tmp_path):
     rc, r = _run(newton_schulz, tmp_path)
     assert rc == 0 and r["shape"] == [2, 32, 64] and r["planned_ms"] > 0
+    assert r["compare"] == [{"what": "Newton-Schulz [2, 32, 64]", "measured": r["ms"], "planned": r["planned_ms"],
+                             "unit": "ms"}]
     # the planner's count for one [36, 1280, 4096] stack, 5 steps: 36 * 5 * (4 m^2 n + 2 m^3)
     m, n = 1280, 4096
     assert newton_schulz.planned_flops((36, m, n), 5) == pytest.approx(36 * 5 * (4 * m * m * n + 2 * m ** 3))
