@@ -246,7 +246,8 @@ def main(argv=None) -> int:
     passed = exact and long["finite"] and long["key_rows"] == long["key_rows_predicted"]
     headline = (f"cp attention: {candidate} vs fp32 worst error {worst:.1e} over {len(rows)} shapes "
                 f"({'as exact as' if exact else 'LESS exact than (or reference off)'} bf16 sdpa); {long['tokens']} "
-                f"tokens CP{CP} rank {RANK}: fwd+bwd {long['ms']:.0f} ms (planned {long['planned_ms']:.0f}), peak {gib(long['peak_gib'])} GiB "
+                f"tokens CP{CP} rank {RANK}: fwd+bwd {long['ms']:.0f} ms (planned {long['planned_ms']:.0f}), "
+                f"peak {gib(long['peak_gib'])} GiB "
                 f"(reserved {gib(long['peak_reserved_gib'])}, planned {gib(long['planned_peak_gib'])}), "
                 f"key buffer {long['key_buffer_gib']:.2f} GiB (predicted {long['predicted_key_buffer_gib']:.2f})")
     timing = {"what": f"CP{CP} shard of {long['tokens']} tokens fwd+bwd", "measured": long["ms"],
