@@ -272,9 +272,20 @@ class LoggingArgs:
     tensorboard: bool = option(True, "write TensorBoard events to --log-dir")
     peak_tflops: float = option(None, "the device's dense bf16 peak in TFLOP/s, for the logged MFU "
                                       "(default: known for H100 / H200 / A100; none on CPU)")
+    profile: bool = option(False, "torch profiler trace of iterations --profile-step-start + 1 to --profile-step-end "
+                                  "on each of --profile-ranks: --log-dir/profile/trace_rank<R>.json (Chrome / "
+                                  "Perfetto), on CUDA also memory_rank<R>.pickle (pytorch.org/memory_viz)")
+    profile_step_start: int = option(10, "--profile: start recording when this many iterations are done")
+    profile_step_end: int = option(12, "--profile: stop recording when this many iterations are done")
+    profile_ranks: list = option([0], "--profile: the global ranks that record (default 0)", nargs="+", type=int)
 
     def __post_init__(self):
-        require(self, log_interval=AT_LEAST_1, peak_tflops=POSITIVE)
+        require(self, log_interval=AT_LEAST_1, peak_tflops=POSITIVE, profile_step_start=AT_LEAST_0)
+        if self.profile and not self.log_dir:
+            raise ValueError("--profile needs --log-dir: the traces are written under it")
+        if self.profile_step_end <= self.profile_step_start:
+            raise ValueError(f"--profile-step-end {self.profile_step_end} must be above --profile-step-start "
+                             f"{self.profile_step_start}")
 
 
 @dataclass

@@ -54,6 +54,7 @@ import torch  # noqa: E402
 from benchmarks.model_slice import (FAMILIES, build_hf, build_ours, check_equivalence,  # noqa: E402
                                     copy_weights, hf_missing, init_weights, packed_batch, relative_error,
                                     slice_config, slice_flops, weight_pairs)
+from benchmarks.gpu_parts.common import memory_compare, planned_layers_gib  # noqa: E402
 from models import registry  # noqa: E402
 
 GiB = 2 ** 30
@@ -98,17 +99,20 @@ def time_steps(model, x, dy, batch, warmup: int, iters: int, device) -> dict:
     if cuda:
         seconds = [s.elapsed_time(e) / 1e3 for s, e in seconds]
     peak = torch.cuda.max_memory_allocated(device) / GiB if cuda else None
-    return {"seconds": statistics.median(seconds), "peak_gib": peak, "first_output": first}
+    reserved = torch.cuda.max_memory_reserved(device) / GiB if cuda else None
+    return {"seconds": statistics.median(seconds), "peak_gib": peak, "peak_reserved_gib": reserved,
+            "first_output": first}
 
 
 def _oom(name: str, e: Exception) -> dict:
     return {"name": name, "error": f"out of memory: {str(e).splitlines()[0][:160]}"}
 
 
-def _row(name: str, t: dict, tokens: int, flops: float, peak_tflops: float | None) -> dict:
+def _row(name: str, t: dict, tokens: int, flops: float, peak_tflops: float | None, planned_gib: float) -> dict:
     s, tflops = t["seconds"], flops / t["seconds"] / 1e12
     return {"name": name, "ms": 1e3 * s, "tokens_per_s": tokens / s, "tflops": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None, "peak_gib": t["peak_gib"]}
+            "mfu": tflops / peak_tflops if peak_tflops else None, "peak_gib": t["peak_gib"],
+            "peak_reserved_gib": t["peak_reserved_gib"], "planned_gib": planned_gib}
 
 
 def _free() -> None:
@@ -132,6 +136,7 @@ def run_benchmark(args, device, dtype, with_hf: bool = True) -> dict:
     x = torch.randn(args.seq_length, cfg.hidden_size, device=device, generator=g, dtype=dtype).requires_grad_()
     dy = torch.randn(args.seq_length, cfg.hidden_size, device=device, generator=g, dtype=dtype)
     outputs = {}
+    planned = {}  # the planner's figure for these layers: weights, gradients (as held), activations
 
     def timed(name, model):
         try:
@@ -139,11 +144,13 @@ def run_benchmark(args, device, dtype, with_hf: bool = True) -> dict:
         except torch.cuda.OutOfMemoryError as e:
             return _oom(name, e)
         outputs[name] = t["first_output"]
-        return _row(name, t, tokens, flops, peak)
+        return _row(name, t, tokens, flops, peak, planned["gib"])
 
     ours = build_ours(cfg, device, dtype)
     init_weights(ours, args.seed, std=cfg.init_std)
     params = sum(p.numel() for p in ours.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    planned["gib"] = planned_layers_gib(cfg, args.seq_length, weight_bytes, weight_bytes)  # grads as the weights
     rows = [timed(OURS, ours)]
     if args.compile:  # the same layers again, each compiled fullgraph (models/step37/compile.py)
         from core.compile import compile_block, raise_recompile_limit
@@ -175,7 +182,10 @@ def run_benchmark(args, device, dtype, with_hf: bool = True) -> dict:
                 "median_token_rel": float(((a - b).norm(dim=-1) / b.norm(dim=-1)).median())}
     return {"preset": args.preset, "hf_name": HF, "layers": idx, "parameters": params, "tokens": tokens, "documents": len(lengths),
             "longest": max(lengths), "seq_length": args.seq_length, "flops": flops,
-            "peak_tflops": peak, "rows": rows, "output_diff": diff}
+            "peak_tflops": peak, "rows": rows, "output_diff": diff,
+            "compare": [c for r in rows if "error" not in r for c in memory_compare(
+                r["name"], {"peak_allocated_gib": r["peak_gib"], "peak_reserved_gib": r["peak_reserved_gib"]},
+                r["planned_gib"])]}
 
 
 # ---------------------------------------------------------------------------- report
@@ -185,7 +195,7 @@ def _fmt(v, spec: str) -> str:
 
 def format_table(res: dict) -> list[str]:
     lines = [f"{'implementation':<24}{'ms/iter':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}"
-             f"{'peak GiB':>10}{'speed':>8}"]
+             f"{'peak GiB':>10}{'reserved':>10}{'planned':>9}{'speed':>8}"]
     ref = next((r["ms"] for r in res["rows"] if r["name"] == res.get("hf_name") and "error" not in r), None)
     for r in res["rows"]:
         if "error" in r:
@@ -194,7 +204,8 @@ def format_table(res: dict) -> list[str]:
         speed = f"{ref / r['ms']:.2f}x" if ref else "-"
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         lines.append(f"{r['name']:<24}{r['ms']:>10.1f}{r['tokens_per_s']:>11,.0f}{r['tflops']:>9.3g}"
-                     f"{mfu:>7}{_fmt(r['peak_gib'], '.2f'):>10}{speed:>8}")
+                     f"{mfu:>7}{_fmt(r['peak_gib'], '.2f'):>10}{_fmt(r['peak_reserved_gib'], '.2f'):>10}"
+                     f"{_fmt(r['planned_gib'], '.2f'):>9}{speed:>8}")
     return lines
 
 
@@ -207,7 +218,8 @@ def summary(res: dict) -> str:
     if ours:
         mfu = f", MFU {100 * ours['mfu']:.1f}%" if ours["mfu"] else ""
         parts.append(f"ours {ours['tokens_per_s']:,.0f} tokens/s ({ours['tflops']:.3g} TFLOP/s{mfu}, "
-                     f"peak {_fmt(ours['peak_gib'], '.1f')} GiB)")
+                     f"peak {_fmt(ours['peak_gib'], '.1f')} GiB, reserved {_fmt(ours['peak_reserved_gib'], '.1f')}, "
+                     f"planned {_fmt(ours['planned_gib'], '.1f')})")
     if hf:
         parts.append(f"transformers {hf['tokens_per_s']:,.0f} tokens/s (peak {_fmt(hf['peak_gib'], '.1f')} GiB)")
     if ours and hf:

@@ -25,7 +25,8 @@ class RankLogger:
                  ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens/s"),
                  ("tflops_per_gpu", "TFLOP/s/GPU"), ("mfu", "MFU"),
                  ("step_ms", "ms/iter"), ("skipped_steps", "skipped"), ("packing_fill", "fill"),
-                 ("moe_imbalance", "moe max/mean"), ("peak_mem_gib", "peak mem GiB"))
+                 ("moe_imbalance", "moe max/mean"), ("peak_mem_gib", "peak mem GiB"),
+                 ("peak_reserved_gib", "reserved GiB"))
 
     def __init__(self, rank: int, is_logger: bool, log_dir: str | None = None,
                  tensorboard: bool = True, stream=None):

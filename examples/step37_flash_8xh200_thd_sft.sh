@@ -19,9 +19,9 @@
 # the host on a copy stream, host threads update the master and copy the new bf16 weight back
 # while the backward goes on. Full recompute (MTP depths included), the head's and each MTP
 # depth's loss a tile at a time. Predicted (not measured; no GPU has run this): 121.9 GB on each
-# GPU (19 GB to spare), 202 GB of host memory per rank (1.6 TB for the node), 13.8 s per step,
-# 2,375 tokens/s per GPU, MFU 21.8% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
-# PCIe 35 GB/s, host memory 52 GB/s per rank; 19.1% if Newton-Schulz hid nothing: docs/memory.md).
+# GPU (19 GB to spare), 152 GB of host memory per rank (1.2 TB for the node), 13.8 s per step,
+# 2,378 tokens/s per GPU, MFU 21.8% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
+# PCIe 35 GB/s, host memory 52 GB/s per rank; 19.2% if Newton-Schulz hid nothing: docs/memory.md).
 # Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
 #

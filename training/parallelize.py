@@ -62,7 +62,9 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
                           device="meta")
     device = local_device()
     # one master storage for the rank: bf16 + remainder, or fp32 in host memory
-    masters = RemainderMasters() if placement.remainders else HostMasters() if placement.host_masters else None
+    # (host masters: update workers x intra-op threads sized to the rank's cores, set by the entry point)
+    masters = RemainderMasters() if placement.remainders else \
+        HostMasters(cores=torch.get_num_threads()) if placement.host_masters else None
     comm = cp_comm(ps) if ps.sizes.cp > 1 else None
     chunked = ChunkedRecompute()  # the rank's offload stream and pending gradients (--recompute-chunks)
     for chunk in chunks:
@@ -79,6 +81,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_compile(chunk, m.compile_backend)
         materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,
                     hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0, masters=masters)
+    if isinstance(masters, HostMasters):
+        masters.pin()  # the staging slab: one pinned allocation, timed for the start-up log
     return chunks
 
 

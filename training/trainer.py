@@ -19,6 +19,7 @@ from core.model_api import specs_of
 from core.optim.build import build_optimizer
 from core.optim.in_backward import InBackwardSteps
 from core.optim.lr_schedule import apply_lr, lr_multiplier
+from core.optim.masters import masters_of
 from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from core.transformer.block import pending_grads
@@ -30,6 +31,7 @@ from training.checkpoints import RunCheckpoints, schedule_record
 from training.eval_data import make_loader, validation_loader
 from training.evaluate import evaluate
 from training.parallelize import parallelize, stage_layers
+from training.profiling import StepProfiler
 
 
 class Trainer:
@@ -73,7 +75,11 @@ class Trainer:
         is_logger = ps.is_last_stage and ps.dp_rank == 0 and ps.cp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)
         self.ckpt = RunCheckpoints(args, self.log)
+        self.profiler = StepProfiler(a.logging, ps.rank, self.log)
         self.log.info(self._startup_summary())
+        describe = getattr(masters_of(self.chunks), "describe", None)
+        if describe is not None:  # --cpu-offload masters: the pinned slab, its pinning time, the threads
+            self.log.info(describe())
         if torch.cuda.is_available() and not a.memory.bf16:
             self.log.warning("fp32 on the GPU (no --bf16): attention runs sdpa per document (flash takes "
                              "16-bit inputs only) and the experts a per-expert loop that reads its sizes on "
@@ -175,7 +181,8 @@ class Trainer:
                 "tflops_per_gpu": m.flops / self.ps.sizes.world / dt / 1e12,
                 "mfu": m.flops / self.ps.sizes.world / dt / 1e12 / self.peak_tflops if self.peak_tflops else None,
                 "skipped_steps": self.skipped, "packing_fill": self.fill,
-                "moe_imbalance": m.moe_imbalance, "peak_mem_gib": _peak_memory_gib()}
+                "moe_imbalance": m.moe_imbalance, "peak_mem_gib": _peak_memory_gib(),
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None}
 
     def evaluate(self) -> dict:
         """Validation loss over --eval-iters global batches (collective)."""
@@ -186,6 +193,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
+        try:
+            return self._train()
+        finally:
+            self.profiler.stop()  # a run that ends or stops before --profile-step-end: what it recorded
+
+    def _train(self) -> int:
         a = self.args
         if self.from_checkpoint and not self.resumed:
             raise RuntimeError("the parameters were left for --load to fill: call maybe_resume() "
@@ -198,7 +211,8 @@ class Trainer:
             self.log.info("no validation data (--split has no validation part and no --valid-data-path): "
                           "no evaluation")
         while self.iteration < s.train_iters:
-            last = self.step()
+            with self.profiler.step(self.iteration):
+                last = self.step()
             if self.iteration % lg.log_interval == 0 or self.iteration == s.train_iters:
                 self.log.log_iteration(self.iteration, s.train_iters, last)
             if self.in_a_row > ck.max_skipped_steps:

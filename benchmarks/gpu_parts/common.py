@@ -95,6 +95,43 @@ def peak_gib(device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
 
 
+def peak_memory(device) -> dict:
+    """The caching allocator's peaks since ``reset_peak``: what tensors held (allocated) and what
+    the allocator held from the device (reserved: side-stream pools, fragmentation, cached
+    blocks); ``None`` on the CPU."""
+    cuda = device.type == "cuda"
+    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else None}
+
+
+def memory_compare(what: str, peak: dict, planned_gib: float | None) -> list[dict]:
+    """Two ``compare`` rows of a part's JSON (tools/gpu_check.py lifts them into results.json):
+    the peak allocated and the peak reserved, each beside the planner's figure."""
+    return [{"what": f"{what}: peak {kind}", "measured": peak.get(f"peak_{kind}_gib"), "planned": planned_gib,
+             "unit": "GiB"} for kind in ("allocated", "reserved")]
+
+
+def memory_text(peak: dict, planned_gib: float | None) -> str:
+    f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    return (f"peak {f(peak.get('peak_allocated_gib'))} GiB allocated, {f(peak.get('peak_reserved_gib'))} reserved, "
+            f"planned {f(planned_gib)}")
+
+
+def planned_layers_gib(cfg, T: int, weight_bytes: int, grad_bytes: int, recompute: str = "none") -> float:
+    """The planner's device memory for a slice's decoder layers (all of ``cfg``'s) run forward +
+    backward alone in bf16: the weights and gradients as held, and ``training/memory_plan.py``'s
+    activations (``core/activations.py``; the input kept for its gradient included) and recompute
+    working set for a stage of those layers that is neither first nor last."""
+    from types import SimpleNamespace
+
+    from training.memory_plan import PlanInputs, _chunk_activations, _recompute_working_set
+
+    chunk = SimpleNamespace(layers=tuple(range(cfg.num_layers)), first=False, last=False)
+    inp = PlanInputs(recompute=recompute, seq_length=T, micro_batch_size=1, bf16=True)
+    held = _chunk_activations(cfg, chunk, T, 2, inp) + _recompute_working_set(cfg, chunk, T, 2, inp)
+    return (weight_bytes + grad_bytes + held) / GiB
+
+
 def reset_peak(device) -> None:
     if device.type == "cuda":
         sync(device)

@@ -18,8 +18,9 @@ equal the unsharded fp32 layer (``sdpa_attention`` over the whole pack) on rank 
 (2) The long pack. One 131,072-token document (the case ``costs.py`` counts), CP4 rank 0's
 32,768 queries against their documents' prefixes (147,456 key rows) at the model's
 full-attention shape (64 / 8 / 128) in bf16: forward and forward + backward time (CUDA events,
-median of 3) and peak memory (``torch.cuda.max_memory_allocated``), printed beside what
-``core/context_parallel/costs.py`` predicts for the key buffer and the gathered pool.
+median of 3) and peak memory (allocated and reserved), printed beside what
+``core/context_parallel/costs.py`` predicts for the key buffer and the gathered pool (and, for the
+peak, the inputs plus those two).
 
 ``--tiny``: the tiny preset's shapes on a tiny pack and a 512-token document (in fp32), on the
 CPU, with ``sdpa_segments`` in the place of flash (``varlen`` is CUDA only)."""
@@ -164,7 +165,8 @@ def long_pack(T: int, heads: int, kv_heads: int, head_dim: int, device, backend:
     common.reset_peak(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     ms = common.median_ms(step, device, warmup=1, iters=3)
-    peak = common.peak_gib(device)
+    mem = common.peak_memory(device)
+    peak = mem["peak_allocated_gib"]
     a = AttentionShape(heads, kv_heads, head_dim, None)
     pairs = pairs_of(plan.host)
     flops = 12.0 * heads * head_dim * pairs  # forward 4 H D per pair, backward twice it (core/flops.py)
@@ -174,14 +176,20 @@ def long_pack(T: int, heads: int, kv_heads: int, head_dim: int, device, backend:
     # document's mean keys) at --assumed-mfu of the peak, as every matmul of the step
     assumed = TimeAssumptions().assumed_mfu
     planned_ms = 12.0 * heads * head_dim * (T // N) * avg_keys(T, None) / (assumed * peak_tflops(None) * 1e12) * 1e3
-    return {"tokens": T, "cp": N, "rank": rank, "queries": T // N, "heads": heads, "kv_heads": kv_heads,
-            "head_dim": head_dim, "backend": backend, "key_rows": key_rows,
-            "key_rows_predicted": costs.key_rows(a, T, N), "fwd_ms": fwd_ms, "ms": ms,
-            "tflops": flops / ms / 1e9, "planned_ms": planned_ms, "assumed_mfu": assumed, "mfu": flops / ms / 1e9 / peak_tf if peak_tf else None, "finite": bool(torch.stack(finite).all()),
-            "peak_gib": peak, "inputs_gib": base / common.GiB if device.type == "cuda" else None,
-            "key_buffer_gib": key_rows * costs.kv_row_bytes(a, 2) / common.GiB,
-            "predicted_key_buffer_gib": costs.key_buffer_bytes(a, T, N, 2) / common.GiB,
-            "predicted_gathered_gib": costs.gathered_bytes(a, T, N, 2) / common.GiB}
+    out = {"tokens": T, "cp": N, "rank": rank, "queries": T // N, "heads": heads, "kv_heads": kv_heads,
+           "head_dim": head_dim, "backend": backend, "key_rows": key_rows,
+           "key_rows_predicted": costs.key_rows(a, T, N), "fwd_ms": fwd_ms, "ms": ms,
+           "tflops": flops / ms / 1e9, "planned_ms": planned_ms, "assumed_mfu": assumed,
+           "mfu": flops / ms / 1e9 / peak_tf if peak_tf else None, "finite": bool(torch.stack(finite).all()),
+           "peak_gib": peak, "inputs_gib": base / common.GiB if device.type == "cuda" else None,
+           "key_buffer_gib": key_rows * costs.kv_row_bytes(a, 2) / common.GiB,
+           "predicted_key_buffer_gib": costs.key_buffer_bytes(a, T, N, 2) / common.GiB,
+           "predicted_gathered_gib": costs.gathered_bytes(a, T, N, 2) / common.GiB, **mem}
+    # the planner's figure for the peak: the inputs, costs.py's key buffer and gathered pool
+    out["planned_peak_gib"] = (out["inputs_gib"] + out["predicted_key_buffer_gib"] + out["predicted_gathered_gib"]
+                               if device.type == "cuda" else None)
+    out["compare"] = common.memory_compare(f"CP{N} shard of {T} tokens fwd+bwd", mem, out["planned_peak_gib"])
+    return out
 
 
 def full_shape(preset: str) -> tuple[int, int, int]:
@@ -226,7 +234,8 @@ def main(argv=None) -> int:
           f"x {long['key_rows']} key rows (costs.key_rows predicts {long['key_rows_predicted']}), {h}/{kv} heads "
           f"of {d}, {str(common.compute_dtype(device)).split('.')[1]} {candidate}")
     print(f"  measured: forward {long['fwd_ms']:.1f} ms, forward + backward {long['ms']:.1f} ms, "
-          f"{long['tflops']:.0f} TFLOP/s (12 H D per query-key pair), peak {gib(long['peak_gib'])} GiB "
+          f"{long['tflops']:.0f} TFLOP/s (12 H D per query-key pair), peak {gib(long['peak_gib'])} GiB allocated, "
+          f"{gib(long['peak_reserved_gib'])} reserved, planned {gib(long['planned_peak_gib'])} "
           f"(inputs q, K/V, dy: {gib(long['inputs_gib'])} GiB), key buffer {long['key_buffer_gib']:.2f} GiB")
     print(f"  predicted (core/context_parallel/costs.py): key buffer kept for the backward "
           f"{long['predicted_key_buffer_gib']:.2f} GiB, gathered pool (transient) {long['predicted_gathered_gib']:.2f} GiB; "
@@ -237,9 +246,14 @@ def main(argv=None) -> int:
     passed = exact and long["finite"] and long["key_rows"] == long["key_rows_predicted"]
     headline = (f"cp attention: {candidate} vs fp32 worst error {worst:.1e} over {len(rows)} shapes "
                 f"({'as exact as' if exact else 'LESS exact than (or reference off)'} bf16 sdpa); {long['tokens']} "
-                f"tokens CP{CP} rank {RANK}: fwd+bwd {long['ms']:.0f} ms (planned {long['planned_ms']:.0f}), peak {gib(long['peak_gib'])} GiB, "
+                f"tokens CP{CP} rank {RANK}: fwd+bwd {long['ms']:.0f} ms (planned {long['planned_ms']:.0f}), "
+                f"peak {gib(long['peak_gib'])} GiB "
+                f"(reserved {gib(long['peak_reserved_gib'])}, planned {gib(long['planned_peak_gib'])}), "
                 f"key buffer {long['key_buffer_gib']:.2f} GiB (predicted {long['predicted_key_buffer_gib']:.2f})")
+    timing = {"what": f"CP{CP} shard of {long['tokens']} tokens fwd+bwd", "measured": long["ms"],
+              "planned": long["planned_ms"], "unit": "ms"}
     return common.finish(args, {"part": "i", "passed": passed, "rows": rows, "long": long,
+                                "compare": [timing, *long["compare"]],
                                 "lengths": TINY_LENGTHS if args.tiny else LENGTHS, "skipped": skipped,
                                 "headline": headline})
 

@@ -1,7 +1,7 @@
 """Part (d): the last stage's head with its multi-token-prediction depths (Step-3.7-Flash: the
 final norm and head, and 3 MTP depths, each a full MoE layer with all 288 experts and a head of
 its own over the 128,896-token vocabulary) on one 8192-token pack in bf16: peak memory of a
-forward + backward, without recompute and with ``--recompute-granularity full``.
+forward + backward (allocated and reserved), without recompute and with ``--recompute-granularity full``.
 
 What the peak holds beyond the weights and their gradients (all bf16 here) is the activations
 and the loss's working set; next to it the planner's prediction for the same stage and mode
@@ -58,12 +58,16 @@ def run(preset: str, device, seq: int, recompute: str, seed: int = 0) -> dict:
     common.reset_peak(device)
     ms = common.median_ms(step, device, warmup=0, iters=1)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in chunk.parameters() if p.grad is not None)
-    peak = common.peak_gib(device)
+    mem = common.peak_memory(device)
+    peak = mem["peak_allocated_gib"]
     measured = peak * common.GiB - params - grads if peak is not None else None
+    predicted = predicted_bytes(cfg, seq, recompute) / common.GiB
+    planned_peak = predicted + (params + grads) / common.GiB
     return {"recompute": recompute, "mtp_depths": cfg.num_mtp_layers, "tokens": sum(lengths), "ms": ms,
-            "params_gib": params / common.GiB, "grads_gib": grads / common.GiB, "peak_gib": peak,
+            "params_gib": params / common.GiB, "grads_gib": grads / common.GiB, "peak_gib": peak, **mem,
             "activations_gib": measured / common.GiB if measured is not None else None,
-            "predicted_gib": predicted_bytes(cfg, seq, recompute) / common.GiB}
+            "predicted_gib": predicted, "planned_peak_gib": planned_peak,
+            "compare": common.memory_compare(f"head + MTP, recompute {recompute}", mem, planned_peak)}
 
 
 def main(argv=None) -> int:
@@ -72,12 +76,14 @@ def main(argv=None) -> int:
     if device is None:
         return common.NO_CUDA
     seq, rows = (128 if args.tiny else 8192), []
-    print(f"{'recompute':<10}{'weights':>9}{'grads':>9}{'peak':>9}{'beyond':>9}{'planned':>9}{'ms':>9}   (GiB)")
+    print(f"{'recompute':<10}{'weights':>9}{'grads':>9}{'peak':>9}{'reserved':>9}{'planned':>9}{'beyond':>9}"
+          f"{'planned':>9}{'ms':>9}   (GiB; beyond: the peak less weights and grads)")
     for mode in ("none", "full"):
         r = run(common.preset_of(args), device, seq, mode, args.seed)
         rows.append(r)
         f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         print(f"{mode:<10}{f(r['params_gib']):>9}{f(r['grads_gib']):>9}{f(r['peak_gib']):>9}"
+              f"{f(r['peak_reserved_gib']):>9}{f(r['planned_peak_gib']):>9}"
               f"{f(r['activations_gib']):>9}{f(r['predicted_gib']):>9}{r['ms']:>9.0f}")
         common.free()
     last = rows[-1]
@@ -85,7 +91,10 @@ def main(argv=None) -> int:
                 f"(no recompute), {last['peak_gib'] or 0:.1f} GiB (full); beyond weights and grads "
                 f"{rows[0]['activations_gib'] or 0:.1f} / {last['activations_gib'] or 0:.1f} GiB, planned "
                 f"{rows[0]['predicted_gib']:.1f} / {last['predicted_gib']:.1f}")
-    return common.finish(args, {"part": "d", "passed": True, "rows": rows, "headline": headline})
+    headline += (f"; reserved {rows[0]['peak_reserved_gib'] or 0:.1f} / {last['peak_reserved_gib'] or 0:.1f} GiB vs "
+                 f"planned peak {rows[0]['planned_peak_gib']:.1f} / {last['planned_peak_gib']:.1f}")
+    return common.finish(args, {"part": "d", "passed": True, "rows": rows, "headline": headline,
+                                "compare": [c for r in rows for c in r["compare"]]})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Prints every device sync of one step as ``torch.cuda.set_sync_debug_mode("warn")
 and every host read our counter (``tests/host_reads.py``, the CPU tests' tool) sees, with where
 each comes from: one MoE layer on one GPU (the local dispatcher) should make none. Then the median
 of 5 timed steps, TFLOP/s and MFU (``core/flops.py``'s count for this layer: the one behind the
-training logs) and the peak memory of those steps."""
+training logs) and the peak memory of those steps, allocated and reserved, beside the planner's
+(``training/memory_plan.py``: the weights and gradients as held, the layer's activations)."""
 from __future__ import annotations
 
 import sys
@@ -21,6 +22,7 @@ def run(preset: str, device, seq: int, seed: int = 0, iters: int = 5) -> dict:
     from core.flops import device_peak_tflops
     from models import registry
     from tests.host_reads import HostReads
+    from training.time_plan import TimeAssumptions
 
     full = registry.resolve(preset)[1]
     cfg, idx = slice_config(full, layers=moe_layers(full)[:1])
@@ -45,9 +47,17 @@ def run(preset: str, device, seq: int, seed: int = 0, iters: int = 5) -> dict:
     flops = slice_flops(cfg, lengths)
     peak_tf = device_peak_tflops() if device.type == "cuda" else None
     tflops = flops / ms / 1e9
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    planned = common.planned_layers_gib(cfg, seq, nbytes(ours.parameters()),
+                                        nbytes(p.grad for p in ours.parameters() if p.grad is not None))
+    peak = common.peak_memory(device)
     return {"layer": idx[0], "parameters": sum(p.numel() for p in ours.parameters()), "tokens": sum(lengths),
             "documents": len(lengths), "ms": ms, "tflops": tflops, "mfu": tflops / peak_tf if peak_tf else None,
-            "peak_gib": common.peak_gib(device), "syncs": syncs, "host_reads": [f"{w}: {k}" for k, w in reads.reads],
+            "peak_gib": peak["peak_allocated_gib"], **peak, "planned_gib": planned,
+            "compare": [{"what": "one MoE layer fwd+bwd MFU", "measured": tflops / peak_tf if peak_tf else None,
+                         "planned": TimeAssumptions().assumed_mfu},  # the planner's MFU for every matmul
+                        *common.memory_compare("one MoE layer fwd+bwd", peak, planned)], "syncs": syncs,
+            "host_reads": [f"{w}: {k}" for k, w in reads.reads],
             "passed": not syncs and not reads.reads}
 
 
@@ -66,10 +76,11 @@ def main(argv=None) -> int:
     for s in r["host_reads"]:
         print(f"  read: {s}")
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-    peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else "-"
-    print(f"forward + backward {r['ms']:.1f} ms (median), {r['tflops']:.3g} TFLOP/s, MFU {mfu}, peak {peak}")
+    mem = common.memory_text(r, r["planned_gib"])
+    print(f"forward + backward {r['ms']:.1f} ms (median), {r['tflops']:.3g} TFLOP/s, MFU {mfu}; {mem} (weights, "
+          f"grads, activations: training/memory_plan.py)")
     r["headline"] = (f"MoE layer: {len(r['syncs'])} syncs, {len(r['host_reads'])} host reads; {r['ms']:.1f} ms, "
-                     f"{r['tflops']:.3g} TFLOP/s, MFU {mfu}, peak {peak}")
+                     f"{r['tflops']:.3g} TFLOP/s, MFU {mfu}, {mem}")
     r["part"] = "c"
     return common.finish(args, r)
 

@@ -61,6 +61,8 @@ def main(argv=None) -> int:
           f"{float(diag.max()):.2f}]")
     return common.finish(args, {"part": "e", "passed": ok, "shape": shape, "ms": ms, "tflops": tflops,
                                 "planned_ms": planned_ms, "diag": [float(diag.min()), float(diag.max())],
+                                "compare": [{"what": f"Newton-Schulz {list(shape)}", "measured": ms,
+                                             "planned": planned_ms, "unit": "ms"}],
                                 "headline": f"Newton-Schulz {list(shape)}: {ms:.2f} ms ({tflops:.3g} TFLOP/s), "
                                             f"planned {planned_ms:.2f} ms{'' if ok else '; result NOT orthogonal'}"})
 

@@ -1,7 +1,10 @@
-"""Part (h): a one-GPU proxy of one rank of the recipe (``examples/step37_flash_8xh200_thd_sft.sh``:
-EP8 on 8 x H200, --bf16, host masters, the optimizer in the backward, gather-once FSDP, full
-recompute, Muon with momentum 0, micro-batches of 4 packs of 8192 tokens), measured beside the
-planner's prediction for that rank scaled to the layers the proxy holds.
+"""Parts (h) and (h100): a one-GPU proxy of one rank of a recipe, measured beside the planner's
+prediction for that rank scaled to the layers the proxy holds. ``--recipe 8xh200`` (h, the
+default: ``examples/step37_flash_8xh200_thd_sft.sh``: EP8 on 8 x H200, --bf16, host masters, the
+optimizer in the backward, gather-once FSDP, full recompute, Muon with momentum 0, micro-batches
+of 4 packs of 8192 tokens) or ``--recipe 8xh100`` (h100: ``examples/step37_flash_8xh100_thd_sft.sh``:
+the same without gather-once, with ``--recompute-chunks 4 --offload-recompute-inputs``; the full
+model's prediction is 73.7 GB a GPU and 21.1% MFU).
 
 The proxy is ``pretrain_step37.py`` itself on one GPU with the recipe's flags, on a model cut from
 the preset: its first four MoE layers (Step-3.7-Flash: layers 3-6, three sliding-window and one
@@ -38,6 +41,12 @@ RECIPE = ["--bf16", "--data-parallel-sharding", "fsdp", "--cpu-offload", "master
           "--optimizer-in-backward", "--recompute-granularity", "full", "--optimizer", "muon",
           "--muon-momentum", "0", "--lr", "2e-4", "--adamw-lr", "1e-5", "--weight-decay", "0.1",
           "--clip-grad", "1.0", "--mtp-loss-scale", "0.3", "--moe-bias-update-rate", "0"]
+# examples/step37_flash_8xh100_thd_sft.sh: the same less --fsdp-gather-once (the dense weights
+# gathered per layer), each recomputed layer run a pack at a time with its inputs in host memory
+RECIPES = {"8xh200": ("examples/step37_flash_8xh200_thd_sft.sh", RECIPE),
+           "8xh100": ("examples/step37_flash_8xh100_thd_sft.sh",
+                      [f for f in RECIPE if f != "--fsdp-gather-once"]
+                      + ["--recompute-chunks", "4", "--offload-recompute-inputs"])}
 MICRO_BATCH = 4  # packs per micro-batch, one micro-batch per rank and step
 LAYERS = 4
 
@@ -74,12 +83,13 @@ def write_data(prefix: str, tokens: int, seed: int) -> None:
             n += length
 
 
-def _flags(config_path: str, seq: int, gbs: int, ep: int) -> list[str]:
-    return ["--hf-config", config_path, *RECIPE, "--seq-length", str(seq), "--micro-batch-size", str(MICRO_BATCH),
+def _flags(config_path: str, seq: int, gbs: int, ep: int, recipe: str = "8xh200") -> list[str]:
+    return ["--hf-config", config_path, *RECIPES[recipe][1], "--seq-length", str(seq),
+            "--micro-batch-size", str(MICRO_BATCH),
             "--global-batch-size", str(gbs), "--expert-model-parallel-size", str(ep)]
 
 
-def measure(run_cfg, seq: int, steps: int, workdir: str, seed: int = 0) -> dict:
+def measure(run_cfg, seq: int, steps: int, workdir: str, seed: int = 0, recipe: str = "8xh200") -> dict:
     """pretrain_step37.py with the recipe's flags on this one device; its logged steps."""
     path = os.path.join(workdir, "proxy_config.json")
     with open(path, "w") as f:
@@ -87,7 +97,7 @@ def measure(run_cfg, seq: int, steps: int, workdir: str, seed: int = 0) -> dict:
     prefix = os.path.join(workdir, "synth_text_document")
     write_data(prefix, 2 * steps * MICRO_BATCH * seq, seed)
     log = os.path.join(workdir, "log")
-    cmd = [sys.executable, "pretrain_step37.py", *_flags(path, seq, MICRO_BATCH, 1), "--data-path", prefix,
+    cmd = [sys.executable, "pretrain_step37.py", *_flags(path, seq, MICRO_BATCH, 1, recipe), "--data-path", prefix,
            "--train-iters", str(steps), "--log-interval", "1", "--log-dir", log, "--eval-iters", "0",
            "--no-tensorboard"]
     print("proxy: " + " ".join(cmd[1:]), flush=True)
@@ -97,11 +107,13 @@ def measure(run_cfg, seq: int, steps: int, workdir: str, seed: int = 0) -> dict:
     return {"rc": rc, "steps": len(rows),
             "step_s": statistics.median(r["step_ms"] for r in later) / 1e3 if later else None,
             "peak_gib": max((r["peak_mem_gib"] for r in rows), default=None),
+            "peak_reserved_gib": max((r["peak_reserved_gib"] for r in rows if r.get("peak_reserved_gib") is not None),
+                                     default=None),
             "mfu": statistics.median(r["mfu"] for r in later) if later and later[0]["mfu"] is not None else None,
             "tflops": statistics.median(r["tflops_per_gpu"] for r in later) if later else None}
 
 
-def predict(planned_cfg, seq: int, ep: int, workdir: str) -> dict:
+def predict(planned_cfg, seq: int, ep: int, workdir: str, recipe: str = "8xh200") -> dict:
     """The planner's EP rank of the recipe on these layers, less what one GPU does not do. With
     ``ep`` 1 (and the proxy's own config): the planner's view of the one-GPU run itself, which
     also runs the Newton-Schulz of every dense matrix (the EP rank runs 1/ep of it, the split)
@@ -114,7 +126,7 @@ def predict(planned_cfg, seq: int, ep: int, workdir: str) -> dict:
     path = os.path.join(workdir, f"planned_config_ep{ep}.json")
     with open(path, "w") as f:
         json.dump(planned_cfg.to_hf(), f)
-    args = parse(_flags(path, seq, MICRO_BATCH * ep, ep) + ["--data-path", "unused"])
+    args = parse(_flags(path, seq, MICRO_BATCH * ep, ep, recipe) + ["--data-path", "unused"])
     layout = validate(args, world=ep, check_files=False)
     inp = plan_inputs(args, layout)
     rank = plan(layout.config, inp)[0]
@@ -129,26 +141,30 @@ def predict(planned_cfg, seq: int, ep: int, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    args = common.parse(__doc__.split("\n\n")[0], argv,
-                        extra=lambda ap: ap.add_argument("--steps", type=int, default=4,
-                                                         help="training steps (the first is not timed)"))
+    def extra(ap):
+        ap.add_argument("--steps", type=int, default=4, help="training steps (the first is not timed)")
+        ap.add_argument("--recipe", choices=sorted(RECIPES), default="8xh200",
+                        help="whose rank: " + ", ".join(f"{k} ({v[0]})" for k, v in sorted(RECIPES.items())))
+
+    args = common.parse(__doc__.split("\n\n")[0], argv, extra=extra)
     device = common.device_for(args)
     if device is None:
         return common.NO_CUDA
     run_cfg, planned_cfg, idx, ep = configs(common.preset_of(args), args.tiny)
     seq = 128 if args.tiny else 8192
     with tempfile.TemporaryDirectory(prefix="gpu_check_proxy_") as workdir:
-        pred = predict(planned_cfg, seq, ep, workdir)
-        here = predict(run_cfg, seq, 1, workdir)
-        got = measure(run_cfg, seq, args.steps, workdir, args.seed)
+        pred = predict(planned_cfg, seq, ep, workdir, args.recipe)
+        here = predict(run_cfg, seq, 1, workdir, args.recipe)
+        got = measure(run_cfg, seq, args.steps, workdir, args.seed, args.recipe)
     kinds = [planned_cfg.layer_types[i] for i in range(len(idx))] if hasattr(planned_cfg, "layer_types") else []
     print(f"proxy of one EP{ep} rank: layers {idx} ({', '.join(kinds)}) at full width with "
           f"{run_cfg.num_experts} of {planned_cfg.num_experts} experts each, embedding and head; "
-          f"{MICRO_BATCH} packs of {seq} tokens per step; the recipe's flags")
+          f"{MICRO_BATCH} packs of {seq} tokens per step; the flags of {RECIPES[args.recipe][0]}")
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     print(f"{'':<22}{'measured':>10}{'planned':>10}")
     print(f"{'step s':<22}{f(got['step_s'], '.2f'):>10}{pred['step_s']:>10.2f}")
     print(f"{'peak device GiB':<22}{f(got['peak_gib'], '.1f'):>10}{pred['device_gib']:>10.1f}")
+    print(f"{'peak reserved GiB':<22}{f(got['peak_reserved_gib'], '.1f'):>10}{pred['device_gib']:>10.1f}")
     print(f"{'MFU':<22}{f(got['mfu'] and 100 * got['mfu'], '.1f'):>9}%{100 * pred['mfu']:>9.1f}%")
     print(f"planned: the EP{ep} rank's step {pred['planned_step_s']:.2f} s less its all-to-all "
           f"{pred['all_to_all_s']:.2f} s and data-parallel collectives {pred['dp_comm_s']:.2f} s (a one-GPU proxy "
@@ -159,12 +175,20 @@ def main(argv=None) -> int:
           f"whole): step {here['step_s']:.2f} s, {here['device_gib']:.1f} GiB, MFU {100 * here['mfu']:.1f}%")
     passed = got["rc"] == 0 and got["step_s"] is not None
     ratio = f", {got['step_s'] / pred['step_s']:.2f}x the plan" if passed else ""
-    headline = (f"proxy EP{ep} rank ({len(idx)} layers): step {f(got['step_s'], '.2f')} s vs planned "
-                f"{pred['step_s']:.2f} s{ratio}; peak {f(got['peak_gib'], '.1f')} GiB vs {pred['device_gib']:.1f}; "
+    headline = (f"proxy {args.recipe} EP{ep} rank ({len(idx)} layers): step {f(got['step_s'], '.2f')} s vs planned "
+                f"{pred['step_s']:.2f} s{ratio}; peak {f(got['peak_gib'], '.1f')} GiB (reserved "
+                f"{f(got['peak_reserved_gib'], '.1f')}) vs {pred['device_gib']:.1f}; "
                 f"MFU {f(got['mfu'] and 100 * got['mfu'], '.1f')}% vs {100 * pred['mfu']:.1f}%"
                 + ("" if passed else f"; the training run FAILED (exit {got['rc']})"))
-    return common.finish(args, {"part": "h", "passed": passed, "layers": idx, "ep": ep, "measured": got,
-                                "planned": pred, "planned_one_gpu": here, "headline": headline})
+    compare = [{"what": "step", "measured": got["step_s"], "planned": pred["step_s"], "unit": "s"},
+               *common.memory_compare("device memory", {"peak_allocated_gib": got["peak_gib"],
+                                                        "peak_reserved_gib": got["peak_reserved_gib"]},
+                                      pred["device_gib"]),
+               {"what": "MFU", "measured": got["mfu"], "planned": pred["mfu"]}]
+    return common.finish(args, {"part": "h" if args.recipe == "8xh200" else "h100", "recipe": args.recipe,
+                                "flags": RECIPES[args.recipe][1], "passed": passed, "layers": idx, "ep": ep,
+                                "measured": got,
+                                "planned": pred, "planned_one_gpu": here, "headline": headline, "compare": compare})
 
 
 if __name__ == "__main__":

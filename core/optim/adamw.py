@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from core.distributed.grads import local
-from core.optim.host_masters import zeros_like_on
+from core.optim.host_masters import HostMasters, zeros_like_on
 from core.optim.masters import NO_MASTERS
 
 
@@ -81,4 +81,13 @@ class AdamW(Optimizer):
             adamw([m], [g], [avg], [avg_sq], [], [step], foreach=False, capturable=False, differentiable=False,
                   fused=None, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        g, scale = local(p.grad), self.grad_scale
+        if g.dtype == torch.bfloat16 and isinstance(self.masters, HostMasters) and p in self.masters:
+            # host masters: the bf16 gradient crosses to the host (its staging slot holds bf16) and
+            # becomes fp32 there, times the clip factor in fp32: fp32_grad's values exactly
+            def apply_host(m, g16, *factor):
+                g32 = g16.float()
+                apply(m, g32 * factor[0] if factor else g32)
+            self.masters.update(p, apply_host, g, *(() if scale is None else (scale,)))
+            return
         self.masters.update(p, apply, fp32_grad(p, self.grad_scale))

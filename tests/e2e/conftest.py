@@ -31,15 +31,28 @@ def dataset(tmp_path_factory) -> str:
 MUON8 = ["--optimizer", "muon", "--muon-momentum", "0.9", "--lr", "0.02", "--lr-decay-iters", "8"]
 
 
+class Run(list):
+    """A run's metrics rows, and its --log-dir (``log_dir``)."""
+
+    log_dir = None
+
+
+PROFILE = ["--profile", "--profile-step-start", "2", "--profile-step-end", "3"]
+
+
 @pytest.fixture(scope="session")
-def muon8(dataset, tmp_path_factory) -> list[dict]:
+def muon8(dataset, tmp_path_factory) -> Run:
     """Muon with momentum (its optimizer state matters on a resume), 8 iterations of an
     8-iteration cosine schedule, no checkpoint (so a save that changed the run would show): the
-    uninterrupted run of the resume tests of test_training and test_run_control. Its rows."""
+    uninterrupted run of the resume tests of test_training and test_run_control, which also
+    profiles iteration 3 (test_profile.py; the resume tests, unprofiled, then also show that the
+    profiler changes no number). Its rows and log directory."""
     from tests.e2e.test_training import train
 
     d = tmp_path_factory.mktemp("muon8")
-    return train(["--data-path", dataset, *MUON8, "--train-iters", "8"], d / "log")
+    run = Run(train(["--data-path", dataset, *MUON8, "--train-iters", "8", *PROFILE], d / "log"))
+    run.log_dir = d / "log"
+    return run
 
 
 ADAMW4 = ["--optimizer", "adamw", "--lr", "5e-3", "--train-iters", "4", "--save-interval", "2"]

@@ -29,8 +29,10 @@ def test_tiny_prints_both_rows_with_numbers(tiny_run):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert re.search(r"^check \(tiny preset layers \[1, 3\], fp32 on cpu, .*: passed$", out.stdout, re.M)
     for name in ("ours \\(THD\\)", "transformers Step3p7"):
-        # ms/iter, tokens/s, TFLOP/s, then MFU and peak memory ("-": no peak or allocator on a CPU)
-        assert re.search(rf"^{name} +{NUMBER} +{NUMBER} +{NUMBER} +- +- +{NUMBER}x$", out.stdout, re.M), out.stdout
+        # ms/iter, tokens/s, TFLOP/s, then MFU, peak allocated and reserved ("-": no peak or allocator
+        # on a CPU), the planner's figure, the speed
+        assert re.search(rf"^{name} +{NUMBER} +{NUMBER} +{NUMBER} +- +- +- +{NUMBER} +{NUMBER}x$", out.stdout, re.M), \
+            out.stdout
     assert "reproduce: python benchmarks/bench_gpu.py --tiny --seq-length 512" in out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("bench_gpu: CPU; check passed; ours ")
     res = json.loads(path.read_text())
@@ -39,6 +41,9 @@ def test_tiny_prints_both_rows_with_numbers(tiny_run):
         assert r["ms"] > 0 and r["tokens_per_s"] == pytest.approx(res["tokens"] / (r["ms"] / 1e3))
         assert r["tflops"] == pytest.approx(res["flops"] / (r["ms"] / 1e3) / 1e12)
     assert 1 < res["documents"] and res["tokens"] <= 512 and res["output_diff"]["max_rel"] < 0.1
+    assert [c["what"] for c in res["compare"]] == [f"{n}: peak {k}" for n in ("ours (THD)", "transformers Step3p7")
+                                                   for k in ("allocated", "reserved")]
+    assert all(c["measured"] is None and c["planned"] > 0 for c in res["compare"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the full benchmark would run")

@@ -1,7 +1,7 @@
-"""Part (h) of the GPU check, the one-GPU proxy of a recipe rank, runs its whole path on the CPU at
-tiny width (``--tiny``: the tiny preset's first MoE layers with one EP4 rank's experts, the
-recipe's flags through pretrain_step37.py, the planner's EP4 rank beside it); its flags are the
-recipe's."""
+"""Parts (h) and (h100) of the GPU check, the one-GPU proxies of the 8 x H200 and 8 x H100 recipes'
+ranks, run their whole path on the CPU at tiny width (``--tiny``: the tiny preset's first MoE
+layers with one EP4 rank's experts, the recipe's flags through pretrain_step37.py, the planner's
+EP4 rank beside it); their flags are the recipes'."""
 from __future__ import annotations
 
 import json
@@ -11,15 +11,18 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.gpu_parts import proxy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_the_proxy_runs_the_recipe_and_prints_the_plan_beside_it(tmp_path):
+@pytest.mark.parametrize("recipe", sorted(proxy.RECIPES))
+def test_the_proxy_runs_the_recipe_and_prints_the_plan_beside_it(tmp_path, recipe):
     path = tmp_path / "h.json"
     out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_parts.proxy", "--tiny", "--steps", "3", "--json",
-                          str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          str(path), "--recipe", recipe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(path.read_text())
     assert r["layers"] == [1, 2, 3] and r["ep"] == 4 and r["measured"]["steps"] == 3
@@ -29,18 +32,26 @@ def test_the_proxy_runs_the_recipe_and_prints_the_plan_beside_it(tmp_path):
     here = r["planned_one_gpu"]  # the run itself at EP1: nothing to exclude
     assert here["all_to_all_s"] == 0 and here["step_s"] > 0 and "for this one-GPU run itself" in out.stdout
     assert re.search(r"^step s +\d+\.\d\d +\d+\.\d\d$", out.stdout, re.M), out.stdout
-    assert "less its all-to-all" in out.stdout and r["headline"].startswith("proxy EP4 rank (3 layers): step ")
+    assert "less its all-to-all" in out.stdout
+    assert r["headline"].startswith(f"proxy {recipe} EP4 rank (3 layers): step ")
+    assert r["flags"] == proxy.RECIPES[recipe][1] and f"the flags of {proxy.RECIPES[recipe][0]}" in out.stdout
+    assert [c["what"] for c in r["compare"]] == ["step", "device memory: peak allocated",
+                                                 "device memory: peak reserved", "MFU"]
 
 
-def test_the_proxy_flags_are_the_recipes():
-    recipe = open(os.path.join(ROOT, "examples", "step37_flash_8xh200_thd_sft.sh")).read()
-    words = shlex.split(recipe.replace("\\\n", " "), comments=True)
-    flags = proxy.RECIPE
+@pytest.mark.parametrize("recipe", sorted(proxy.RECIPES))
+def test_the_proxy_flags_are_the_recipes(recipe):
+    path, flags = proxy.RECIPES[recipe]
+    words = shlex.split(open(os.path.join(ROOT, path)).read().replace("\\\n", " "), comments=True)
     for i, flag in enumerate(flags):
         if not flag.startswith("--"):
             continue  # a value: checked with its flag
         assert flag in words, flag
         if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             assert words[words.index(flag) + 1] == flags[i + 1], (flag, flags[i + 1])
+    # and every flag of the recipe that shapes a rank's step is the proxy's
+    shaping = {"--fsdp-gather-once", "--recompute-chunks", "--offload-recompute-inputs", "--cpu-offload",
+               "--optimizer-in-backward", "--recompute-granularity", "--data-parallel-sharding", "--bf16"}
+    assert {w for w in words if w in shaping} == {f for f in flags if f in shaping}
     assert words[words.index("--micro-batch-size") + 1] == str(proxy.MICRO_BATCH)
     assert words[words.index("--expert-model-parallel-size") + 1] == "8"

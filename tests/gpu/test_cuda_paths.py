@@ -4,15 +4,17 @@ parallelism); the chunked loss's bf16 path
 against fp32 logits; grouped_mm in bf16 against a per-expert loop, forward and backward, with
 experts that get no row (and a batch of none); fp32 layers on CUDA (sdpa, the loop); compiled
 layers (varlen inside the graph) against eager; and short 1-GPU training runs with --bf16:
-eager, --compile, --cpu-offload optimizer and experts; --optimizer-in-backward's steps on their
-own stream against the step after the backward (bitwise); chunked recompute with offloaded inputs
-against the unchunked block, its blocks on one copy stream. The comparisons are the GPU check's own
+eager, --compile, --cpu-offload optimizer and experts, host masters with the optimizer in the backward;
+--optimizer-in-backward's steps on their own stream against the step after the backward (bitwise);
+chunked recompute with offloaded inputs against the unchunked block, its blocks on one copy stream.
+The comparisons are the GPU check's own
 (``benchmarks/gpu_parts``) at smaller shapes. The training flags a test adds come last, so they
 override the defaults (argparse keeps the last value)."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -150,6 +152,8 @@ def _train_tiny(tmp_path, flags):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(l) for l in open(tmp_path / "tb" / "metrics.jsonl")]
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["tflops_per_gpu"] > 0
+    assert rows[-1]["peak_reserved_gib"] >= rows[-1]["peak_mem_gib"] > 0
+    return out
 
 
 def test_compiled_layers_with_varlen_in_bf16_match_eager_without_recompiling():
@@ -200,6 +204,17 @@ def test_one_gpu_bf16_offloaded_training_run(tmp_path, offload):
     host (Muon's Newton-Schulz on the GPU) and the loss falls."""
     _train_tiny(tmp_path, ["--data-parallel-sharding", "fsdp", "--cpu-offload", offload,
                            "--optimizer", "muon", "--muon-momentum", "0", "--lr", "0.02", "--train-iters", "10"])
+
+
+def test_one_gpu_bf16_host_masters_training_run(tmp_path):
+    """--cpu-offload masters with --optimizer-in-backward on a GPU (the recipes' mode): fp32
+    masters in pageable memory, one pinned staging slab (its size and pinning time in the log),
+    updates copied through it on the side streams while the backward goes on; the loss falls."""
+    out = _train_tiny(tmp_path, ["--data-parallel-sharding", "fsdp", "--cpu-offload", "masters",
+                                 "--optimizer-in-backward", "--optimizer", "muon", "--muon-momentum", "0",
+                                 "--lr", "0.02", "--micro-batch-size", "4", "--train-iters", "10"])
+    assert re.search(r"host masters: .* fp32 masters in pageable memory; staging slab [0-9.]+ [GM]iB pinned in "
+                     r"[0-9.]+ s \(one allocation", out.stdout), out.stdout[-3000:]
 
 
 def in_backward_steps_match(rank, world, steps):

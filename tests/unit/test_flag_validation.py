@@ -46,6 +46,10 @@ BAD = [
     (["--compile", "--attention-backend", "flex"], "--compile does not support --attention-backend flex "),
     (["--vocab-size", "0"], "--vocab-size must be >= 1"),
     (["--vocab-size", "1024", "--load-hf", "x"], "--vocab-size cannot change the vocabulary of --load-hf"),
+    (["--profile"], "--profile needs --log-dir: the traces are written under it"),
+    (["--profile-step-start", "-1"], "--profile-step-start must be >= 0"),
+    (["--profile-step-start", "3", "--profile-step-end", "3"],
+     "--profile-step-end 3 must be above --profile-step-start 3"),
 ]
 
 

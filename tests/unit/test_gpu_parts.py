@@ -45,6 +45,8 @@ def test_cp_attention_part_runs_on_the_cpu(tmp_path):
     # 5 + 3 + 2 + 1 rows twice; full: prefixes 5 + 40, 3 + 24, 2 + 16, 1 + 8 keys
     full = r["rows"][1]
     assert (full["queries"], full["segments"], full["key_rows"]) == (22, 8, 99)
+    assert [c["what"] for c in r["compare"]] == [f"CP4 shard of 512 tokens fwd+bwd{k}" for k in
+                                                 ("", ": peak allocated", ": peak reserved")]
     long = r["long"]  # one document of 512 tokens: (1 + 1/8) x 512 key rows
     assert long["queries"] == 128 and long["key_rows"] == long["key_rows_predicted"] == 576 and long["finite"]
 
@@ -85,6 +87,13 @@ def test_experts_full_width_cases_are_the_recipes():
 def test_moe_layer_part_reads_nothing_back(tmp_path):
     rc, r = _run(moe_layer, tmp_path)
     assert rc == 0 and r["host_reads"] == [] and r["ms"] > 0 and r["tflops"] > 0, r
+    # no allocator on the CPU: the peaks are None, the planner's figure is there, above the
+    # weights and gradients it holds (fp32 on the CPU: 4 bytes each)
+    assert [(c["what"], c["measured"]) for c in r["compare"]] == [
+        ("one MoE layer fwd+bwd MFU", None), ("one MoE layer fwd+bwd: peak allocated", None),
+        ("one MoE layer fwd+bwd: peak reserved", None)]
+    assert r["compare"][0]["planned"] == 0.4  # the planner's assumed MFU (no peak on the CPU: none measured)
+    assert r["compare"][1]["planned"] == r["planned_gib"] > 2 * 4 * r["parameters"] / 2**30
 
 
 def test_head_part_measures_both_recompute_modes(tmp_path):
@@ -92,11 +101,17 @@ def test_head_part_measures_both_recompute_modes(tmp_path):
     assert rc == 0 and [row["recompute"] for row in r["rows"]] == ["none", "full"]
     none, full = r["rows"]
     assert none["mtp_depths"] == 2 and 0 < full["predicted_gib"] < none["predicted_gib"]
+    for row in r["rows"]:  # the planner's peak: its activations on top of the weights and gradients held
+        assert row["planned_peak_gib"] == pytest.approx(row["predicted_gib"] + row["params_gib"] + row["grads_gib"])
+        assert row["peak_allocated_gib"] is None and row["peak_reserved_gib"] is None
+    assert len(r["compare"]) == 4 and r["compare"][1]["what"] == "head + MTP, recompute none: peak reserved"
 
 
 def test_newton_schulz_part_times_an_ep_rank_stack(tmp_path):
     rc, r = _run(newton_schulz, tmp_path)
     assert rc == 0 and r["shape"] == [2, 32, 64] and r["planned_ms"] > 0
+    assert r["compare"] == [{"what": "Newton-Schulz [2, 32, 64]", "measured": r["ms"], "planned": r["planned_ms"],
+                             "unit": "ms"}]
     # the planner's count for one [36, 1280, 4096] stack, 5 steps: 36 * 5 * (4 m^2 n + 2 m^3)
     m, n = 1280, 4096
     assert newton_schulz.planned_flops((36, m, n), 5) == pytest.approx(36 * 5 * (4 * m * m * n + 2 * m ** 3))

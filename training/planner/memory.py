@@ -41,6 +41,7 @@ from core.context_parallel.costs import gathered_bytes, key_buffer_bytes
 from core.memory_mode import KINDS, OFFLOAD_MODES, RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, Placement, RunFacts
 from core.optim import registry as optimizers
 from core.optim.build import classify
+from core.optim.host_masters import STAGING
 from core.parallel_state import ParallelSizes
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
@@ -48,6 +49,7 @@ from training.planner.shares import ROOT, ChunkShare, block_numel, rank_shares, 
 
 GB = 10**9
 MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
+HOST_STAGING = STAGING  # --cpu-offload masters: pinned bytes per element, one slab per rank (host_masters.py)
 
 
 @dataclass
@@ -289,11 +291,11 @@ def _stored(chunks: list, inp: PlanInputs, pl: Placement, dev: dict, host: dict,
         t = chunk_tally(chunk, inp, pl)
         for kind in KINDS:
             where = host if pl.offloaded[kind] else dev
-            if pl.host_masters:  # bf16 on the device; fp32 master + bf16 staging in and out on the host
+            if pl.host_masters:  # bf16 on the device; fp32 master (pageable) + one pinned bf16 slot on the host
                 bf16 = t[kind]["shard"] - t[kind]["fp32_shard"]  # the fp32 routers stay on the device
                 dev["parameters"] += bf16 * 2 + t[kind]["fp32_shard"] * MASTER
-                host["parameters"] += bf16 * (MASTER + 2)   # fp32 master, the new bf16 weight staged
-                host["gradients"] += bf16 * 2                # the update (or gradient) staged in
+                host["parameters"] += bf16 * MASTER          # the fp32 master, pageable: as allocated
+                host["gradients"] += bf16 * HOST_STAGING     # the pinned slab's slot: update in, new weight out
                 host["optimizer"] += t[kind]["optimizer"]
                 dev["gradients"] += _gradient_bytes(t[kind], inp)
             else:

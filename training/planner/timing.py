@@ -490,8 +490,8 @@ def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: 
     12 bytes) and the new weight back to the GPU (2 bytes), during the backward with
     ``optimizer_in_backward`` (else after it; what the last of the chunk's ``units`` blocks sends
     cannot start before the backward ends), counted one after the other; the AdamW parameters'
-    fp32 gradients (4 bytes) to the host, their AdamW (28 bytes + 2 for the new weight) after the
-    clip, and their new bf16 weights back (2 bytes)."""
+    bf16 gradients (2 bytes; made fp32 on the host) to the host, their AdamW (28 bytes + 2 for the
+    new weight) after the clip, and their new bf16 weights back (2 bytes)."""
     _orthogonalise(w, inp, eff, step)
     matrix_s = w["matrix"] * (4 / pcie + 12 / host)
     step.bytes[HD] += 4 * w["matrix"]
@@ -500,7 +500,7 @@ def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: 
         step.tail += matrix_s / max(1, units)
     else:
         step.seconds["optimizer"] += matrix_s
-    step.move("host-device", 4 * w["adamw"], pcie, HD)
+    step.move("host-device", 2 * w["adamw"], pcie, HD)
     step.seconds["optimizer"] += w["adamw"] * (ADAMW_BYTES + 2) / host
     step.move("host-device", 2 * w["adamw"], pcie, HD)
 
