@@ -119,12 +119,12 @@ def memory_text(peak: dict, planned_gib: float | None) -> str:
 
 def planned_layers_gib(cfg, T: int, weight_bytes: int, grad_bytes: int, recompute: str = "none") -> float:
     """The planner's device memory for a slice's decoder layers (all of ``cfg``'s) run forward +
-    backward alone in bf16: the weights and gradients as held, and ``training/memory_plan.py``'s
+    backward alone in bf16: the weights and gradients as held, and ``training/planner/memory.py``'s
     activations (``core/activations.py``; the input kept for its gradient included) and recompute
     working set for a stage of those layers that is neither first nor last."""
     from types import SimpleNamespace
 
-    from training.memory_plan import PlanInputs, _chunk_activations, _recompute_working_set
+    from training.planner.memory import PlanInputs, _chunk_activations, _recompute_working_set
 
     chunk = SimpleNamespace(layers=tuple(range(cfg.num_layers)), first=False, last=False)
     inp = PlanInputs(recompute=recompute, seq_length=T, micro_batch_size=1, bf16=True)

@@ -7,7 +7,7 @@ and every host read our counter (``tests/host_reads.py``, the CPU tests' tool) s
 each comes from: one MoE layer on one GPU (the local dispatcher) should make none. Then the median
 of 5 timed steps, TFLOP/s and MFU (``core/flops.py``'s count for this layer: the one behind the
 training logs) and the peak memory of those steps, allocated and reserved, beside the planner's
-(``training/memory_plan.py``: the weights and gradients as held, the layer's activations)."""
+(``training/planner/memory.py``: the weights and gradients as held, the layer's activations)."""
 from __future__ import annotations
 
 import sys
@@ -22,7 +22,7 @@ def run(preset: str, device, seq: int, seed: int = 0, iters: int = 5) -> dict:
     from core.flops import device_peak_tflops
     from models import registry
     from tests.host_reads import HostReads
-    from training.time_plan import TimeAssumptions
+    from training.planner.timing import TimeAssumptions
 
     full = registry.resolve(preset)[1]
     cfg, idx = slice_config(full, layers=moe_layers(full)[:1])
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
     mem = common.memory_text(r, r["planned_gib"])
     print(f"forward + backward {r['ms']:.1f} ms (median), {r['tflops']:.3g} TFLOP/s, MFU {mfu}; {mem} (weights, "
-          f"grads, activations: training/memory_plan.py)")
+          f"grads, activations: training/planner/memory.py)")
     r["headline"] = (f"MoE layer: {len(r['syncs'])} syncs, {len(r['host_reads'])} host reads; {r['ms']:.1f} ms, "
                      f"{r['tflops']:.3g} TFLOP/s, MFU {mfu}, {mem}")
     r["part"] = "c"

@@ -8,7 +8,7 @@ resident on the GPU, and the host's updates running while the backward goes on.
 Only the staging is ever copied, so only it is pinned: one slab per rank (``pin()``, one
 allocation, timed for the start-up log) sliced into one slot per parameter of 2 bytes an element
 (+ ``SLOT_EXTRA`` bytes for the update's scalars), what the planner books
-(``training/memory_plan.py``). Pinning each tensor on its own, as before, had torch's pinned
+(``training/planner/memory.py``). Pinning each tensor on its own, as before, had torch's pinned
 allocator round every block up to a power of two: about 1.4x the bytes booked, all of them
 pinned at start-up.
 

@@ -1,6 +1,6 @@
 """--cpu-offload masters' host memory (core/optim/host_masters.py): the fp32 masters are ordinary
 tensors, the only pinned memory is one staging slab per rank, of the bytes the planner books
-(training/memory_plan.py) plus SLOT_EXTRA a tensor, sliced into one slot per parameter; an
+(training/planner/memory.py) plus SLOT_EXTRA a tensor, sliced into one slot per parameter; an
 update goes through its parameter's slot (the update in, the new bf16 weight out) and gives the
 values a direct update gives; workers x intra-op threads fit the rank's cores."""
 from __future__ import annotations
@@ -42,8 +42,8 @@ def tiny_model_params():
 def planned_staging_bytes() -> int:
     """The planner's pinned host bytes for that rank (world 1, --bf16 --cpu-offload masters)."""
     from train_args import parse, validate
-    from training.memory_plan import plan
-    from training.plan import plan_inputs
+    from training.planner.memory import plan
+    from training.planner.run import plan_inputs
 
     args = parse(["--model-preset", "tiny", "--bf16", "--cpu-offload", "masters", "--data-path", "x",
                   "--seq-length", "128", "--global-batch-size", "1"])
