@@ -222,3 +222,37 @@ def count_targets(chunk: nn.Module, targets) -> dict:
     for _, _, t in target_modules(chunk, targets):
         out[t] += 1
     return out
+
+
+def base_fingerprint(chunks, pstate=None) -> str:
+    """A fingerprint of the frozen base's values, the same in every layout (collective over the
+    world with ``pstate``, this rank's chunks being one share of the model; without it
+    ``chunks`` are the whole model): per row of every frozen parameter, the sum of its fp32 bit patterns
+    (int64, wrapping: exact and independent of the order of summation), weighted by a hash of the
+    parameter's name plus the row's global index (expert rows by their global expert), summed
+    over the rows each distinct tensor has once (``core.distributed.grads.owns``) and over the
+    ranks. Changing, swapping or moving any row changes it (short of a 2^-64 collision)."""
+    import zlib
+
+    import torch.distributed as dist
+
+    from core.distributed.grads import owns
+    from core.init import local_rows
+    from core.model_api import iter_params
+    from core.parallel_state import local_device
+
+    device = local_device()
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for _, name, p, spec in iter_params(chunks):
+        if p.requires_grad or (pstate is not None and not owns(p, spec, pstate)):
+            continue
+        local, first = local_rows(p)
+        if not local.numel():
+            continue
+        rows = local.detach().to(device, torch.float32).reshape(local.shape[0] if local.dim() else 1, -1)
+        sums = rows.contiguous().view(torch.int32).to(torch.int64).sum(1)
+        index = torch.arange(sums.numel(), device=device, dtype=torch.int64) + first + (spec.expert_offset or 0)
+        total += (sums * (index + (zlib.crc32(name.encode()) << 20))).sum()
+    if pstate is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return f"{int(total) & (2**64 - 1):016x}"

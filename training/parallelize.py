@@ -81,8 +81,9 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
         apply_fsdp(chunk, ps, placement, device.type)
         if m.compile:
             apply_compile(chunk, m.compile_backend)
-        materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,
-                    hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0, masters=masters)
+        fill = not from_checkpoint or lora.enabled  # a LoRA checkpoint holds the adapters only
+        materialize(chunk, device, seed=args.schedule.seed, init=fill,
+                    hf_path=m.load_hf if fill else None, progress=ps.rank == 0, masters=masters)
     return chunks
 
 

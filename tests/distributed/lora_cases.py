@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from core.init import local_rows, materialize_seeded
-from core.lora import LoraSettings, apply_lora
+from core.lora import LoraSettings, apply_lora, base_fingerprint
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
 from data.cp_shard import shard_batch
@@ -45,7 +45,8 @@ def check_lora_layout(rank, world, pp, ep, cp=1, flags=(), family="step37"):
     step 2's moves A too): the layout's loss each step equals one process's within 1e-5 relative
     (the same fp32 terms summed in another order, as in check_layout), its adapters after the
     steps equal the reference's rows within 1e-5, and every frozen base parameter is
-    bit-identical to its initial value and has no gradient."""
+    bit-identical to its initial value and has no gradient; the base's fingerprint is one
+    process's."""
     cfg = tiny_config(family)
     sizes = ParallelSizes(world, pp=pp, ep=ep, cp=cp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
@@ -57,6 +58,8 @@ def check_lora_layout(rank, world, pp, ep, cp=1, flags=(), family="step37"):
     args = run_args(pp, 1, ep, "--context-parallel-size", str(cp), "--lora-rank", str(RANK),
                     "--lora-alpha", str(ALPHA), *flags)
     chunks = parallelize(cfg, ps, args)
+    # the frozen base's fingerprint (what a LoRA checkpoint records) is the same in every layout
+    assert base_fingerprint(chunks, ps) == base_fingerprint([ref_model])
     base = {(c, n): local_rows(p)[0].clone() for c, chunk in enumerate(chunks)
             for n, p in chunk.named_parameters() if not p.requires_grad}
     trainable = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]

@@ -219,3 +219,43 @@ def test_training_moves_only_the_adapters(family):
     for n, _ in model.named_parameters():
         if any(k in n for k in ("router", "embed_tokens", "lm_head", ".head.", "norm")):
             assert n in base, n
+
+
+# ------------------------------------------------------------------ checkpoints' identity
+
+
+def _record(rank=4, fp="a" * 16, hf="/base"):
+    return {"rank": rank, "alpha": 8.0, "dropout": 0.0, "targets": ["attention"],
+            "base": {"load_hf": hf, "seed": None, "config_sha256": "c" * 16, "weights_fingerprint": fp}}
+
+
+@pytest.mark.parametrize("saved,run,message", [
+    (None, _record(), "--load CK: not a LoRA checkpoint (it holds every weight)"),
+    (_record(), None, "--load CK: a LoRA checkpoint (adapters of rank 4 only, on the base /base); resume it with "
+                      "--lora-rank 4 --lora-alpha 8 --lora-targets attention and --load-hf of that base"),
+    (_record(rank=8), _record(), "--load CK: the adapters were trained with other LoRA flags (--lora-rank 8 -> 4)"),
+    (_record(), _record(fp="b" * 16, hf="/other"), "--load CK: its adapters were trained on another base: the "
+     "weights differ (checkpoint aaaaaaaaaaaaaaaa from /base, this run bbbbbbbbbbbbbbbb from /other)"),
+])
+def test_a_lora_checkpoint_resumes_only_onto_its_base(saved, run, message):
+    from training.checkpoints import CheckpointError, check_lora_base
+
+    with pytest.raises(CheckpointError) as e:
+        check_lora_base("CK", saved, run)
+    assert str(e.value).startswith(message)
+    check_lora_base("CK", _record(), _record())  # the same base and flags: accepted
+
+
+def test_base_fingerprint_sees_every_row():
+    from core.lora import base_fingerprint
+
+    cfg = tiny_config("qwen3_moe")
+    model, _ = _lora_model(cfg)
+    fp = base_fingerprint([model])
+    assert fp == base_fingerprint([model]) and len(fp) == 16
+    q = model.layers["0"].self_attn.q_proj
+    with torch.no_grad():
+        q.lora_A.add_(1.0)  # adapters are not the base
+        assert base_fingerprint([model]) == fp
+        q.weight[[0, 1]] = q.weight[[1, 0]].clone()  # two rows swapped: same values, other places
+        assert base_fingerprint([model]) != fp
