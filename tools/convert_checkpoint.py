@@ -17,6 +17,12 @@ Verbs:
           config gets pad_token_id from --tokenizer-type/--tokenizer-model, else from --source's
           config, else from the tokenizer the training run recorded.
 
+          A LoRA run's checkpoint (adapters only) is loaded onto its base (the --load-hf it trained
+          on, recorded in meta.json, or --base; its fingerprint must match) and written as a PEFT
+          adapter folder (adapter_config.json + adapter_model.safetensors, transformers' module
+          names; peft.PeftModel.from_pretrained loads it onto the base), or with --merge-lora as
+          the merged full Hugging Face weights. Routed experts' adapters export merged only.
+
   import  HF_DIR OUT [--model-preset NAME | --hf-config PATH]
           Hugging Face checkpoint -> a training checkpoint at iteration 0 (weights only), for
           `pretrain_step37.py --load OUT`.
@@ -107,8 +113,23 @@ def cmd_export(args) -> int:
             raise ValueError(f"--source {args.source} is a {theirs.family} checkpoint; {path} holds a "
                              f"{spec.family} model")
     pad_id, pad_from = pad_token_id(args, meta)
-    model = spec.build(cfg)
+    lora = meta.get("lora")
+    if args.merge_lora and not lora:
+        raise ValueError(f"--merge-lora: {path} is not a LoRA run's checkpoint (it holds every weight)")
+    model = lora_model(spec, cfg, lora, args.base, path) if lora else spec.build(cfg)
     load_checkpoint(path, [model])
+    if lora and not args.merge_lora:
+        from core.lora_export import write_peft
+
+        config = write_peft(model, args.out, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
+                            base=args.base or lora["base"]["load_hf"])
+        print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} (PEFT LoRA "
+              f"adapter, rank {lora['rank']}, alpha {lora['alpha']:g}, {len(config['target_modules'])} modules)")
+        return 0
+    if lora:
+        from core.lora_export import merge_lora
+
+        merge_lora(model)
     stale = stale_files(args.out, tuple(getattr(model.hf_weights, "side_files", ()))) if os.path.isdir(args.out) else []
     layout = model.save_hf(args.out, source=args.source)
     if stale:
@@ -119,6 +140,27 @@ def cmd_export(args) -> int:
           f"({spec.family}, {layout} layout, {count_parameters(model)['total']:,} parameters; pad_token_id "
           f"{pad_id} from {pad_from})")
     return 0
+
+
+def lora_model(spec, cfg, lora: dict, base: str | None, path: str):
+    """The model of a LoRA checkpoint: its base (``base``, else the --load-hf it trained on, else
+    the seeded weights), checked against the recorded fingerprint, with empty adapters for the
+    checkpoint to fill."""
+    from core.lora import LoraSettings, apply_lora, base_fingerprint
+
+    recorded = lora["base"]
+    base = base or recorded["load_hf"]
+    model = spec.build(cfg, seed=recorded["seed"] or 0) if not base else spec.build(cfg)
+    apply_lora(model, LoraSettings(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                   lora_targets=",".join(lora["targets"])))
+    if base:
+        model.load_hf(base)
+    fingerprint = base_fingerprint([model])
+    if fingerprint != recorded["weights_fingerprint"]:
+        raise ValueError(f"{path}: its adapters were trained on another base (weights fingerprint "
+                         f"{recorded['weights_fingerprint']}, {base or 'the seeded weights'}: {fingerprint}); "
+                         "pass --base with the base it was trained on")
+    return model
 
 
 def _config_pad(config_dir: str | None) -> int | None:
@@ -200,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the tokenizer the data was made with, for pad_token_id (default: --source's "
                           "config, else the tokenizer the training run recorded)")
     exp.add_argument("--tokenizer-model", help="its model file or directory")
+    exp.add_argument("--base", help="a LoRA checkpoint's base HF directory (default: the --load-hf it trained on)")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA checkpoint: write the merged full weights instead of a PEFT adapter folder")
     exp.set_defaults(func=cmd_export)
     imp = sub.add_parser("import", help="Hugging Face -> training checkpoint")
     imp.add_argument("directory", help="Hugging Face checkpoint directory")

@@ -259,3 +259,42 @@ def test_base_fingerprint_sees_every_row():
         assert base_fingerprint([model]) == fp
         q.weight[[0, 1]] = q.weight[[1, 0]].clone()  # two rows swapped: same values, other places
         assert base_fingerprint([model]) != fp
+
+
+# ------------------------------------------------------------------ export
+
+
+def test_merge_folds_the_adapters_into_a_plain_model():
+    """After merging, the model has the base's parameter names only and gives the adapted
+    model's logits (1e-5 relative: W + s B A rounded once to fp32 instead of two fp32 GEMMs)."""
+    from core.lora_export import merge_lora
+    from tests.unit.test_model_hf import thd
+
+    cfg = tiny_config("step37")
+    model, _ = _lora_model(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    tokens, pos, psp = thd([9, 6], vocab=cfg.vocab_size)
+    with torch.no_grad():
+        want = model(tokens, pos, psp)
+        assert merge_lora(model) > 0
+        got = model(tokens, pos, psp)
+    base_names = {n for n, _ in registry.spec_of(cfg).build(cfg, seed=0).named_parameters()}
+    assert {n for n, _ in model.named_parameters()} == base_names
+    assert_close_rel(got, want, rel=1e-5)
+
+
+def test_peft_export_refuses_experts_published_stacked():
+    """Step-3.7 publishes its experts stacked: no per-expert module for PEFT, so the export
+    refuses (naming --merge-lora) instead of writing a partial adapter; without expert
+    adapters it writes PEFT's names for transformers' modules."""
+    from core.lora_export import peft_tensors
+
+    cfg = tiny_config("step37")
+    with pytest.raises(ValueError, match="published stacked .* export the merged weights with --merge-lora"):
+        peft_tensors(_lora_model(cfg)[0])
+    tensors, modules = peft_tensors(_lora_model(cfg, targets="attention,shared_expert")[0])
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+    assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tensors)

@@ -1,0 +1,113 @@
+"""LoRA adapters out of this project: merged into the base weights (``merge_lora``: the model is a
+plain model again, for a Hugging Face export), or as a PEFT adapter folder (``write_peft``:
+``adapter_config.json`` + ``adapter_model.safetensors`` under PEFT's names for transformers'
+modules, which the family's weight adapter gives: ``published(name)`` of each adapted weight).
+
+PEFT's keys: ``base_model.model.<transformers module>.lora_A.weight`` ``[r, in]`` and
+``...lora_B.weight`` ``[out, r]``, scale ``lora_alpha / r``: ours exactly. Routed experts' grouped
+adapters are written per expert under the published per-expert module names
+(``...experts.7.gate_proj``): the form PEFT (0.21, checked) converts itself onto transformers 5's
+fused experts (``target_parameters`` on ``gate_up_proj`` / ``down_proj``, gate and up adapters
+stacked at rank 2r). A family that publishes its experts stacked has no such names, and a dense
+projection named like an expert projection would be taken for the experts by that conversion:
+``write_peft`` refuses both rather than write an adapter PEFT loads wrongly, and points to
+``--merge-lora``."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from core.lora import LoRAGroupedExperts, LoRALinear
+from core.moe.experts import GroupedExperts
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (``W + (alpha / r) B A``, computed in fp32, rounded
+    once to the weight's dtype) and put the plain modules back (the same parameter names as the
+    base model); returns the number of modules merged."""
+    merged = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                w = child.weight
+                w.copy_((w.float() + child.scale * (child.lora_B.float() @ child.lora_A.float())).to(w.dtype))
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+            elif isinstance(child, LoRAGroupedExperts):
+                for n in child.PROJECTIONS:
+                    w = getattr(child, n)
+                    delta = torch.bmm(child.lora_B[n].float(), child.lora_A[n].float())
+                    w.copy_((w.float() + child.scale * delta).to(w.dtype))
+                plain = GroupedExperts.__new__(GroupedExperts)
+                nn.Module.__init__(plain)
+                plain.num_experts, plain.limit, plain.expert_offset = child.num_experts, child.limit, child.expert_offset
+                plain.use_grouped_mm = child.use_grouped_mm
+                for n in child.PROJECTIONS:
+                    setattr(plain, n, getattr(child, n))
+            else:
+                continue
+            setattr(parent, name, plain)
+            merged += 1
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return merged
+
+
+def peft_tensors(model) -> tuple[dict, list]:
+    """PEFT's adapter tensors (fp32, contiguous) and the transformers modules they adapt."""
+    tensors, modules, expert_leaves = {}, [], set()
+    adapter = model.hf_weights
+    for name, m in model.named_modules():
+        if isinstance(m, LoRAGroupedExperts):
+            for n in m.PROJECTIONS:
+                src = adapter.sources(f"{name}.{n}")[0].name
+                if "{e}" not in src or not src.endswith(".weight"):
+                    raise ValueError(f"{name}.{n}: the routed experts are published stacked ({src}), so PEFT has no "
+                                     "per-expert module to adapt: export the merged weights with --merge-lora, or "
+                                     "train with --lora-targets without experts")
+                for i in range(m.num_experts):
+                    module = src[:-len(".weight")].replace("{e}", str(m.expert_offset + i))
+                    tensors[f"base_model.model.{module}.lora_A.weight"] = m.lora_A[n][i].detach().float().contiguous().cpu()
+                    tensors[f"base_model.model.{module}.lora_B.weight"] = m.lora_B[n][i].detach().float().contiguous().cpu()
+                    modules.append(module)
+                expert_leaves.add(src.rsplit(".", 2)[-2])
+        elif isinstance(m, LoRALinear):
+            published = adapter.published(f"{name}.weight")
+            if not published.endswith(".weight"):
+                raise ValueError(f"{name}.weight is published as {published!r}: not a linear module's weight, "
+                                 "so PEFT has no module to adapt; use --merge-lora")
+            module = published[:-len(".weight")]
+            tensors[f"base_model.model.{module}.lora_A.weight"] = m.lora_A.detach().float().contiguous().cpu()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = m.lora_B.detach().float().contiguous().cpu()
+            modules.append(module)
+    if not modules:
+        raise ValueError("the model has no LoRA adapter to export")
+    clash = sorted(m for m in modules if m.rsplit(".", 1)[-1] in expert_leaves and ".experts." not in m)
+    if clash:  # PEFT on transformers 5 takes every target of an expert projection's name for the experts
+        raise ValueError(f"{clash[0]}: a dense projection named like the routed experts' ({', '.join(sorted(expert_leaves))}); "
+                         "PEFT maps such targets onto transformers' fused experts, so it would drop this adapter: "
+                         "export the merged weights with --merge-lora")
+    return tensors, modules
+
+
+def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base: str | None) -> dict:
+    """Write ``model``'s adapters as a PEFT LoRA folder ``out``; returns the adapter config."""
+    from safetensors.torch import save_file
+
+    tensors, modules = peft_tensors(model)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+              "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(modules),
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    return config

@@ -1,0 +1,73 @@
+"""A LoRA run's checkpoint out to Hugging Face (tools/convert_checkpoint.py export): as a PEFT
+adapter folder that ``peft.PeftModel.from_pretrained`` loads onto transformers' model, and with
+``--merge-lora`` as merged weights transformers loads alone; both give our model's logits after 3
+training steps (tiny Qwen3-MoE; attention and routed-expert adapters, the experts' written per
+expert, which PEFT converts onto transformers' fused experts itself).
+
+Tolerance HF_REL (tests/unit/test_model_hf.py, 4e-5 relative to the largest logit): the two
+implementations sum in different orders; PEFT adds the adapter path to the base output as we do,
+the merged weights fold it in (one more fp32 rounding per weight, far below that)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.e2e.test_training import train
+from tests.unit.numerics import assert_close_rel
+from tests.unit.test_model_hf import HF_REL, thd
+from tests.unit.test_qwen3_moe import save_hf_model
+from tools.convert_checkpoint import main as convert
+
+pytest.importorskip("peft")
+
+
+def test_peft_export_and_merged_export_give_our_logits(dataset, tmp_path):
+    from peft import PeftModel
+    from transformers import Qwen3MoeForCausalLM
+
+    hf_dir = tmp_path / "hf"
+    save_hf_model(str(hf_dir), seed=5, mlp_only_layers=[])
+    train(["--data-path", dataset, "--hf-config", str(hf_dir), "--load-hf", str(hf_dir), "--optimizer", "adamw",
+           "--lr", "2e-2", "--train-iters", "3", "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "8",
+           "--lora-targets", "attention,experts", "--save", str(tmp_path / "ck")], tmp_path / "log")
+
+    # ours: the base with the trained adapters, as the export tool builds it
+    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from tools.convert_checkpoint import lora_model
+    from training.checkpoints import checkpoint_model
+
+    path = resolve(str(tmp_path / "ck"))
+    meta = read_meta(path)
+    spec, cfg = checkpoint_model(path, meta)
+    ours = lora_model(spec, cfg, meta["lora"], None, path)
+    load_checkpoint(path, [ours])
+    tokens, pos, psp = thd([17], vocab=cfg.vocab_size)
+    with torch.no_grad():
+        want = ours(tokens, pos, psp)
+
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft")]) == 0
+    config = json.load(open(tmp_path / "peft" / "adapter_config.json"))
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and "model.layers.1.mlp.experts.7.down_proj" in config["target_modules"]
+    base = Qwen3MoeForCausalLM.from_pretrained(str(hf_dir)).eval()
+    with torch.no_grad():
+        plain = base(input_ids=tokens[None]).logits[0]
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        got = peft_model(input_ids=tokens[None]).logits[0]
+    assert_close_rel(got, want, rel=HF_REL)
+    assert (plain - want).abs().max() > 100 * HF_REL * want.abs().max()  # the adapters matter
+    with torch.no_grad():  # and the experts' among them: PEFT applied those too
+        for m in ours.modules():
+            if hasattr(m, "lora_B") and isinstance(m.lora_B, torch.nn.ParameterDict):
+                for b in m.lora_B.values():
+                    b.zero_()
+        without_experts = ours(tokens, pos, psp)
+    assert (without_experts - want).abs().max() > 100 * HF_REL * want.abs().max()
+
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged, info = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "merged"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert_close_rel(merged.eval()(input_ids=tokens[None]).logits[0], want, rel=HF_REL)
