@@ -77,3 +77,34 @@ def test_lora_resume_is_bitwise_and_refuses_another_base(lora_runs, tmp_path, ca
     assert rc != 0
     assert f"--load {ck / 'iter_0000002'}: its adapters were trained on another base: the weights differ" in why
     assert str(hf) in why and str(other) in why
+
+
+def test_bf16_lora_keeps_the_frozen_base_in_bf16(dataset, tmp_path, capfd):
+    """Under --bf16 the frozen base is stored in bf16, its only copy (its compute weight: the
+    fp32 value rounded once, as FSDP's mixed precision rounds a full run's masters), the routers
+    in fp32, the adapters fp32 masters: the first step's loss equals a full --bf16 run's exactly,
+    and the weights the rank holds (start-up summary) are a little over half the full run's (2
+    bytes per base parameter instead of 4, plus the fp32 adapters and routers)."""
+    hf = tmp_path / "hf"
+    Step37Model(Step37Config.preset("tiny"), seed=5).save_hf(str(hf))
+    common = ["--data-path", dataset, "--load-hf", str(hf), "--optimizer", "adamw", "--lr", "1e-2", "--bf16",
+              "--train-iters", "3"]
+    capfd.readouterr()
+    lora = train(common + LORA, tmp_path / "lora")
+    lora_held = _held_mib(capfd.readouterr())
+    full = train(common + ["--train-iters", "2"], tmp_path / "full")
+    full_held = _held_mib(capfd.readouterr())
+    assert lora[0]["loss"] == full[0]["loss"]
+    assert all(math.isfinite(r["loss"]) for r in lora)
+    assert 0.5 * full_held < lora_held < 0.65 * full_held, (lora_held, full_held)
+
+
+def _held_mib(captured) -> float:
+    """The bytes of the weights the rank holds, from the trainer's start-up summary (MiB; on the
+    CPU the "device" is host memory)."""
+    import re
+
+    m = re.search(r"parameters on this rank \([\d.]+ MiB on the device, ([\d.]+) MiB in host memory",
+                  captured.out + captured.err)
+    assert m, captured.err[-2000:]
+    return float(m.group(1))
