@@ -243,7 +243,7 @@ class MemoryMode:
                 optimizer_state="host" if on_host or self.host_masters else "device",
                 gathered=("whole" if not managed[k] else "once per step" if gather_once
                           else "per micro-batch and pass"))
-        frozen = {k: dataclasses.replace(r, master="none", master_dtype="fp32", gradient="none", gradient_dtype="none",
+        frozen = {k: dataclasses.replace(r, master="none", master_dtype="bf16" if self.bf16 else "fp32", gradient="none", gradient_dtype="none",
                                          optimizer_state="none") for k, r in roles.items()} if lora else {}
         return Placement(roles=roles, frozen=frozen, shard=shard, self_meshes=self_meshes, gather_once=gather_once,
                          sync_every_microbatch=resident, host_masters=self.host_masters,
