@@ -103,6 +103,8 @@ class LoRALinear(nn.Linear):
     """``nn.Linear`` with an adapter: the wrapped linear's own ``weight`` and ``bias`` parameters
     (same names, same objects) plus ``lora_A [r, in]`` and ``lora_B [out, r]`` (fp32)."""
 
+    lora_target = ""  # the --lora-targets entry that chose it (apply_lora)
+
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -204,12 +206,13 @@ def apply_lora(chunk: nn.Module, settings: LoraSettings) -> int:
         return 0
     r, alpha, p = settings.lora_rank, settings.alpha, settings.lora_dropout
     found = target_modules(chunk, settings.targets)
-    for parent, name, _ in found:
+    for parent, name, target in found:
         base = getattr(parent, name)
         if isinstance(base, (LoRALinear, LoRAGroupedExperts)):
             continue
         wrap = LoRAGroupedExperts if isinstance(base, GroupedExperts) else LoRALinear
         setattr(parent, name, wrap(base, r, alpha, p))
+        getattr(parent, name).lora_target = target
     adapters = adapter_params(chunk)
     for q in chunk.parameters():
         q.requires_grad_(id(q) in adapters)
@@ -241,8 +244,9 @@ def count_targets(chunk: nn.Module, targets) -> dict:
 def base_fingerprint(chunks, pstate=None) -> str:
     """A fingerprint of the frozen base's values, the same in every layout (collective over the
     world with ``pstate``, this rank's chunks being one share of the model; without it
-    ``chunks`` are the whole model): per row of every frozen parameter, the sum of its fp32 bit patterns
-    (int64, wrapping: exact and independent of the order of summation), weighted by a hash of the
+    ``chunks`` are the whole model): per row of every frozen parameter, the sum of the fp32 bit
+    patterns of its values rounded to bf16 (so a base stored in bf16 under ``--bf16`` and the same
+    base in fp32 agree; HF checkpoints are bf16) (int64, wrapping: exact and independent of the order of summation), weighted by a hash of the
     parameter's name plus the row's global index (expert rows by their global expert), summed
     over the rows each distinct tensor has once (``core.distributed.grads.owns``) and over the
     ranks. Changing, swapping or moving any row changes it (short of a 2^-64 collision)."""
@@ -263,7 +267,8 @@ def base_fingerprint(chunks, pstate=None) -> str:
         local, first = local_rows(p)
         if not local.numel():
             continue
-        rows = local.detach().to(device, torch.float32).reshape(local.shape[0] if local.dim() else 1, -1)
+        # the bf16 value (as bf16 storage under --bf16 holds it): one fingerprint in either precision
+        rows = local.detach().to(device, torch.bfloat16).float().reshape(local.shape[0] if local.dim() else 1, -1)
         sums = rows.contiguous().view(torch.int32).to(torch.int64).sum(1)
         index = torch.arange(sums.numel(), device=device, dtype=torch.int64) + first + (spec.expert_offset or 0)
         total += (sums * (index + (zlib.crc32(name.encode()) << 20))).sum()

@@ -60,9 +60,10 @@ def merge_lora(model: nn.Module) -> int:
     return merged
 
 
-def peft_tensors(model) -> tuple[dict, list]:
-    """PEFT's adapter tensors (fp32, contiguous) and the transformers modules they adapt."""
-    tensors, modules, expert_leaves = {}, [], set()
+def peft_entries(model) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
+    """``(transformers module, our target, A, B)`` of every adapter of ``model``, routed experts one
+    entry per expert (``A`` and ``B`` views of the stacks)."""
+    entries, expert_leaves = [], set()
     adapter = model.hf_weights
     for name, m in model.named_modules():
         if isinstance(m, LoRAGroupedExperts):
@@ -74,27 +75,86 @@ def peft_tensors(model) -> tuple[dict, list]:
                                      "train with --lora-targets without experts")
                 for i in range(m.num_experts):
                     module = src[:-len(".weight")].replace("{e}", str(m.expert_offset + i))
-                    tensors[f"base_model.model.{module}.lora_A.weight"] = m.lora_A[n][i].detach().float().contiguous().cpu()
-                    tensors[f"base_model.model.{module}.lora_B.weight"] = m.lora_B[n][i].detach().float().contiguous().cpu()
-                    modules.append(module)
+                    entries.append((module, "experts", m.lora_A[n].detach()[i], m.lora_B[n].detach()[i]))
                 expert_leaves.add(src.rsplit(".", 2)[-2])
         elif isinstance(m, LoRALinear):
             published = adapter.published(f"{name}.weight")
             if not published.endswith(".weight"):
                 raise ValueError(f"{name}.weight is published as {published!r}: not a linear module's weight, "
                                  "so PEFT has no module to adapt; use --merge-lora")
-            module = published[:-len(".weight")]
-            tensors[f"base_model.model.{module}.lora_A.weight"] = m.lora_A.detach().float().contiguous().cpu()
-            tensors[f"base_model.model.{module}.lora_B.weight"] = m.lora_B.detach().float().contiguous().cpu()
-            modules.append(module)
-    if not modules:
+            entries.append((published[:-len(".weight")], m.lora_target, m.lora_A.detach(), m.lora_B.detach()))
+    if not entries:
         raise ValueError("the model has no LoRA adapter to export")
-    clash = sorted(m for m in modules if m.rsplit(".", 1)[-1] in expert_leaves and ".experts." not in m)
+    clash = sorted(e[0] for e in entries if e[0].rsplit(".", 1)[-1] in expert_leaves and e[1] != "experts")
     if clash:  # PEFT on transformers 5 takes every target of an expert projection's name for the experts
         raise ValueError(f"{clash[0]}: a dense projection named like the routed experts' ({', '.join(sorted(expert_leaves))}); "
                          "PEFT maps such targets onto transformers' fused experts, so it would drop this adapter: "
                          "export the merged weights with --merge-lora")
-    return tensors, modules
+    return entries
+
+
+def _keys(module: str) -> tuple[str, str]:
+    return f"base_model.model.{module}.lora_A.weight", f"base_model.model.{module}.lora_B.weight"
+
+
+def peft_tensors(model) -> tuple[dict, list]:
+    """PEFT's adapter tensors (fp32, contiguous) and the transformers modules they adapt."""
+    tensors = {}
+    entries = peft_entries(model)
+    for module, _, A, B in entries:
+        ka, kb = _keys(module)
+        tensors[ka], tensors[kb] = A.float().contiguous().cpu(), B.float().contiguous().cpu()
+    return tensors, [e[0] for e in entries]
+
+
+def read_peft_config(folder: str) -> dict:
+    """A PEFT LoRA folder's config, with what this reader cannot take refused by name."""
+    path = os.path.join(folder, ADAPTER_CONFIG)
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {config.get('peft_type')!r}, expected LORA")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ValueError(f"{path}: {key} {config[key]} (per-module ranks or alphas) is not supported: one rank "
+                             "and alpha for every adapter")
+    for key in ("use_dora", "use_rslora", "fan_in_fan_out"):
+        if config.get(key):
+            raise ValueError(f"{path}: {key} is not supported (plain LoRA only)")
+    return config
+
+
+def adapted_targets(model, folder: str) -> list[str]:
+    """Our ``--lora-targets`` that the PEFT folder's tensors cover (``model``: adapted with every
+    target)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), "pt") as f:
+        keys = set(f.keys())
+    return sorted({t for module, t, _, _ in peft_entries(model) if _keys(module)[0] in keys})
+
+
+@torch.no_grad()
+def read_peft(model, folder: str) -> int:
+    """Fill ``model``'s adapters from a PEFT folder (as ``write_peft`` writes it); a tensor the
+    model needs and the folder lacks, or one the folder has and the model does not use, is an
+    error naming it. Returns the number of tensors read."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
+    used = set()
+    for module, _, A, B in peft_entries(model):
+        for key, dst in zip(_keys(module), (A, B)):
+            if key not in tensors:
+                raise ValueError(f"{folder}: {ADAPTER_WEIGHTS} has no {key}")
+            if tuple(tensors[key].shape) != tuple(dst.shape):
+                raise ValueError(f"{folder}: {key} is {list(tensors[key].shape)}, the model's is {list(dst.shape)}")
+            dst.copy_(tensors[key])
+            used.add(key)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(f"{folder}: tensors the model has no adapter for, e.g. {unused[:3]} (other --lora-targets?)")
+    return len(used)
 
 
 def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base: str | None) -> dict:

@@ -23,9 +23,11 @@ Verbs:
           names; peft.PeftModel.from_pretrained loads it onto the base), or with --merge-lora as
           the merged full Hugging Face weights. Routed experts' adapters export merged only.
 
-  import  HF_DIR OUT [--model-preset NAME | --hf-config PATH]
+  import  HF_DIR OUT [--model-preset NAME | --hf-config PATH] [--peft ADAPTER_DIR]
           Hugging Face checkpoint -> a training checkpoint at iteration 0 (weights only), for
-          `pretrain_step37.py --load OUT`.
+          `pretrain_step37.py --load OUT`. With --peft, a PEFT LoRA adapter trained on HF_DIR
+          (as export writes one) -> a LoRA checkpoint of its adapters on that base, for
+          `pretrain_step37.py --load-hf HF_DIR --lora-rank R ... --load OUT` (the flags printed).
 """
 from __future__ import annotations
 
@@ -208,6 +210,7 @@ def set_pad_token_id(config_path: str, pad_id: int) -> None:
 def cmd_import(args) -> int:
     from core.checkpoint_dir import read_pointer
     from core.checkpointing import save_checkpoint
+    from training.checkpoints import lora_meta
 
     latest = read_pointer(args.out) if os.path.isdir(args.out) else None
     if latest is not None:
@@ -216,11 +219,42 @@ def cmd_import(args) -> int:
     spec, cfg = spec_and_config(args, args.directory)
     model = spec.build(cfg)
     report = model.load_hf(args.directory)
-    path = save_checkpoint(args.out, 0, [model], None, {},
-                           {"family": spec.family, "model": cfg.to_dict(), "source": args.directory})
-    print(f"convert_checkpoint import: {args.directory} -> {path} ({spec.family}, {report['loaded']} tensors; "
-          f"resume with pretrain_step37.py --load {args.out})")
+    meta = {"family": spec.family, "model": cfg.to_dict(), "source": args.directory}
+    if args.peft:
+        lora, n = import_peft(model, args.peft)
+        meta["lora"] = lora_meta(lora, cfg, [model], None, args.directory, 0)
+    path = save_checkpoint(args.out, 0, [model], None, {}, meta)
+    resume = f"--load-hf {args.directory} {lora_flags(meta['lora'])} --load {args.out}" if args.peft else \
+        f"--load {args.out}"
+    print(f"convert_checkpoint import: {args.directory}{' + ' + args.peft if args.peft else ''} -> {path} "
+          f"({spec.family}, {report['loaded']} tensors{f', {n} adapter tensors' if args.peft else ''}; resume with "
+          f"pretrain_step37.py {resume})")
     return 0
+
+
+def lora_flags(lora: dict) -> str:
+    return (f"--lora-rank {lora['rank']} --lora-alpha {lora['alpha']:g} --lora-targets {','.join(lora['targets'])}"
+            + (f" --lora-dropout {lora['dropout']:g}" if lora["dropout"] else ""))
+
+
+def import_peft(model, folder: str):
+    """Adapt ``model`` (its base loaded) as the PEFT folder says and read its adapters; returns
+    the settings and the number of tensors read."""
+    from core.lora import TARGETS, LoraSettings, apply_lora
+    from core.lora_export import adapted_targets, read_peft, read_peft_config
+
+    config = read_peft_config(folder)
+    probe = LoraSettings(lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]))
+    with torch.device("meta"):  # which of our targets the folder covers
+        every = type(model)(model.config)
+    apply_lora(every, probe)
+    targets = adapted_targets(every, folder)
+    if not targets:
+        raise ValueError(f"--peft {folder}: none of its tensors adapts a module of this model ({', '.join(TARGETS)})")
+    lora = LoraSettings(lora_rank=probe.lora_rank, lora_alpha=probe.lora_alpha,
+                        lora_dropout=float(config.get("lora_dropout") or 0.0), lora_targets=",".join(targets))
+    apply_lora(model, lora)
+    return lora, read_peft(model, folder)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     src2 = imp.add_mutually_exclusive_group()
     src2.add_argument("--model-preset", help=f"a preset ({', '.join(registry.preset_names())})")
     src2.add_argument("--hf-config")
+    imp.add_argument("--peft", help="a PEFT LoRA adapter folder trained on HF_DIR: import it too, for a LoRA run to "
+                                    "continue (--load-hf HF_DIR --lora-rank ... --load OUT)")
     imp.set_defaults(func=cmd_import)
     for p in (check, exp, imp):
         p.add_argument("--model-module", help="import this module first (it registers another model family)")

@@ -50,9 +50,15 @@ def lora_record(args, cfg, chunks, pstate) -> dict | None:
     lora = getattr(args, "lora", None)
     if lora is None or not lora.enabled:
         return None
+    return lora_meta(lora, cfg, chunks, pstate, args.model.load_hf, args.schedule.seed)
+
+
+def lora_meta(lora, cfg, chunks, pstate, load_hf: str | None, seed: int) -> dict:
+    """``meta.json``'s ``lora`` for ``LoraSettings`` ``lora`` on the base ``load_hf`` (or seeded
+    from ``seed``) that ``chunks`` hold."""
     model = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_FIELDS}
     return {"rank": lora.lora_rank, "alpha": lora.alpha, "dropout": lora.lora_dropout, "targets": list(lora.targets),
-            "base": {"load_hf": args.model.load_hf, "seed": None if args.model.load_hf else args.schedule.seed,
+            "base": {"load_hf": load_hf, "seed": None if load_hf else seed,
                      "config_sha256": hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16],
                      "weights_fingerprint": base_fingerprint(chunks, pstate)}}
 

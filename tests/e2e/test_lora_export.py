@@ -66,6 +66,24 @@ def test_peft_export_and_merged_export_give_our_logits(dataset, tmp_path):
         without_experts = ours(tokens, pos, psp)
     assert (without_experts - want).abs().max() > 100 * HF_REL * want.abs().max()
 
+    # the PEFT folder imported back: the same adapters, bit for bit, and a LoRA run continues from it
+    assert convert(["import", str(hf_dir), str(tmp_path / "imported"), "--peft", str(tmp_path / "peft")]) == 0
+    back_path = resolve(str(tmp_path / "imported"))
+    back_meta = read_meta(back_path)
+    assert back_meta["lora"]["targets"] == ["attention", "experts"] and back_meta["lora"]["rank"] == 4
+    assert back_meta["lora"]["base"]["weights_fingerprint"] == meta["lora"]["base"]["weights_fingerprint"]
+    back = lora_model(spec, cfg, back_meta["lora"], None, back_path)
+    load_checkpoint(back_path, [back])
+    again = lora_model(spec, cfg, meta["lora"], None, path)
+    load_checkpoint(path, [again])
+    for (n, p), (_, q) in zip(again.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), n
+    resumed = train(["--data-path", dataset, "--hf-config", str(hf_dir), "--load-hf", str(hf_dir), "--optimizer",
+                     "adamw", "--lr", "2e-2", "--train-iters", "1", "--lr-warmup-iters", "0", "--lora-rank", "4",
+                     "--lora-alpha", "8", "--lora-targets", "attention,experts", "--load", str(tmp_path / "imported"),
+                     "--train-iters", "2"], tmp_path / "log2")
+    assert [r["iteration"] for r in resumed] == [1, 2]
+
     assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "merged"), "--merge-lora"]) == 0
     merged, info = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "merged"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
