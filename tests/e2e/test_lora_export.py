@@ -89,3 +89,36 @@ def test_peft_export_and_merged_export_give_our_logits(dataset, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     with torch.no_grad():
         assert_close_rel(merged.eval()(input_ids=tokens[None]).logits[0], want, rel=HF_REL)
+
+
+def test_step37_merged_export_gives_our_hidden_states(dataset, tmp_path):
+    """The tiny Step-3.7 preset (seeded base) after 3 LoRA steps on attention, shared experts and
+    routed experts: ``--merge-lora`` writes transformers' Step3p7TextModel layout (head and MTP
+    beside it), which transformers loads alone with our final hidden states (HF_REL); the PEFT
+    form is refused for its stacked experts (exit 1, naming --merge-lora)."""
+    from transformers import Step3p7TextModel
+
+    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from tools.convert_checkpoint import lora_model
+    from training.checkpoints import checkpoint_model
+
+    train(["--data-path", dataset, "--optimizer", "adamw", "--lr", "2e-2", "--train-iters", "3",
+           "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "8",
+           "--lora-targets", "attention,shared_expert,experts", "--save", str(tmp_path / "ck")], tmp_path / "log")
+    path = resolve(str(tmp_path / "ck"))
+    meta = read_meta(path)
+    spec, cfg = checkpoint_model(path, meta)
+    ours = lora_model(spec, cfg, meta["lora"], None, path)
+    load_checkpoint(path, [ours])
+    base = spec.build(cfg, seed=meta["lora"]["base"]["seed"])
+    tokens, pos, psp = thd([17], vocab=cfg.vocab_size)
+    with torch.no_grad():
+        want, plain = ours.final_hidden(tokens, pos, psp), base.final_hidden(tokens, pos, psp)
+    assert (plain - want).abs().max() > 100 * HF_REL * want.abs().max()  # the adapters matter
+
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged, info = Step3p7TextModel.from_pretrained(str(tmp_path / "merged"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert_close_rel(merged.eval()(input_ids=tokens[None]).last_hidden_state[0], want, rel=HF_REL)
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft")]) == 1
