@@ -108,3 +108,23 @@ def _held_mib(captured) -> float:
                   captured.out + captured.err)
     assert m, captured.err[-2000:]
     return float(m.group(1))
+
+
+def test_bf16_lora_under_fsdp_and_ep_on_two_ranks_resumes_on_one(dataset, tmp_path):
+    """--bf16 --data-parallel-sharding fsdp --expert-model-parallel-size 2 on two ranks (a frozen
+    bf16 base sharded with fp32 adapters in the same FSDP units): the losses are one process's
+    within 1e-4 relative (bf16 compute; the ranks sum the same terms in another order), and its
+    checkpoint (adapters only, the base's fingerprint taken over both ranks' shards) resumes in one
+    process onto the same base."""
+    hf = tmp_path / "hf"
+    Step37Model(Step37Config.preset("tiny"), seed=5).save_hf(str(hf))
+    common = ["--data-path", dataset, "--load-hf", str(hf), "--optimizer", "adamw", "--lr", "1e-2", "--bf16",
+              "--train-iters", "3", *LORA]
+    one = train(common, tmp_path / "one")
+    two = train(common + ["--data-parallel-sharding", "fsdp", "--expert-model-parallel-size", "2",
+                          "--save", str(tmp_path / "ck"), "--save-interval", "2"], tmp_path / "two", world=2)
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["loss"], b["loss"])
+    (tmp_path / "ck" / "latest").write_text("iter_0000002")
+    resumed = train(common + ["--load", str(tmp_path / "ck")], tmp_path / "resumed")
+    assert [r["iteration"] for r in resumed] == [3]
