@@ -60,15 +60,27 @@ def merge_lora(model: nn.Module) -> int:
     return merged
 
 
-def peft_entries(model) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
+def _source(model, name: str, keys: set | None, expert: int | None = None) -> str:
+    """The checkpoint name of our tensor ``name``: the first of the weight adapter's sources that
+    the base checkpoint holds (``keys``: its tensor names; the module paths of the transformers
+    model it loads into), else the first (the published layout)."""
+    sources = [s.name for s in model.hf_weights.sources(name)]
+    for src in sources if keys else ():
+        if src.replace("{e}", str(expert or 0)) in keys:
+            return src
+    return sources[0]
+
+
+def peft_entries(model, keys: set | None = None) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
     """``(transformers module, our target, A, B)`` of every adapter of ``model``, routed experts one
-    entry per expert (``A`` and ``B`` views of the stacks)."""
+    entry per expert (``A`` and ``B`` views of the stacks); ``keys``: the base checkpoint's tensor
+    names, which choose among the names a family publishes (e.g. Step-3.7's text model's or the
+    full model's)."""
     entries, expert_leaves = [], set()
-    adapter = model.hf_weights
     for name, m in model.named_modules():
         if isinstance(m, LoRAGroupedExperts):
             for n in m.PROJECTIONS:
-                src = adapter.sources(f"{name}.{n}")[0].name
+                src = _source(model, f"{name}.{n}", keys, m.expert_offset)
                 if "{e}" not in src or not src.endswith(".weight"):
                     raise ValueError(f"{name}.{n}: the routed experts are published stacked ({src}), so PEFT has no "
                                      "per-expert module to adapt: export the merged weights with --merge-lora, or "
@@ -78,7 +90,7 @@ def peft_entries(model) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
                     entries.append((module, "experts", m.lora_A[n].detach()[i], m.lora_B[n].detach()[i]))
                 expert_leaves.add(src.rsplit(".", 2)[-2])
         elif isinstance(m, LoRALinear):
-            published = adapter.published(f"{name}.weight")
+            published = _source(model, f"{name}.weight", keys)
             if not published.endswith(".weight"):
                 raise ValueError(f"{name}.weight is published as {published!r}: not a linear module's weight, "
                                  "so PEFT has no module to adapt; use --merge-lora")
@@ -97,10 +109,10 @@ def _keys(module: str) -> tuple[str, str]:
     return f"base_model.model.{module}.lora_A.weight", f"base_model.model.{module}.lora_B.weight"
 
 
-def peft_tensors(model) -> tuple[dict, list]:
+def peft_tensors(model, keys: set | None = None) -> tuple[dict, list]:
     """PEFT's adapter tensors (fp32, contiguous) and the transformers modules they adapt."""
     tensors = {}
-    entries = peft_entries(model)
+    entries = peft_entries(model, keys)
     for module, _, A, B in entries:
         ka, kb = _keys(module)
         tensors[ka], tensors[kb] = A.float().contiguous().cpu(), B.float().contiguous().cpu()
@@ -124,18 +136,28 @@ def read_peft_config(folder: str) -> dict:
     return config
 
 
-def adapted_targets(model, folder: str) -> list[str]:
+def base_keys(base: str | None, model) -> set | None:
+    """The tensor names of the HF checkpoint ``base`` (None without one)."""
+    if not base:
+        return None
+    from core.hf_checkpoint import open_checkpoint
+
+    return set(open_checkpoint(model, base).file_of)
+
+
+def adapted_targets(model, folder: str, keys: set | None = None) -> list[str]:
     """Our ``--lora-targets`` that the PEFT folder's tensors cover (``model``: adapted with every
     target)."""
     from safetensors import safe_open
 
+    base = keys
     with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), "pt") as f:
         keys = set(f.keys())
-    return sorted({t for module, t, _, _ in peft_entries(model) if _keys(module)[0] in keys})
+    return sorted({t for module, t, _, _ in peft_entries(model, base) if _keys(module)[0] in keys})
 
 
 @torch.no_grad()
-def read_peft(model, folder: str) -> int:
+def read_peft(model, folder: str, keys: set | None = None) -> int:
     """Fill ``model``'s adapters from a PEFT folder (as ``write_peft`` writes it); a tensor the
     model needs and the folder lacks, or one the folder has and the model does not use, is an
     error naming it. Returns the number of tensors read."""
@@ -143,7 +165,7 @@ def read_peft(model, folder: str) -> int:
 
     tensors = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
     used = set()
-    for module, _, A, B in peft_entries(model):
+    for module, _, A, B in peft_entries(model, keys):
         for key, dst in zip(_keys(module), (A, B)):
             if key not in tensors:
                 raise ValueError(f"{folder}: {ADAPTER_WEIGHTS} has no {key}")
@@ -157,12 +179,25 @@ def read_peft(model, folder: str) -> int:
     return len(used)
 
 
+def task_type(base: str | None) -> str:
+    """PEFT's task of the base: a language model with a head (``...ForCausalLM``,
+    ``...ForConditionalGeneration``) is CAUSAL_LM; a base model without one (Step-3.7's text
+    export, ``Step3p7TextModel``) FEATURE_EXTRACTION."""
+    path = os.path.join(base, "config.json") if base else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            arch = (json.load(f).get("architectures") or [""])[0]
+        if arch and not arch.endswith(("ForCausalLM", "ForConditionalGeneration")):
+            return "FEATURE_EXTRACTION"
+    return "CAUSAL_LM"
+
+
 def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base: str | None) -> dict:
     """Write ``model``'s adapters as a PEFT LoRA folder ``out``; returns the adapter config."""
     from safetensors.torch import save_file
 
-    tensors, modules = peft_tensors(model)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+    tensors, modules = peft_tensors(model, base_keys(base, model))
+    config = {"peft_type": "LORA", "task_type": task_type(base), "base_model_name_or_path": base,
               "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(modules),
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "use_rslora": False, "use_dora": False, "modules_to_save": None}

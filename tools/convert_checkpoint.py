@@ -221,7 +221,7 @@ def cmd_import(args) -> int:
     report = model.load_hf(args.directory)
     meta = {"family": spec.family, "model": cfg.to_dict(), "source": args.directory}
     if args.peft:
-        lora, n = import_peft(model, args.peft)
+        lora, n = import_peft(model, args.peft, args.directory)
         meta["lora"] = lora_meta(lora, cfg, [model], None, args.directory, 0)
     path = save_checkpoint(args.out, 0, [model], None, {}, meta)
     resume = f"--load-hf {args.directory} {lora_flags(meta['lora'])} --load {args.out}" if args.peft else \
@@ -237,24 +237,26 @@ def lora_flags(lora: dict) -> str:
             + (f" --lora-dropout {lora['dropout']:g}" if lora["dropout"] else ""))
 
 
-def import_peft(model, folder: str):
-    """Adapt ``model`` (its base loaded) as the PEFT folder says and read its adapters; returns
-    the settings and the number of tensors read."""
+def import_peft(model, folder: str, base: str):
+    """Adapt ``model`` (its base loaded from ``base``, whose tensor names are the module names
+    the adapter uses) as the PEFT folder says and read its adapters; returns the settings and the
+    number of tensors read."""
     from core.lora import TARGETS, LoraSettings, apply_lora
-    from core.lora_export import adapted_targets, read_peft, read_peft_config
+    from core.lora_export import adapted_targets, base_keys, read_peft, read_peft_config
 
     config = read_peft_config(folder)
+    keys = base_keys(base, model)
     probe = LoraSettings(lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]))
     with torch.device("meta"):  # which of our targets the folder covers
         every = type(model)(model.config)
     apply_lora(every, probe)
-    targets = adapted_targets(every, folder)
+    targets = adapted_targets(every, folder, keys)
     if not targets:
         raise ValueError(f"--peft {folder}: none of its tensors adapts a module of this model ({', '.join(TARGETS)})")
     lora = LoraSettings(lora_rank=probe.lora_rank, lora_alpha=probe.lora_alpha,
                         lora_dropout=float(config.get("lora_dropout") or 0.0), lora_targets=",".join(targets))
     apply_lora(model, lora)
-    return lora, read_peft(model, folder)
+    return lora, read_peft(model, folder, keys)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -122,3 +122,41 @@ def test_step37_merged_export_gives_our_hidden_states(dataset, tmp_path):
     with torch.no_grad():
         assert_close_rel(merged.eval()(input_ids=tokens[None]).last_hidden_state[0], want, rel=HF_REL)
     assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft")]) == 1
+
+
+def test_step37_peft_export_loads_onto_transformers_text_model(dataset, tmp_path):
+    """Step-3.7 adapters on attention and the shared experts (its routed experts are published
+    stacked: no PEFT form): exported against the base's own checkpoint (``--base``: its tensor
+    names choose among the family's published names, here transformers' Step3p7TextModel's),
+    ``PeftModel.from_pretrained`` on that model gives our final hidden states (HF_REL)."""
+    from peft import PeftModel
+    from transformers import Step3p7TextModel
+
+    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from models.step37 import Step37Config, Step37Model
+    from tools.convert_checkpoint import lora_model
+    from training.checkpoints import checkpoint_model
+
+    base_dir = tmp_path / "base"
+    Step37Model(Step37Config.preset("tiny"), seed=5).save_hf(str(base_dir))
+    train(["--data-path", dataset, "--load-hf", str(base_dir), "--optimizer", "adamw", "--lr", "2e-2",
+           "--train-iters", "3", "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "8",
+           "--lora-targets", "attention,shared_expert", "--save", str(tmp_path / "ck")], tmp_path / "log")
+    path = resolve(str(tmp_path / "ck"))
+    meta = read_meta(path)
+    spec, cfg = checkpoint_model(path, meta)
+    ours = lora_model(spec, cfg, meta["lora"], None, path)
+    load_checkpoint(path, [ours])
+    tokens, pos, psp = thd([17], vocab=cfg.vocab_size)
+    with torch.no_grad():
+        want = ours.final_hidden(tokens, pos, psp)
+
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft")]) == 0
+    hf = Step3p7TextModel.from_pretrained(str(base_dir)).eval()
+    with torch.no_grad():
+        plain = hf(input_ids=tokens[None]).last_hidden_state[0]
+    model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        got = model(input_ids=tokens[None]).last_hidden_state[0]
+    assert_close_rel(got, want, rel=HF_REL)
+    assert (plain - want).abs().max() > 100 * HF_REL * want.abs().max()  # the adapters matter
