@@ -20,7 +20,8 @@ from models.step37 import Step37Config
 from models.step37.model import Step37Model
 from training.planner.memory import PlanInputs, plan
 from training.planner.search import candidates
-from training.planner.timing import adapter_flops, plan_time
+from training.planner.lora import adapter_flops
+from training.planner.timing import plan_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = Step37Config.preset("tiny")

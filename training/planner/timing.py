@@ -60,7 +60,7 @@ from functools import lru_cache
 
 from core.cli import option
 from core.context_parallel.costs import exchange_bytes
-from core.flops import PEAK_TFLOPS, block_params, device_peak_tflops, model_costs
+from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim import registry as optimizers
 from core.optim.build import classify
 from core.optim.muon_split import batches, ns_flops, owners
@@ -69,6 +69,7 @@ from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
 from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, kept_inputs,
                                   placement)
+from training.planner.lora import lora_flops
 from training.planner.shares import ChunkShare, rank_shares, schedule_facts
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
@@ -156,37 +157,6 @@ def _stage_flops(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]
         n = inp.recompute_num_layers or len(chunk.layers)
         redo = sum(c.blocks[i] for i in chunk.layers[:n])
     return fwd, redo + (_last_stage_redo(cfg, chunk, inp) if chunk.last else 0.0)
-
-
-def adapter_flops(hidden: int, b, rank: int, targets) -> float:
-    """Forward FLOPs per token of one block's LoRA adapters (``core/lora.py``): ``2 r (in + out)``
-    per adapted projection (a token's top-k experts' for the routed ones)."""
-    a, f, H = b.attention, b.ffn, hidden
-    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-    ends = 0
-    if "attention" in targets:
-        ends += (H + q) + 2 * (H + kv) + (q + H) + ((H + a.heads) if a.gate else 0)
-    if not f.moe and "mlp" in targets:
-        ends += 3 * (H + f.size)
-    if f.moe and f.shared and "shared_expert" in targets:
-        ends += 3 * (H + f.shared)
-    if f.moe and "experts" in targets:
-        ends += f.top_k * 3 * (H + f.size)
-    return 2.0 * rank * ends
-
-
-def lora_flops(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
-    """Per token of a LoRA run's chunk: the weight-gradient FLOPs its frozen base skips (every
-    weight of the chunk: a backward computes only the input gradients through them), and its
-    adapters' forward FLOPs (their backward is twice that)."""
-    if not inp.lora_rank:
-        return 0.0, 0.0
-    shapes = shapes_of(cfg)
-    targets = {t.strip() for t in inp.lora_targets.split(",")}
-    blocks = [shapes.blocks[i] for i in chunk.layers] + (list(shapes.extra) if chunk.last else [])
-    frozen = sum(2.0 * block_params(shapes.hidden, shapes.vocab, b) for b in blocks)
-    frozen += 2.0 * shapes.hidden * shapes.vocab if chunk.last else 0.0  # the main head
-    return frozen, sum(adapter_flops(shapes.hidden, b, inp.lora_rank, targets) for b in blocks)
 
 
 def _last_stage_redo(cfg, chunk: ChunkShare, inp: PlanInputs) -> float:
