@@ -177,10 +177,6 @@ def adapter_params(module: nn.Module) -> set[int]:
     return out
 
 
-def is_adapted(module: nn.Module) -> bool:
-    return any(isinstance(m, (LoRALinear, LoRAGroupedExperts)) for m in module.modules())
-
-
 def target_modules(chunk: nn.Module, targets) -> list[tuple[nn.Module, str, str]]:
     """``(parent, attribute, target)`` of every module ``targets`` chooses in ``chunk``."""
     shared = {id(m.shared_expert) for m in chunk.modules() if isinstance(m, MoELayer) and m.shared_expert is not None}
