@@ -5,12 +5,6 @@ search plans LoRA layouts with the modes MemoryMode.check_lora accepts, and for 
 on 8 x H200 ranks first a layout without offload that leaves 10 GB free."""
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
-import pytest
 import torch
 
 from core.lora import LoraSettings, adapter_params, apply_lora
@@ -23,7 +17,6 @@ from training.planner.search import candidates
 from training.planner.lora import adapter_flops
 from training.planner.timing import plan_time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = Step37Config.preset("tiny")
 
 
@@ -81,12 +74,12 @@ def test_search_plans_lora_with_the_modes_it_allows():
     assert not candidates(cfg, 8, PlanInputs(seq_length=8192, optimizer="muon", bf16=True, lora_rank=32), 32)
 
 
-def test_step37_flash_lora_fits_8_h200_without_offload():
-    out = subprocess.run([sys.executable, "tools/plan_memory.py", "--search", "--world-size", "8", "--model-preset",
-                          "step37-flash", "--seq-length", "8192", "--global-batch-size", "32", "--bf16",
-                          "--lora-rank", "32", "--top", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    head = lines[1].split()
-    top = dict(zip(head, lines[2].split()))
-    assert top["offload"] == "none" and float(top["GB/GPU"]) <= 141 - 10, top
+def test_lora_recipe_runs_the_search_top_row(tmp_path):
+    """examples/step37_flash_8xh200_lora_sft.sh: its layout flags are the LoRA search's fastest
+    fitting layout for Step-3.7-Flash on 8 x H200 (searched in this process), with no offload
+    and 10 GB to spare."""
+    from tests.unit.test_plan_cli import _assert_recipe_is_the_search_top_row
+
+    wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
+                                                  "step37_flash_8xh200_lora_sft.sh", 141 - 10)
+    assert "--cpu-offload" not in wanted
