@@ -237,6 +237,9 @@ def count_targets(chunk: nn.Module, targets) -> dict:
     return out
 
 
+_FINGERPRINT_BLOCK = 1 << 24  # elements converted at a time (64 MiB of fp32)
+
+
 def base_fingerprint(chunks, pstate=None) -> str:
     """A fingerprint of the frozen base's values, the same in every layout (collective over the
     world with ``pstate``, this rank's chunks being one share of the model; without it
@@ -263,9 +266,11 @@ def base_fingerprint(chunks, pstate=None) -> str:
         local, first = local_rows(p)
         if not local.numel():
             continue
+        rows = local.detach().reshape(local.shape[0] if local.dim() else 1, -1)
+        step = max(1, _FINGERPRINT_BLOCK // rows.shape[1])  # bounded temporaries: a block of rows at a time
         # the bf16 value (as bf16 storage under --bf16 holds it): one fingerprint in either precision
-        rows = local.detach().to(device, torch.bfloat16).float().reshape(local.shape[0] if local.dim() else 1, -1)
-        sums = rows.contiguous().view(torch.int32).to(torch.int64).sum(1)
+        sums = torch.cat([b.to(device, torch.bfloat16).float().view(torch.int32).sum(1, dtype=torch.int64)
+                          for b in rows.split(step)])
         index = torch.arange(sums.numel(), device=device, dtype=torch.int64) + first + (spec.expert_offset or 0)
         total += (sums * (index + (zlib.crc32(name.encode()) << 20))).sum()
     if pstate is not None and dist.is_initialized() and dist.get_world_size() > 1:
