@@ -167,8 +167,8 @@ class MemoryMode:
                  "store and the adapters train in fp32"),
                 ("--cpu-offload masters", self.host_masters, "the frozen base has no masters and the adapters' "
                  "optimizer state is small"),
-                (f"--cpu-offload {self.cpu_offload}", self.cpu_offload in ("all", "experts", "optimizer"),
-                 "offloading a frozen base is not built yet (FSDP shards the base instead)"),
+                ("--cpu-offload optimizer", self.cpu_offload == "optimizer", "it keeps compute copies resident "
+                 "and moves optimizer state the frozen base does not have: use --cpu-offload experts or all"),
                 ("--optimizer-in-backward", self.optimizer_in_backward, "the adapters step with AdamW after the "
                  "backward"),
                 ("--recompute-chunks", self.recompute_chunks > 1, "the chunked recompute's gradient bookkeeping "

@@ -10,7 +10,7 @@
 # Predicted (not measured; no GPU has run this): 116.5 GB on the busiest GPU (24.5 GB to spare),
 # 11.0 s per step, 2,973 tokens/s per GPU, 19.4% MFU counting useful FLOPs only (forward, the
 # backward's input gradients, the adapters' forward and backward; no recompute, no weight
-# gradients of the frozen base). 8 x H100 (80 GB): nothing fits yet without offloading the base.
+# gradients of the frozen base). 8 x H100: examples/step37_flash_8xh100_lora_sft.sh.
 #
 # Then: python tools/convert_checkpoint.py export "$OUT/checkpoints" "$OUT/merged" --merge-lora
 # (the routed experts' adapters export merged only for Step-3.7: it publishes its experts stacked).

@@ -113,7 +113,8 @@ def _held_mib(captured) -> float:
 def test_bf16_lora_under_fsdp_and_ep_on_two_ranks_resumes_on_one(dataset, tmp_path):
     """--bf16 --data-parallel-sharding fsdp --expert-model-parallel-size 2 on two ranks (a frozen
     bf16 base sharded with fp32 adapters in the same FSDP units): the losses are one process's
-    within 1e-4 relative (bf16 compute; the ranks sum the same terms in another order), and its
+    within 1e-4 relative (bf16 compute; the ranks sum the same terms in another order), with
+    --cpu-offload experts exactly the same, and its
     checkpoint (adapters only, the base's fingerprint taken over both ranks' shards) resumes in one
     process onto the same base."""
     hf = tmp_path / "hf"
@@ -125,6 +126,11 @@ def test_bf16_lora_under_fsdp_and_ep_on_two_ranks_resumes_on_one(dataset, tmp_pa
                           "--save", str(tmp_path / "ck"), "--save-interval", "2"], tmp_path / "two", world=2)
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["loss"], b["loss"])
+    # the frozen experts' shards (and their adapters') in host memory: the same step, bit for bit
+    # (on the CPU this proves the bookkeeping, not the host-to-device copies)
+    offloaded = train(common + ["--data-parallel-sharding", "fsdp", "--expert-model-parallel-size", "2",
+                                "--cpu-offload", "experts"], tmp_path / "offloaded", world=2)
+    assert [r["loss"] for r in offloaded] == [r["loss"] for r in two]
     (tmp_path / "ck" / "latest").write_text("iter_0000002")
     resumed = train(common + ["--load", str(tmp_path / "ck")], tmp_path / "resumed")
     assert [r["iteration"] for r in resumed] == [3]

@@ -70,7 +70,8 @@ def test_search_plans_lora_with_the_modes_it_allows():
     base = PlanInputs(seq_length=8192, optimizer="adamw", bf16=True, lora_rank=32)
     todo = candidates(cfg, 8, base, 32)
     assert todo and all(c.lora_rank == 32 for c in todo)
-    assert {c.cpu_offload for c in todo} == {"none"} and not any(c.store_param_remainders for c in todo)
+    assert {c.cpu_offload for c in todo} == {"none", "experts", "all"}
+    assert not any(c.store_param_remainders or c.optimizer_in_backward or c.recompute_chunks > 1 for c in todo)
     assert not candidates(cfg, 8, PlanInputs(seq_length=8192, optimizer="muon", bf16=True, lora_rank=32), 32)
 
 
@@ -83,3 +84,13 @@ def test_lora_recipe_runs_the_search_top_row(tmp_path):
     wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
                                                   "step37_flash_8xh200_lora_sft.sh", 141 - 10)
     assert "--cpu-offload" not in wanted
+
+
+def test_h100_lora_recipe_runs_the_80gb_search_top_row(tmp_path):
+    """examples/step37_flash_8xh100_lora_sft.sh: the LoRA search's fastest fitting layout on 8 GPUs
+    of 80 GB (5 GB to spare): the frozen experts offloaded to host memory."""
+    from tests.unit.test_plan_cli import _assert_recipe_is_the_search_top_row
+
+    wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
+                                                  "step37_flash_8xh100_lora_sft.sh", 80 - 5, gpu_gb=80)
+    assert wanted[wanted.index("--cpu-offload") + 1] == "experts"

@@ -67,8 +67,8 @@ from core.optim.muon_split import batches, ns_flops, owners
 from core.pipeline.simulate import plan_makespan
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, kept_inputs,
-                                  placement)
+from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _parameter_bytes, _shard_numel, chunk_tally,
+                                  kept_inputs, placement)
 from training.planner.lora import lora_flops
 from training.planner.shares import ChunkShare, rank_shares, schedule_facts
 
@@ -324,7 +324,8 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
     ``optimizer`` offload each backward's shards are also added into the host's fp32
     accumulators (read two, write one: 12 bytes per parameter at the host's bandwidth)."""
     b = inp.act_bytes
-    h2d = sum(t[k]["shard"] * MASTER for k in KINDS if pl.offloaded[k])
+    h2d = sum(_parameter_bytes(t[k], inp) for k in KINDS if pl.offloaded[k])  # a frozen bf16 base: 2 bytes
+    d2h = sum((t[k]["shard"] - t[k]["frozen_shard"]) * MASTER for k in KINDS if pl.offloaded[k])  # gradients
     gathers = (f, bk) if pl.gather_per_microbatch else (step,) if any(pl.managed.values()) else ()
     for ledger in gathers:
         ledger.move("host-device", h2d, pcie, HD)
@@ -332,9 +333,9 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
             if pl.managed[k]:
                 ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[_group(k, inp)])
     ledger = bk if pl.sync_every_microbatch else step
-    ledger.move("host-device", h2d, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
+    ledger.move("host-device", d2h, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
     if pl.sync_every_microbatch:  # FSDP's `grad += new` on the host, on the backward's thread
-        bk.seconds["host-device"] += 3 * h2d / host
+        bk.seconds["host-device"] += 3 * d2h / host
     for k in KINDS:  # the reduce-scatter of what gets gradients (not a frozen LoRA base)
         if pl.managed[k]:
             ledger.move("dp comm", (pl.shard_world[k] - 1) * (t[k]["shard"] - t[k]["frozen_shard"]) * MASTER,
