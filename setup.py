@@ -41,7 +41,7 @@ setup(
         "sentencepiece": ["sentencepiece>=0.2", "protobuf>=3.20"],
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=5.24",
                  "tokenizers>=0.20", "safetensors>=0.4", "sentencepiece>=0.2", "protobuf>=3.20", "psutil>=5", "tensorboard>=2.10",
-                 "matplotlib>=3.7", "pyarrow>=15"],
+                 "matplotlib>=3.7", "pyarrow>=15", "peft>=0.21"],
         "te": ["transformer-engine[pytorch]"],
     },
 )

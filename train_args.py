@@ -17,6 +17,7 @@ from data.loader import parse_data_path
 from data.packing import LONG_DOC_POLICIES
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from core.compile import COMPILE_BACKENDS
+from core.lora import LoraSettings
 from core.memory_mode import MemoryMode, RunFacts
 from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
@@ -336,11 +337,16 @@ class EvalArgs:
         require(self, eval_interval=AT_LEAST_1, eval_iters=AT_LEAST_0)
 
 
+@dataclass
+class LoraArgs(LoraSettings):
+    """LoRA: train low-rank adapters on a frozen base (the fields of core/lora.LoraSettings; what they
+    compose with: core/memory_mode.MemoryMode.check_lora)."""
+
 
 SECTIONS = {"model": ModelArgs, "data": DataArgs, "parallel": ParallelArgs, "memory": MemoryArgs,
             "optim": OptimArgs,
             "schedule": ScheduleArgs, "logging": LoggingArgs, "checkpoint": CheckpointArgs,
-            "eval": EvalArgs}
+            "eval": EvalArgs, "lora": LoraArgs}
 
 
 def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
@@ -393,6 +399,7 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
     args.memory.check(run_facts(args, sizes, M))
+    _check_lora_targets(args, spec, cfg)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
@@ -404,7 +411,13 @@ def run_facts(args, sizes: ParallelSizes, num_microbatches: int) -> RunFacts:
     """What the memory mode is checked against: this layout, the optimizer and its flags."""
     return RunFacts(dense_replicas=sizes.dp * sizes.cp, num_microbatches=num_microbatches,
                     micro_batch_size=args.data.micro_batch_size, context_parallel=sizes.cp,
-                    compile=args.model.compile, optimizer=args.optim.optimizer, optimizer_options=args.optim)
+                    compile=args.model.compile, optimizer=args.optim.optimizer, optimizer_options=args.optim,
+                    lora=_lora(args).enabled)
+
+
+def _lora(args) -> LoraSettings:
+    """The LoRA section (off for a namespace built without it)."""
+    return getattr(args, "lora", None) or LoraSettings()
 
 
 def _check_context_parallel(args, cp: int) -> None:
@@ -441,6 +454,23 @@ def _check_against_model(args, cfg) -> None:
         raise ValueError("--attention-backend varlen (flash) computes in bf16 or fp16 only, and without "
                          "--bf16 the layers compute in fp32: add --bf16, or use --attention-backend auto "
                          "(sdpa in fp32)")
+
+
+def _check_lora_targets(args, spec, cfg) -> None:
+    """Every --lora-targets entry given chooses some module of the whole model (built on meta);
+    the default (all of them) adapts what the model has."""
+    from core.lora import DEFAULT_TARGETS, count_targets
+
+    lora = _lora(args)
+    if not lora.enabled:
+        return
+    import torch
+    with torch.device("meta"):
+        found = count_targets(spec.build(cfg), lora.targets)
+    absent = [t for t, n in found.items() if not n]
+    if absent and (lora.lora_targets != DEFAULT_TARGETS or len(absent) == len(found)):
+        raise ValueError(f"--lora-targets {','.join(absent)}: the model has no such module "
+                         f"(it has {', '.join(t for t, n in found.items() if n) or 'none of them'})")
 
 
 def _check_run_files(args, cfg) -> None:

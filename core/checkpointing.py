@@ -5,6 +5,9 @@ Layout on disk::
     SAVE/iter_0000200/          model + optimizer tensors (DCP), extra_rank{r}.pt, meta.json
     SAVE/latest                 "iter_0000200", updated last
 
+A LoRA run (``core/lora.py``) saves its adapters, their optimizer state and the buffers only: the
+frozen base is named by its identity in ``meta.json`` (``training/checkpoints.py``).
+
 Keys are layout-independent: every tensor is stored under its global parameter name, and
 parameters that the model declares as stacked experts (``ParamSpec.expert_offset``), with their
 optimizer state, one expert per key (``name#e17``). A run with
@@ -64,7 +67,8 @@ def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
 
 
 def model_state(chunks, masters_filled: list | None = None) -> dict:
-    """Parameters and persistent buffers under their global names (experts split). A parameter
+    """Parameters and persistent buffers under their global names (experts split), frozen
+    parameters (a LoRA base, ``requires_grad`` False) left out. A parameter
     stored as bf16 plus a remainder (``core/optim/masters.py``) appears as its fp32 master (a
     copy, in host memory when the parameter is on a GPU), so checkpoints hold fp32 masters in
     every storage mode; ``masters_filled`` collects ``(masters, parameter, copy)`` for a load to
@@ -75,6 +79,8 @@ def model_state(chunks, masters_filled: list | None = None) -> dict:
         params = dict(chunk.named_parameters())
         for name, t in persistent_tensors(chunk):
             p = params.get(name)
+            if p is not None and not p.requires_grad:
+                continue  # a frozen base (LoRA): never changes, recorded by its identity in meta.json
             if p is not None and p in masters:
                 t = _master_copy(masters, p)
                 if masters_filled is not None:

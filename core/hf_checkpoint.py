@@ -207,6 +207,8 @@ def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list, list]:
     adapter, specs = model.hf_weights, model.param_specs()
     found, missing, misshaped, wrong_dtype = {}, [], [], []
     for name, t in persistent_tensors(model):
+        if name in specs and specs[name].role == "adapter":
+            continue  # LoRA adapters (core/lora.py) are no part of the base's checkpoint
         offset = specs[name].expert_offset if name in specs else None
         for src in adapter.sources(name):
             shape = _source_shape(ckpt, src, offset or 0, t.shape[0] if t.dim() else 0)

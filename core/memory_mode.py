@@ -152,6 +152,30 @@ class MemoryMode:
             if self.cpu_offload not in ("none", "masters"):
                 raise ValueError(f"--optimizer-in-backward with --cpu-offload {self.cpu_offload} is not supported "
                                  "(--cpu-offload masters is: its host updates overlap the backward)")
+        if run.lora:
+            self.check_lora(run)
+
+    def check_lora(self, run: "RunFacts") -> None:
+        """LoRA (``--lora-rank``): a frozen base has no masters, gradients or optimizer state, and
+        the adapters train in fp32 with AdamW; what that does not compose with."""
+        why = optimizers.get(run.optimizer).refusal("lora", run.optimizer_options)
+        if why:
+            raise ValueError(why)
+        for flag, on, reason in (
+                ("--store-param-remainders", self.store_param_remainders, "the frozen base has no fp32 masters to "
+                 "store and the adapters train in fp32"),
+                ("--cpu-offload masters", self.host_masters, "the frozen base has no masters and the adapters' "
+                 "optimizer state is small"),
+                ("--cpu-offload optimizer", self.cpu_offload == "optimizer", "it keeps compute copies resident "
+                 "and moves optimizer state the frozen base does not have: use --cpu-offload experts or all"),
+                ("--optimizer-in-backward", self.optimizer_in_backward, "the adapters step with AdamW after the "
+                 "backward"),
+                ("--recompute-chunks", self.recompute_chunks > 1, "the chunked recompute's gradient bookkeeping "
+                 "is not built for a frozen base yet"),
+                ("--offload-recompute-inputs", self.offload_recompute_inputs, "the chunked recompute's gradient "
+                 "bookkeeping is not built for a frozen base yet")):
+            if on:
+                raise ValueError(f"--lora-rank with {flag} is not supported: {reason}")
 
     def allows(self, run: "RunFacts") -> bool:
         try:
@@ -193,7 +217,7 @@ class MemoryMode:
         """The optimizer step (or part of it) runs on the host: the rank needs its share of cores."""
         return self.cpu_offload != "none"
 
-    def placement(self, sizes: ParallelSizes, num_microbatches: int) -> "Placement":
+    def placement(self, sizes: ParallelSizes, num_microbatches: int, lora: bool = False) -> "Placement":
         """Where each kind of parameter lives under this mode for a layout (``sizes``) running
         ``num_microbatches`` per rank and step: what ``core/distributed/fsdp.apply_fsdp`` does and
         what the planner books. Nothing to shard at one dense replica; without sharding, ``bf16``
@@ -201,7 +225,9 @@ class MemoryMode:
         that bf16-stored parameters at one micro-batch need no mesh; experts whole on each EP rank
         (expert-DP 1) are left out of FSDP unless offloaded or under ``bf16``;
         ``cpu_offload="optimizer"`` offloads every unit, gathers once per step and reduces on
-        every backward."""
+        every backward. ``lora``: the base is frozen (``Placement.frozen``: per kind, the base's
+        one stored copy, with no master, gradient or optimizer state; the adapters are placed
+        as ``roles`` say)."""
         replicas = sizes.dp * sizes.cp
         shard = self.data_parallel_sharding == "fsdp" and replicas > 1
         off = self.fsdp_offload
@@ -227,7 +253,9 @@ class MemoryMode:
                 optimizer_state="host" if on_host or self.host_masters else "device",
                 gathered=("whole" if not managed[k] else "once per step" if gather_once
                           else "per micro-batch and pass"))
-        return Placement(roles=roles, shard=shard, self_meshes=self_meshes, gather_once=gather_once,
+        frozen = {k: dataclasses.replace(r, master="none", master_dtype="bf16" if self.bf16 else "fp32", gradient="none", gradient_dtype="none",
+                                         optimizer_state="none") for k, r in roles.items()} if lora else {}
+        return Placement(roles=roles, frozen=frozen, shard=shard, self_meshes=self_meshes, gather_once=gather_once,
                          sync_every_microbatch=resident, host_masters=self.host_masters,
                          remainders=self.store_param_remainders, bf16=self.bf16, pin_offloaded=not resident)
 
@@ -279,6 +307,7 @@ class RunFacts:
     compile: bool = False
     optimizer: str = "adamw"
     optimizer_options: object = None
+    lora: bool = False           # --lora-rank > 0: a frozen base with trained adapters (core/lora.py)
 
 
 @dataclass(frozen=True)
@@ -292,9 +321,9 @@ class RolePlacement:
     shard_world: int        # ranks its shards split over (1: whole)
     offloaded: bool         # FSDP keeps its shard, gradient and optimizer state on the host
     compute_dtype: str      # of the weight the layers compute with (on the device)
-    master: str             # where the master weight lives: device | host
-    master_dtype: str       # fp32, or bf16 + a 16-bit remainder (the same fp32 number)
-    gradient: str           # where its reduced gradient waits for the optimizer: device | host
+    master: str             # where the master weight lives: device | host | none (a frozen LoRA base)
+    master_dtype: str       # fp32, or bf16 + a 16-bit remainder (the same fp32 number); frozen: its stored copy
+    gradient: str           # where its reduced gradient waits for the optimizer: device | host | none
     gradient_dtype: str
     optimizer_state: str    # device | host
     gathered: str           # whole (not FSDP's) | once per step | per micro-batch and pass
@@ -313,6 +342,7 @@ class Placement:
     remainders: bool             # bf16 + 16-bit remainder storage
     bf16: bool                   # bf16 compute copies (FSDP mixed precision)
     pin_offloaded: bool          # offloaded shards in pinned memory (they cross PCIe per micro-batch)
+    frozen: dict = dataclasses.field(default_factory=dict)  # LoRA: the frozen base per kind (RolePlacement)
 
     @property
     def wraps(self) -> bool:

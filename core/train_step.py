@@ -62,7 +62,9 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     router-bias update; nothing is updated when the loss or the norm is not finite, or when the
     step has no target token."""
     optimizer.zero_grad(set_to_none=True)
-    params = specs_of(chunks)  # before the forward: FSDP's shards, not gathered copies
+    # before the forward: FSDP's shards, not gathered copies; a frozen base (LoRA) has no
+    # gradient to reduce, clip or count
+    params = [(p, spec) for p, spec in specs_of(chunks) if p.requires_grad]
     targets, tokens, flops = _global_counts(batches, ps, s.flops_of)
     in_backward = getattr(optimizer, "in_backward", None)  # core/optim/in_backward.py
     if in_backward is not None:

@@ -17,9 +17,17 @@ Verbs:
           config gets pad_token_id from --tokenizer-type/--tokenizer-model, else from --source's
           config, else from the tokenizer the training run recorded.
 
-  import  HF_DIR OUT [--model-preset NAME | --hf-config PATH]
+          A LoRA run's checkpoint (adapters only) is loaded onto its base (the --load-hf it trained
+          on, recorded in meta.json, or --base; its fingerprint must match) and written as a PEFT
+          adapter folder (adapter_config.json + adapter_model.safetensors, transformers' module
+          names; peft.PeftModel.from_pretrained loads it onto the base), or with --merge-lora as
+          the merged full Hugging Face weights. Routed experts' adapters export merged only.
+
+  import  HF_DIR OUT [--model-preset NAME | --hf-config PATH] [--peft ADAPTER_DIR]
           Hugging Face checkpoint -> a training checkpoint at iteration 0 (weights only), for
-          `pretrain_step37.py --load OUT`.
+          `pretrain_step37.py --load OUT`. With --peft, a PEFT LoRA adapter trained on HF_DIR
+          (as export writes one) -> a LoRA checkpoint of its adapters on that base, for
+          `pretrain_step37.py --load-hf HF_DIR --lora-rank R ... --load OUT` (the flags printed).
 """
 from __future__ import annotations
 
@@ -120,8 +128,23 @@ def cmd_export(args) -> int:
             raise ValueError(f"--source {args.source} is a {theirs.family} checkpoint; {path} holds a "
                              f"{spec.family} model")
     pad_id, pad_from = pad_token_id(args, meta)
-    model = spec.build(cfg)
+    lora = meta.get("lora")
+    if args.merge_lora and not lora:
+        raise ValueError(f"--merge-lora: {path} is not a LoRA run's checkpoint (it holds every weight)")
+    model = lora_model(spec, cfg, lora, args.base, path) if lora else spec.build(cfg)
     load_checkpoint(path, [model])
+    if lora and not args.merge_lora:
+        from core.lora_export import write_peft
+
+        config = write_peft(model, args.out, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
+                            base=args.base or lora["base"]["load_hf"])
+        print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} (PEFT LoRA "
+              f"adapter, rank {lora['rank']}, alpha {lora['alpha']:g}, {len(config['target_modules'])} modules)")
+        return 0
+    if lora:
+        from core.lora_export import merge_lora
+
+        merge_lora(model)
     stale = stale_files(args.out, tuple(getattr(model.hf_weights, "side_files", ()))) if os.path.isdir(args.out) else []
     layout = model.save_hf(args.out, source=args.source)
     if stale:
@@ -132,6 +155,27 @@ def cmd_export(args) -> int:
           f"({spec.family}, {layout} layout, {count_parameters(model)['total']:,} parameters; pad_token_id "
           f"{pad_id} from {pad_from})")
     return 0
+
+
+def lora_model(spec, cfg, lora: dict, base: str | None, path: str):
+    """The model of a LoRA checkpoint: its base (``base``, else the --load-hf it trained on, else
+    the seeded weights), checked against the recorded fingerprint, with empty adapters for the
+    checkpoint to fill."""
+    from core.lora import LoraSettings, apply_lora, base_fingerprint
+
+    recorded = lora["base"]
+    base = base or recorded["load_hf"]
+    model = spec.build(cfg, seed=recorded["seed"] or 0) if not base else spec.build(cfg)
+    apply_lora(model, LoraSettings(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                   lora_targets=",".join(lora["targets"])))
+    if base:
+        model.load_hf(base)
+    fingerprint = base_fingerprint([model])
+    if fingerprint != recorded["weights_fingerprint"]:
+        raise ValueError(f"{path}: its adapters were trained on another base (weights fingerprint "
+                         f"{recorded['weights_fingerprint']}, {base or 'the seeded weights'}: {fingerprint}); "
+                         "pass --base with the base it was trained on")
+    return model
 
 
 def _config_pad(config_dir: str | None) -> int | None:
@@ -179,6 +223,7 @@ def set_pad_token_id(config_path: str, pad_id: int) -> None:
 def cmd_import(args) -> int:
     from core.checkpoint_dir import read_pointer
     from core.checkpointing import save_checkpoint
+    from training.checkpoints import lora_meta
 
     check_out_folder(args.out, "import")
     latest = read_pointer(args.out) if os.path.isdir(args.out) else None
@@ -188,11 +233,44 @@ def cmd_import(args) -> int:
     spec, cfg = spec_and_config(args, args.directory)
     model = spec.build(cfg)
     report = model.load_hf(args.directory)
-    path = save_checkpoint(args.out, 0, [model], None, {},
-                           {"family": spec.family, "model": cfg.to_dict(), "source": args.directory})
-    print(f"convert_checkpoint import: {args.directory} -> {path} ({spec.family}, {report['loaded']} tensors; "
-          f"resume with pretrain_step37.py --load {args.out})")
+    meta = {"family": spec.family, "model": cfg.to_dict(), "source": args.directory}
+    if args.peft:
+        lora, n = import_peft(model, args.peft, args.directory)
+        meta["lora"] = lora_meta(lora, cfg, [model], None, args.directory, 0)
+    path = save_checkpoint(args.out, 0, [model], None, {}, meta)
+    resume = f"--load-hf {args.directory} {lora_flags(meta['lora'])} --load {args.out}" if args.peft else \
+        f"--load {args.out}"
+    print(f"convert_checkpoint import: {args.directory}{' + ' + args.peft if args.peft else ''} -> {path} "
+          f"({spec.family}, {report['loaded']} tensors{f', {n} adapter tensors' if args.peft else ''}; resume with "
+          f"pretrain_step37.py {resume})")
     return 0
+
+
+def lora_flags(lora: dict) -> str:
+    return (f"--lora-rank {lora['rank']} --lora-alpha {lora['alpha']:g} --lora-targets {','.join(lora['targets'])}"
+            + (f" --lora-dropout {lora['dropout']:g}" if lora["dropout"] else ""))
+
+
+def import_peft(model, folder: str, base: str):
+    """Adapt ``model`` (its base loaded from ``base``, whose tensor names are the module names
+    the adapter uses) as the PEFT folder says and read its adapters; returns the settings and the
+    number of tensors read."""
+    from core.lora import TARGETS, LoraSettings, apply_lora
+    from core.lora_export import adapted_targets, base_keys, read_peft, read_peft_config
+
+    config = read_peft_config(folder)
+    keys = base_keys(base, model)
+    probe = LoraSettings(lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]))
+    with torch.device("meta"):  # which of our targets the folder covers
+        every = type(model)(model.config)
+    apply_lora(every, probe)
+    targets = adapted_targets(every, folder, keys)
+    if not targets:
+        raise ValueError(f"--peft {folder}: none of its tensors adapts a module of this model ({', '.join(TARGETS)})")
+    lora = LoraSettings(lora_rank=probe.lora_rank, lora_alpha=probe.lora_alpha,
+                        lora_dropout=float(config.get("lora_dropout") or 0.0), lora_targets=",".join(targets))
+    apply_lora(model, lora)
+    return lora, read_peft(model, folder, keys)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the tokenizer the data was made with, for pad_token_id (default: --source's "
                           "config, else the tokenizer the training run recorded)")
     exp.add_argument("--tokenizer-model", help="its model file or directory")
+    exp.add_argument("--base", help="a LoRA checkpoint's base HF directory (default: the --load-hf it trained on)")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA checkpoint: write the merged full weights instead of a PEFT adapter folder")
     exp.set_defaults(func=cmd_export)
     imp = sub.add_parser("import", help="Hugging Face -> training checkpoint")
     imp.add_argument("directory", help="Hugging Face checkpoint directory")
@@ -221,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     src2 = imp.add_mutually_exclusive_group()
     src2.add_argument("--model-preset", help=f"a preset ({', '.join(registry.preset_names())})")
     src2.add_argument("--hf-config")
+    imp.add_argument("--peft", help="a PEFT LoRA adapter folder trained on HF_DIR: import it too, for a LoRA run to "
+                                    "continue (--load-hf HF_DIR --lora-rank ... --load OUT)")
     imp.set_defaults(func=cmd_import)
     for p in (check, exp, imp):
         p.add_argument("--model-module", help="import this module first (it registers another model family)")

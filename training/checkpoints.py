@@ -4,13 +4,16 @@ flight. The files themselves are ``core/checkpointing.py``'s business."""
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from core.checkpointing import (CheckpointError, begin_save, compare_model_config, finish_save,
+from core.checkpointing import (RUNTIME_FIELDS, CheckpointError, begin_save, compare_model_config, finish_save,
                                 load_checkpoint, read_meta, resolve)
+from core.lora import base_fingerprint
 from models import registry
 
 
@@ -37,6 +40,51 @@ def checkpoint_model(path: str, meta: dict):
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no usable {spec.family} model config "
                               f"({type(e).__name__}: {e})") from e
+
+
+def lora_record(args, cfg, chunks, pstate) -> dict | None:
+    """What a LoRA run's checkpoints record of it (``meta.json``'s ``lora``): the adapters'
+    settings and the identity of the frozen base (``--load-hf`` path or the seed, a fingerprint
+    of its model config and one of its weights, ``core.lora.base_fingerprint``); None without
+    LoRA. Collective (the weights' fingerprint)."""
+    lora = getattr(args, "lora", None)
+    if lora is None or not lora.enabled:
+        return None
+    return lora_meta(lora, cfg, chunks, pstate, args.model.load_hf, args.schedule.seed)
+
+
+def lora_meta(lora, cfg, chunks, pstate, load_hf: str | None, seed: int) -> dict:
+    """``meta.json``'s ``lora`` for ``LoraSettings`` ``lora`` on the base ``load_hf`` (or seeded
+    from ``seed``) that ``chunks`` hold."""
+    model = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_FIELDS}
+    return {"rank": lora.lora_rank, "alpha": lora.alpha, "dropout": lora.lora_dropout, "targets": list(lora.targets),
+            "base": {"load_hf": load_hf, "seed": None if load_hf else seed,
+                     "config_sha256": hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16],
+                     "weights_fingerprint": base_fingerprint(chunks, pstate)}}
+
+
+def check_lora_base(path: str, saved: dict | None, run: dict | None) -> None:
+    """A LoRA checkpoint resumes only onto its own base, with its own adapters' shape."""
+    if saved is None and run is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"--load {path}: not a LoRA checkpoint (it holds every weight); this run trains "
+                              "adapters (--lora-rank): drop --lora-rank to resume it")
+    if run is None:
+        raise CheckpointError(f"--load {path}: a LoRA checkpoint (adapters of rank {saved['rank']} only, on the "
+                              f"base {saved['base']['load_hf'] or 'seeded'}); resume it with --lora-rank "
+                              f"{saved['rank']} --lora-alpha {saved['alpha']:g} --lora-targets "
+                              f"{','.join(saved['targets'])} and --load-hf of that base")
+    diffs = [f"--lora-{k} {saved[k]} -> {run[k]}" for k in ("rank", "alpha", "targets") if saved[k] != run[k]]
+    if diffs:
+        raise CheckpointError(f"--load {path}: the adapters were trained with other LoRA flags ({'; '.join(diffs)})")
+    sb, rb = saved["base"], run["base"]
+    for key, what in (("config_sha256", "model config"), ("weights_fingerprint", "weights")):
+        if sb[key] != rb[key]:
+            raise CheckpointError(
+                f"--load {path}: its adapters were trained on another base: the {what} differ (checkpoint "
+                f"{sb[key]} from {sb['load_hf'] or 'seed ' + str(sb['seed'])}, this run {rb[key]} from "
+                f"{rb['load_hf'] or 'seed ' + str(rb['seed'])}); pass --load-hf of the base it was trained on")
 
 
 @dataclass
@@ -94,9 +142,10 @@ class RunCheckpoints:
         self.log.info(f"saved checkpoint {finish_save(pending)}")
 
     # ------------------------------------------------------------------ loading
-    def resume(self, family: str, cfg, chunks, optimizer) -> Resumed | None:
+    def resume(self, family: str, cfg, chunks, optimizer, lora: dict | None = None) -> Resumed | None:
         """Fill ``chunks`` (and the optimizer, unless told not to) from ``--load``; None when
-        there is nothing to load yet."""
+        there is nothing to load yet. ``lora``: this run's ``lora_record`` (a LoRA checkpoint
+        resumes only onto the base it was trained on)."""
         ck = self.args.checkpoint
         if not ck.load:
             return None
@@ -123,6 +172,7 @@ class RunCheckpoints:
                 "new run from its weights with --finetune")
         if diffs:
             self.log.warning(f"--finetune: the model differs from the checkpoint's: {'; '.join(diffs)}")
+        check_lora_base(path, meta.get("lora"), lora)
         restore_optim = ck.load_optim and not ck.finetune
         saved_opt, run_opt = meta.get("optimizer"), self.args.optim.optimizer
         if restore_optim and saved_opt and saved_opt != run_opt:

@@ -11,9 +11,13 @@ place that does it, in this order (each step needs the one before it):
 3. context parallelism (``core.context_parallel.apply``): attention modules attend across the
    CP group (all-gathered K/V on full layers, a halo on sliding ones) and routers sum their load
    statistics over it; the data are the loader's shards (``data/cp_shard.py``);
-4. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
+4. LoRA (``core.lora.apply_lora``, with ``--lora-rank``): the chosen projections get adapters
+   (routed experts grouped ones, in the expert module, so they hold this EP rank's experts only)
+   and every other parameter is frozen, before FSDP wraps them; under ``--bf16`` the frozen base
+   is stored in bf16 (``frozen_to_bf16``: no fp32 master, it is never updated);
+5. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
    by their forward;
-5. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``) as the memory mode's placement
+6. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``) as the memory mode's placement
    says (``core/memory_mode.py``: the same placement the planner books), still on meta (with
    ``--store-param-remainders`` the parameters are bf16 already, ``core/optim/masters.py``): each unit's
    parameters become DTensor shards (dense over DP, experts over expert-DP). ``--bf16``
@@ -21,7 +25,7 @@ place that does it, in this order (each step needs the one before it):
    bf16 compute copies, fp32 gradient accumulation and reduction, fp32 routers; then
    ``--compile`` (``core/compile.py``): the blocks' ``forward`` methods, so FSDP's hooks stay
    outside the graphs (and it sees which blocks hold FSDP units of their own);
-6. materialisation (``training/startup.py``): storage for this rank's shards only, on its device
+7. materialisation (``training/startup.py``): storage for this rank's shards only, on its device
    (offloaded shards in host memory), in fp32 (the master weights; or bf16 plus a 16-bit
    remainder per parameter, the same fp32 master bit for bit); then each tensor written
    once: ``--load-hf`` streamed into the shards row block by row block through the family's
@@ -39,6 +43,7 @@ import torch
 from core.compile import apply_compile
 from core.context_parallel.apply import apply_context_parallel, cp_comm
 from core.distributed.fsdp import apply_fsdp
+from core.lora import LoraSettings, apply_lora, frozen_to_bf16
 from core.flops import balanced_layout
 from core.moe.parallel import apply_expert_parallel
 from core.optim.host_masters import HostMasters
@@ -57,7 +62,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
     no ``--load-hf`` read)."""
     m, mem, d = args.model, args.memory, args.data
     num_microbatches = d.global_batch_size // (d.micro_batch_size * ps.sizes.dp)
-    placement = mem.placement(ps.sizes, num_microbatches)  # core/memory_mode.py: the one derivation
+    lora = getattr(args, "lora", None) or LoraSettings()
+    placement = mem.placement(ps.sizes, num_microbatches, lora=lora.enabled)  # core/memory_mode.py
     chunks = build_chunks(config, ps, args.parallel.pipeline_layout, seq_length=args.data.seq_length,
                           device="meta")
     device = local_device()
@@ -74,13 +80,16 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         if comm is not None:
             apply_context_parallel(chunk, comm)
+        if apply_lora(chunk, lora) and mem.bf16:
+            frozen_to_bf16(chunk)  # the frozen base's one copy is its bf16 compute weight
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
                         mem.offload_recompute_inputs, shared=chunked)
         apply_fsdp(chunk, ps, placement, device.type)
         if m.compile:
             apply_compile(chunk, m.compile_backend)
-        materialize(chunk, device, seed=args.schedule.seed, init=not from_checkpoint,
-                    hf_path=None if from_checkpoint else m.load_hf, progress=ps.rank == 0, masters=masters)
+        fill = not from_checkpoint or lora.enabled  # a LoRA checkpoint holds the adapters only
+        materialize(chunk, device, seed=args.schedule.seed, init=fill,
+                    hf_path=m.load_hf if fill else None, progress=ps.rank == 0, masters=masters)
     if isinstance(masters, HostMasters):
         masters.pin()  # the staging slab: one pinned allocation, timed for the start-up log
     return chunks

@@ -24,9 +24,11 @@ def materialize(model, device, *, seed: int = 0, hf_path: str | None = None, ini
     of the load, if any; ``progress``: a bar over the checkpoint's tensors."""
     allocate(model, device)
     init_buffers(model, device)
-    if any(p.dtype == torch.bfloat16 for p in model.parameters()):
+    # bf16 parameters that train get fp32 masters; a frozen bf16 base (LoRA) is its own only copy
+    trained_bf16 = [p for p in model.parameters() if p.dtype == torch.bfloat16 and p.requires_grad]
+    if trained_bf16:
         masters = masters if masters is not None else RemainderMasters()
-        masters.add(model.parameters())
+        masters.add(trained_bf16)
         attach(model, masters)
     report, filled = None, set()
     if hf_path is not None:

@@ -27,7 +27,7 @@ from data.loader import open_source, parse_data_path
 from data.tokenizers import build_tokenizer
 from models.registry import shapes_of
 from training.run_layout import RunLayout, aux_loss_coeff, evaluates
-from training.checkpoints import RunCheckpoints, schedule_record
+from training.checkpoints import RunCheckpoints, lora_record, schedule_record
 from training.eval_data import make_loader, validation_loader
 from training.evaluate import evaluate
 from training.parallelize import parallelize, stage_layers
@@ -53,11 +53,13 @@ class Trainer:
                                   pad_multiple=pad)
         self.valid = validation_loader(args, self.tok.pad_id, ps, self.cfg.num_mtp_layers) \
             if evaluates(args) else None
-        # a checkpoint to resume fills every weight: no initialisation and no --load-hf read
+        # a checkpoint to resume fills every weight (a LoRA run's: the adapters; its frozen base is
+        # still read from --load-hf or seeded): no initialisation and no --load-hf read
         self.from_checkpoint = will_load(args.checkpoint)
         t0 = time.perf_counter()
         self.chunks = parallelize(self.cfg, ps, args, from_checkpoint=self.from_checkpoint)
         self.build_s = time.perf_counter() - t0
+        self.lora = lora_record(args, self.cfg, self.chunks, ps)  # a LoRA base's identity (collective)
         self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
         if a.memory.optimizer_in_backward:  # Muon's matrices step in the backward (hooks)
             self.optimizer.in_backward = InBackwardSteps(self.optimizer.optimizers["muon"], specs_of(self.chunks), ps,
@@ -109,12 +111,13 @@ class Trainer:
         return {"family": self.spec.family, "model": self.cfg.to_dict(), "layout": vars(a.parallel),
                 "optimizer": a.optim.optimizer, "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
                 "tokenizer": {"type": a.data.tokenizer_type, "model": a.data.tokenizer_model,
-                              "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id}}
+                              "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id},
+                **({"lora": self.lora} if self.lora else {})}
 
     def _startup_summary(self) -> str:
         a, held = self.args, shard_bytes(self.chunks)
         n = sum(local_rows(p)[0].numel() for c in self.chunks for p in c.parameters())
-        source = (f"from --load {a.checkpoint.load} (next; --load-hf not read)" if self.from_checkpoint
+        source = (f"from --load {a.checkpoint.load} (next; --load-hf not read)" if self.from_checkpoint and not self.lora
                   else f"from --load-hf {a.model.load_hf}" if a.model.load_hf
                   else f"seeded (--seed {a.schedule.seed})")
         return (f"model: {n:,} parameters on this rank ({_size(held['device'])} on the device, "
@@ -122,7 +125,7 @@ class Trainer:
                 f"peak host memory so far {_size(_peak_host_gib() * 2**30)}")
 
     def maybe_resume(self) -> None:
-        r = self.ckpt.resume(self.spec.family, self.cfg, self.chunks, self.optimizer)
+        r = self.ckpt.resume(self.spec.family, self.cfg, self.chunks, self.optimizer, self.lora)
         if r is None:
             if self.from_checkpoint:  # the parameters were left for it to fill
                 raise CheckpointError(f"--load {self.args.checkpoint.load}: the checkpoint found at "

@@ -113,6 +113,8 @@ def expert_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tenso
 
 
 class GroupedExperts(nn.Module):
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float | None = None,
                  expert_offset: int = 0):
         super().__init__()
@@ -125,12 +127,23 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """``x`` rows sorted by expert, ``counts[e]`` of them for expert ``e``."""
+        seg = self._segments(x_NH, counts_E)
+        gate = self.project("gate_proj", x_NH, counts_E, seg)
+        up = self.project("up_proj", x_NH, counts_E, seg)
+        return self.project("down_proj", clamped_swiglu(gate, up, self.limit), counts_E, seg)
+
+    def _segments(self, x_NH: torch.Tensor, counts_E: torch.Tensor):
+        """How the layer's projections run: ``(grouped, sizes)``."""
         grouped = self.use_grouped_mm and _grouped_mm_ok(x_NH, *self.gate_proj.shape[1:])
         sizes = None
         if not grouped and not torch.compiler.is_compiling():
             # the loop's segment sizes, read once for the layer's three projections (fp32 on
             # CUDA: one device sync per MoE layer; --bf16 takes grouped_mm, which reads nothing)
             sizes = counts_E.tolist()
-        gate = expert_linear(x_NH, self.gate_proj, counts_E, grouped, sizes)
-        up = expert_linear(x_NH, self.up_proj, counts_E, grouped, sizes)
-        return expert_linear(clamped_swiglu(gate, up, self.limit), self.down_proj, counts_E, grouped, sizes)
+        return grouped, sizes
+
+    def project(self, name: str, x_NI: torch.Tensor, counts_E: torch.Tensor, segments) -> torch.Tensor:
+        """One projection (``name`` in ``PROJECTIONS``) of every expert's rows (a LoRA subclass
+        adds its adapters here, ``core/lora.py``)."""
+        grouped, sizes = segments
+        return expert_linear(x_NI, getattr(self, name), counts_E, grouped, sizes)

@@ -5,7 +5,8 @@ matrices (``core/optim/registry.py``), every matrix (2-D) and
 expert stack (3-D) goes to Muon / Dion *except* the parameters the model declares as embeddings
 or output heads (``ParamSpec.role``); those, the norms and all vectors go to AdamW with its own
 learning rate (``--adamw-lr``, default ``--lr``). ``--optimizer adamw`` puts
-everything in AdamW. Weight decay is decoupled; norms and vectors get none.
+everything in AdamW. Weight decay is decoupled; norms and vectors get none. LoRA adapters (``ParamSpec.role``
+``adapter``) go to AdamW too; frozen parameters (``requires_grad`` False: a LoRA base) to none.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def classify(spec: ParamSpec, p: torch.Tensor, optimizer: str) -> str:
     """Which optimizer a parameter belongs to: 'matrix', 'adamw' or 'adamw_no_wd'."""
     if p.dim() < 2:
         return "adamw_no_wd"
-    if not registry.get(optimizer).matrices or spec.role in ("embedding", "head"):
+    if not registry.get(optimizer).matrices or spec.role in ("embedding", "head", "adapter"):
         return "adamw"
     return "matrix"
 
@@ -64,7 +65,11 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
     adam_beta1/2, adam_eps, and what the optimizer's ``build`` reads (muon_*, dion_*). Returns the optimizer and a printable summary."""
     buckets: dict[str, list] = {"matrix": [], "adamw": [], "adamw_no_wd": []}
     names: dict[str, list] = {k: [] for k in buckets}
+    frozen = 0
     for _, name, p, spec in iter_params(chunks):
+        if not p.requires_grad:  # a frozen base (LoRA, core/lora.py): no optimizer state at all
+            frozen += p.numel()
+            continue
         kind = classify(spec, p, cfg.optimizer)
         buckets[kind].append(p)
         names[kind].append(name)
@@ -92,5 +97,6 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
                f"{len(names['matrix'])} tensors / {count['matrix']:,} params (lr {cfg.lr:g}); "
                f"AdamW {len(names['adamw'])} tensors / {count['adamw']:,} params (embeddings, heads; "
                f"lr {adamw_lr:g}); AdamW without decay {len(names['adamw_no_wd'])} tensors / "
-               f"{count['adamw_no_wd']:,} params (norms, vectors)")
+               f"{count['adamw_no_wd']:,} params (norms, vectors)"
+               + (f"; frozen {frozen:,} params (LoRA base)" if frozen else ""))
     return CompositeOptimizer(opts), summary

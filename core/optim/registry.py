@@ -28,6 +28,7 @@ FEATURES = {
     "remainders": "--store-param-remainders",
     "host_masters": "--cpu-offload masters",
     "in_backward": "--optimizer-in-backward",
+    "lora": "--lora-rank",
 }
 MASTER_BYTES = 4  # optimizer state is fp32
 
@@ -164,7 +165,9 @@ register(OptimizerSpec(
     step_flops=_muon_flops,
     # p read and written (decay, update), the update read; a momentum buffer adds 12
     step_bytes=lambda opts: 12 + 12 * (opts.muon_momentum > 0),
-    in_backward=_muon_in_backward, splits_row_shards=True))
+    in_backward=_muon_in_backward, splits_row_shards=True,
+    refuses={"lora": "LoRA adapters train with AdamW (the frozen base has nothing for Muon to step): use "
+                     "--optimizer adamw"}))
 register(OptimizerSpec(
     "dion", build=_build_dion, state_bytes=_dion_state, step_flops=_dion_flops,
     step_bytes=lambda opts: 24,
@@ -172,7 +175,9 @@ register(OptimizerSpec(
                      "adamw",
              "remainders": "it updates bf16 parameters without their fp32 masters: use muon or adamw",
              "host_masters": "its state is not kept on the host: use muon or adamw",
-             "in_backward": NOT_MUON}))
+             "in_backward": NOT_MUON,
+             "lora": "LoRA adapters train with AdamW (the frozen base has nothing for Dion to step): use "
+                     "--optimizer adamw"}))
 
 
 def unregister(name: str) -> None:

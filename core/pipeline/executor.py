@@ -219,7 +219,8 @@ class PipelineExecutor:
     def _backward(self, a: Action, stage: int, saved) -> None:
         inp, out, aux, router, carry = saved
         if stage == self.num_stages - 1:
-            out.backward()
+            if out.requires_grad:  # a frozen stage (LoRA without adapters here) has no backward
+                out.backward()
         else:
             grad = self._inbox.pop(("B", a.microbatch, stage)).to(out.dtype)
             tensors, grads = [out], [grad]
@@ -229,9 +230,13 @@ class PipelineExecutor:
             if aux is not None:
                 tensors.append(aux)
                 grads.append(torch.ones_like(aux))
+            # a first stage with no trainable parameter (a LoRA base without adapters there)
+            # has nothing to differentiate
+            keep = [i for i, t in enumerate(tensors) if t.requires_grad]
             # the engine directly: `out` may be a freed placeholder whose shape no longer matches
-            torch.autograd.Variable._execution_engine.run_backward(
-                tuple(tensors), tuple(grads), False, False, (), True, True)
+            if keep:
+                torch.autograd.Variable._execution_engine.run_backward(
+                    tuple(tensors[i] for i in keep), tuple(grads[i] for i in keep), False, False, (), True, True)
         if inp is not None:
             self._outbox[("B", a.microbatch, stage - 1)] = (inp.grad.contiguous(), None, carry)
 

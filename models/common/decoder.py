@@ -19,11 +19,14 @@ vocabulary at a time and keeps an fp32 ``[T]`` logsumexp for backward. ``param_s
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from core.init import materialize_seeded
+from core.lora import adapter_params
 from core.loss import IGNORE_INDEX, linear_cross_entropy
 from core.model_api import FSDPUnit, ParamSpec, StageOutput
 from core.moe.aux import aux_loss
@@ -123,8 +126,9 @@ class DecoderLM(nn.Module):
 
     def param_specs(self) -> dict[str, ParamSpec]:
         """Roles for core (``core/model_api.py``): embedding and heads stay on AdamW; routed
-        experts are expert-parallel shards stacked on dim 0; an embedding the last stage holds
-        too is tied (its gradients are summed with the first stage's)."""
+        experts are expert-parallel shards stacked on dim 0 (their LoRA adapters too); an
+        embedding the last stage holds too is tied (its gradients are summed with the first
+        stage's); LoRA adapters (``core/lora.py``) have the role ``adapter``."""
         embedding = ParamSpec(role="embedding", tied=self.embedding_on_last)
         heads = [m for m in [self.lm_head, *self.extra_heads()] if m is not None]
         special = {id(m.weight): ParamSpec(role="head") for m in heads}
@@ -134,7 +138,9 @@ class DecoderLM(nn.Module):
             if isinstance(m, GroupedExperts):
                 spec = ParamSpec(replicated_over="expert_dp", expert_offset=m.expert_offset)
                 special.update({id(p): spec for p in m.parameters()})
-        return {n: special.get(id(p), ParamSpec()) for n, p in self.named_parameters()}
+        adapters = adapter_params(self)  # LoRA (core/lora.py): the same replicas, trained alone
+        return {n: replace(special.get(id(p), ParamSpec()), role="adapter") if id(p) in adapters
+                else special.get(id(p), ParamSpec()) for n, p in self.named_parameters()}
 
     def blocks(self) -> list[tuple[int, nn.Module]]:
         return [(int(i), m) for i, m in self.layers.items()] + self.extra_blocks()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.lora_cases import check_lora_layout
 from tests.distributed.parallel_cases import check_layout
 
 LAYOUTS = {  # name: (world, pp, vpp, ep)
@@ -34,6 +35,10 @@ CASES.update({
     "allgather_aux": (2, check_layout, (1, 1, 2, "allgather", 0.01)),
     "ep_rank_without_tokens": (2, check_layout, (1, 1, 2, "alltoall", 0.0,
                                                  torch.tensor([100.0] * 4 + [0.0] * 4))),
+    # LoRA (core/lora.py): three steps on the adapters of a frozen base
+    "lora_pp2_ep2": (4, check_lora_layout, (2, 2)),
+    "lora_fsdp_dp2": (2, check_lora_layout, (1, 1, 1, ("--data-parallel-sharding", "fsdp"))),
+    "lora_cp2_qwen3_moe": (2, check_lora_layout, (1, 1, 2, (), "qwen3_moe")),
 })
 
 
@@ -86,4 +91,13 @@ def test_allgather_dispatcher_and_aux_loss(shared_ranks, case):
 @pytest.mark.parametrize("case", ["ep_rank_without_tokens"])
 def test_ep_rank_that_receives_no_tokens(shared_ranks, case):
     """Bias every token to experts 0-3 (EP rank 0): EP rank 1 gets nothing, forward and backward."""
+    shared_ranks.check((__name__, case))
+
+
+@pytest.mark.parametrize("case", ["lora_pp2_ep2", "lora_fsdp_dp2", "lora_cp2_qwen3_moe"])
+def test_lora_layouts_match_one_process(shared_ranks, case):
+    """LoRA at PP2 x EP2 (grouped expert adapters split with their experts, a first stage whose
+    backward reaches no base weight), FSDP at DP2 (a sharded frozen base) and CP2 (Qwen3-MoE):
+    three steps' losses equal one process's, the adapters after them too, and the frozen base is
+    bit-identical with no gradient (lora_cases.check_lora_layout)."""
     shared_ranks.check((__name__, case))

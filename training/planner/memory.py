@@ -38,6 +38,7 @@ from functools import lru_cache
 
 from core.activations import block_bytes, extra_block_bytes, head_bytes
 from core.context_parallel.costs import gathered_bytes, key_buffer_bytes
+from core.lora import DEFAULT_TARGETS
 from core.memory_mode import KINDS, OFFLOAD_MODES, RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, Placement, RunFacts
 from core.optim import registry as optimizers
 from core.optim.build import classify
@@ -81,6 +82,8 @@ class PlanInputs:
     moe_dispatcher: str = "alltoall"      # alltoall | allgather (the time model's overlap)
     clip_grad: float = 1.0                # (--optimizer-in-backward with Muon's momentum needs 0)
     compile: bool = False                 # (--compile refuses chunked recompute)
+    lora_rank: int = 0                    # LoRA: adapters of this rank on a frozen base (core/lora.py)
+    lora_targets: str = DEFAULT_TARGETS   # what they adapt (--lora-targets)
 
     def __post_init__(self):
         for name, allowed in (("sharding", SHARDING_MODES), ("cpu_offload", OFFLOAD_MODES),
@@ -110,7 +113,13 @@ class PlanInputs:
         """What the mode is checked against (``MemoryMode.check``): as validation builds it."""
         return RunFacts(dense_replicas=self.dp * self.cp, num_microbatches=self.num_microbatches,
                         micro_batch_size=self.micro_batch_size, context_parallel=self.cp,
-                        compile=self.compile, optimizer=self.optimizer, optimizer_options=self)
+                        compile=self.compile, optimizer=self.optimizer, optimizer_options=self,
+                        lora=self.lora_rank > 0)
+
+    @property
+    def lora(self) -> tuple:
+        """``rank_shares``' LoRA key: ``(rank, targets)``, or empty without LoRA."""
+        return (self.lora_rank, self.lora_targets) if self.lora_rank else ()
 
     @property
     def optimizer_spec(self):
@@ -158,7 +167,7 @@ COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activatio
 def placement(inp: PlanInputs) -> Placement:
     """What ``core/distributed/fsdp.apply_fsdp`` does with this layout: the mode's placement
     (``core/memory_mode.MemoryMode.placement``)."""
-    return inp.mode.placement(inp.sizes, inp.num_microbatches)
+    return inp.mode.placement(inp.sizes, inp.num_microbatches, lora=inp.lora_rank > 0)
 
 
 @dataclass
@@ -200,8 +209,8 @@ def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str
     """Per kind: parameters whole (``numel``; ``fp32``: those computing in fp32 under bf16) and
     as this rank's shards (``shard``), and the optimizer state of the shards in bytes."""
     inp = PlanInputs(optimizer=optimizer, muon_momentum=momentum, dion_rank_fraction=dion_fraction)
-    out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0, "fp32_shard": 0, "matrix_shard": 0}
-           for k in KINDS}
+    out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0, "fp32_shard": 0, "matrix_shard": 0,
+               "frozen_numel": 0, "frozen_shard": 0, "frozen_fp32_shard": 0} for k in KINDS}
     for s in chunk.tensors:
         kind = "expert" if s.expert else "dense"
         numel = _shard_numel(s.t, expert_world if s.expert else dense_world)
@@ -209,6 +218,11 @@ def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str
         out[kind]["fp32"] += s.t.numel() if s.fp32 else 0
         out[kind]["shard"] += numel
         out[kind]["fp32_shard"] += numel if s.fp32 else 0
+        if s.frozen:  # a LoRA base: stored, gathered, never updated (no gradient, no optimizer state)
+            out[kind]["frozen_numel"] += s.t.numel()
+            out[kind]["frozen_shard"] += numel
+            out[kind]["frozen_fp32_shard"] += numel if s.fp32 else 0
+            continue
         out[kind]["matrix_shard"] += numel if classify(s.spec, s.t, optimizer) == "matrix" else 0
         out[kind]["optimizer"] += _optimizer_bytes(s.spec, s.t, numel, inp)
     return out
@@ -217,8 +231,16 @@ def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str
 def _gradient_bytes(t: dict, inp: PlanInputs) -> int:
     """One kind's sharded gradients kept until the optimizer step: bf16 for remainder-stored
     parameters (fp32 routers stay fp32); none for the matrices stepped in the backward."""
-    keep = t["shard"] - (t["matrix_shard"] if inp.optimizer_in_backward else 0)
-    return (keep - t["fp32_shard"]) * inp.grad_bytes + t["fp32_shard"] * MASTER
+    keep = t["shard"] - t["frozen_shard"] - (t["matrix_shard"] if inp.optimizer_in_backward else 0)
+    fp32 = t["fp32_shard"] - t["frozen_fp32_shard"]
+    return (keep - fp32) * inp.grad_bytes + fp32 * MASTER
+
+
+def _parameter_bytes(t: dict, inp: PlanInputs) -> int:
+    """One kind's stored parameters: fp32 (or bf16 + remainder) masters; a frozen LoRA base its
+    one copy, bf16 under ``bf16`` (``core.lora.frozen_to_bf16``; its fp32 routers stay fp32)."""
+    frozen_bf16 = (t["frozen_shard"] - t["frozen_fp32_shard"]) if inp.bf16 else 0
+    return t["shard"] * MASTER - frozen_bf16 * (MASTER - 2)
 
 
 def chunk_tally(chunk: ChunkShare, inp: PlanInputs, pl: Placement) -> dict:
@@ -252,6 +274,7 @@ class _Managed:
     gradients on the device) and its units' sizes (the largest block; the root's)."""
 
     numel: int = 0
+    trained: int = 0  # of them, those that get gradients (all but a frozen LoRA base)
     fp32: int = 0
     device_grads: int = 0
     largest_block: int = 0
@@ -299,12 +322,13 @@ def _stored(chunks: list, inp: PlanInputs, pl: Placement, dev: dict, host: dict,
                 host["optimizer"] += t[kind]["optimizer"]
                 dev["gradients"] += _gradient_bytes(t[kind], inp)
             else:
-                where["parameters"] += t[kind]["shard"] * MASTER  # fp32, or bf16 + 2-byte remainder
+                where["parameters"] += _parameter_bytes(t[kind], inp)  # fp32, or bf16 + 2-byte remainder
                 where["gradients"] += _gradient_bytes(t[kind], inp)
                 where["optimizer"] += t[kind]["optimizer"]
             r.parameters += t[kind]["shard"]
             if pl.managed[kind]:
                 m.numel += t[kind]["numel"]
+                m.trained += t[kind]["numel"] - t[kind]["frozen_numel"]
                 m.fp32 += t[kind]["fp32"]
                 m.device_grads += 0 if pl.offloaded[kind] else _gradient_bytes(t[kind], inp)
         blocks = _managed_blocks(chunk, pl)
@@ -345,7 +369,7 @@ def _unsharded_grads(chunks: list, inp: PlanInputs, pl: Placement, m: _Managed) 
     b, total, overlap = inp.act_bytes, 0, 0
     if m.numel:
         if inp.num_microbatches > 1 and not pl.sync_every_microbatch:
-            total = m.numel * MASTER  # fp32 accumulators, sync off
+            total = m.trained * MASTER  # fp32 accumulators, sync off (none for a frozen base)
             overlap = min(m.device_grads, total)
         else:
             total = max(m.largest_block, m.root) * (b + MASTER if b < MASTER else MASTER)
@@ -381,7 +405,7 @@ def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
     the same."""
     sizes = inp.sizes
     sizes.validate(cfg.num_layers, cfg.num_experts)
-    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length)
+    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length, inp.lora)
     pl = placement(inp)
     out = []
     for pp_rank in range(inp.pp):

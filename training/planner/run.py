@@ -39,7 +39,13 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                       bf16=m.bf16, store_param_remainders=m.store_param_remainders,
                       optimizer_in_backward=m.optimizer_in_backward, device_gb=device_gb,
                       pipeline_layout=p.pipeline_layout, moe_dispatcher=args.model.moe_dispatcher,
-                      clip_grad=o.clip_grad, compile=args.model.compile)
+                      clip_grad=o.clip_grad, compile=args.model.compile, **_lora_fields(args))
+
+
+def _lora_fields(args) -> dict:
+    """The LoRA flags the planner reads (none for a namespace without the section)."""
+    lora = getattr(args, "lora", None)
+    return dict(lora_rank=lora.lora_rank, lora_targets=lora.lora_targets) if lora is not None else {}
 
 
 def every_rank(ranks: list, layout: RunLayout) -> list[dict]:

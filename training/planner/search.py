@@ -144,7 +144,8 @@ def memory_modes(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> 
 def run_facts(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> RunFacts:
     """What a mode is checked against on this layout (``PlanInputs.run_facts`` of the candidate)."""
     return RunFacts(dense_replicas=replicas, num_microbatches=M, micro_batch_size=mbs, context_parallel=cp,
-                    compile=base.compile, optimizer=base.optimizer, optimizer_options=base)
+                    compile=base.compile, optimizer=base.optimizer, optimizer_options=base,
+                    lora=base.lora_rank > 0)
 
 
 def plan_fields(mode: MemoryMode) -> dict:

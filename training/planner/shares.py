@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import torch
 
+from core.lora import LoraSettings, apply_lora
 from core.model_api import ParamSpec
 from core.parallel_state import ParallelSizes, ParallelState
 from core.pipeline.p2p import max_live_buffers, plan_all
@@ -36,6 +37,7 @@ class TensorShare:
     spec: ParamSpec
     block: int | None
     fp32: bool = False  # in an FSDP unit that computes in fp32 under bf16 (a router)
+    frozen: bool = False  # a LoRA run's frozen base: no gradient, master or optimizer state
 
     @property
     def expert(self) -> bool:
@@ -59,7 +61,7 @@ def _summarise(chunk, stage: int) -> ChunkShare:
         block_of.update({id(p): i for p in block.parameters()})
     fp32 = {id(p) for u in chunk.fsdp_units() if u.fp32 for p in u.module.parameters()}
     specs = chunk.param_specs()
-    tensors = tuple(TensorShare(p, specs[name], block_of.get(id(p), ROOT), id(p) in fp32)
+    tensors = tuple(TensorShare(p, specs[name], block_of.get(id(p), ROOT), id(p) in fp32, not p.requires_grad)
                     for name, p in chunk.named_parameters())
     return ChunkShare(stage, chunk.first, chunk.last, tuple(i for i, _ in chunk.blocks() if i >= 0), tensors)
 
@@ -77,15 +79,18 @@ _SHARES: dict = {}
 
 
 def rank_shares(cfg, pp: int, vpp: int, ep: int, layout: str | None,
-                seq_length: int) -> list[list[ChunkShare]]:
-    """Per pipeline rank, its chunks' shares (EP rank 0's; every EP rank's have these shapes)."""
-    key = (type(cfg).__name__, repr(cfg), pp, vpp, ep, layout, seq_length)
+                seq_length: int, lora: tuple = ()) -> list[list[ChunkShare]]:
+    """Per pipeline rank, its chunks' shares (EP rank 0's; every EP rank's have these shapes);
+    ``lora``: ``(rank, targets)`` of a LoRA run (``core/lora.py``: adapters added, the base frozen)."""
+    key = (type(cfg).__name__, repr(cfg), pp, vpp, ep, layout, seq_length, lora)
     if key not in _SHARES:
         sizes = ParallelSizes(pp * ep, pp=pp, ep=ep, vpp=vpp)  # dp = ep: the share ignores expert-DP
         out = []
         for r in range(pp):
             state = ParallelState(sizes, sizes.rank_of(dp=0, pp=r), {})
             chunks = build_chunks(cfg, state, layout, seq_length=seq_length, device="meta")
+            for c in chunks if lora else ():
+                apply_lora(c, LoraSettings(lora_rank=lora[0], lora_targets=lora[1]))
             out.append([_summarise(c, k * pp + r) for k, c in enumerate(chunks)])
         _SHARES[key] = out
     return _SHARES[key]

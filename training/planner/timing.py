@@ -6,7 +6,8 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
 
 - compute: forward FLOPs of the stage (``core/flops.py`` over the family's block shapes: matmuls, attention over the keys a causal
   document of ``seq_length`` sees; the last stage adds the head and the extra blocks); backward
-  is twice the forward; recompute (full or selective: both rerun every matmul of attention and
+  is twice the forward (LoRA: less the weight gradients of the frozen base, one forward of its
+  matmuls, plus the adapters' small GEMMs, ``lora_flops``); recompute (full or selective: both rerun every matmul of attention and
   the FFN) adds one forward of the recomputed layers (and of the extra blocks up to their heads
   when every layer of the chunk is recomputed); the chunked loss reruns each head's logits in
   its backward (one more head forward, recompute or not); at ``assumed_mfu`` of the peak;
@@ -66,8 +67,9 @@ from core.optim.muon_split import batches, ns_flops, owners
 from core.pipeline.simulate import plan_makespan
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _shard_numel, chunk_tally, kept_inputs,
-                                  placement)
+from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _parameter_bytes, _shard_numel, chunk_tally,
+                                  kept_inputs, placement)
+from training.planner.lora import lora_flops
 from training.planner.shares import ChunkShare, rank_shares, schedule_facts
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
@@ -206,6 +208,8 @@ def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optim
     out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0, "split": 0} for k in KINDS}
     split: dict = {k: [] for k in KINDS}
     for s in chunk.tensors:
+        if s.frozen:  # a LoRA base: never stepped
+            continue
         kind = "expert" if s.expert else "dense"
         world = expert_world if s.expert else dense_world
         shard = _shard_numel(s.t, world)
@@ -320,7 +324,8 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
     ``optimizer`` offload each backward's shards are also added into the host's fp32
     accumulators (read two, write one: 12 bytes per parameter at the host's bandwidth)."""
     b = inp.act_bytes
-    h2d = sum(t[k]["shard"] * MASTER for k in KINDS if pl.offloaded[k])
+    h2d = sum(_parameter_bytes(t[k], inp) for k in KINDS if pl.offloaded[k])  # a frozen bf16 base: 2 bytes
+    d2h = sum((t[k]["shard"] - t[k]["frozen_shard"]) * MASTER for k in KINDS if pl.offloaded[k])  # gradients
     gathers = (f, bk) if pl.gather_per_microbatch else (step,) if any(pl.managed.values()) else ()
     for ledger in gathers:
         ledger.move("host-device", h2d, pcie, HD)
@@ -328,12 +333,13 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
             if pl.managed[k]:
                 ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * b, bw[_group(k, inp)])
     ledger = bk if pl.sync_every_microbatch else step
-    ledger.move("host-device", h2d, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
+    ledger.move("host-device", d2h, pcie, HD)  # gradient shards: as many bytes as the fp32 shards
     if pl.sync_every_microbatch:  # FSDP's `grad += new` on the host, on the backward's thread
-        bk.seconds["host-device"] += 3 * h2d / host
-    for k in KINDS:
+        bk.seconds["host-device"] += 3 * d2h / host
+    for k in KINDS:  # the reduce-scatter of what gets gradients (not a frozen LoRA base)
         if pl.managed[k]:
-            ledger.move("dp comm", (pl.shard_world[k] - 1) * t[k]["shard"] * MASTER, bw[_group(k, inp)])
+            ledger.move("dp comm", (pl.shard_world[k] - 1) * (t[k]["shard"] - t[k]["frozen_shard"]) * MASTER,
+                        bw[_group(k, inp)])
 
 
 def _shared_flops(cfg, chunk: ChunkShare) -> float:
@@ -350,8 +356,9 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     T, b, H = inp.local_tokens, inp.act_bytes, cfg.hidden_size
     f, bk = _Ledger(), _Ledger()
     fwd_f, redo_f = _stage_flops(cfg, chunk, inp)
-    f.seconds["compute"] = fwd_f * T / eff  # T: this rank's CP shard
-    bk.seconds["compute"] = (2 * fwd_f + redo_f) * T / eff
+    skipped, adapters = lora_flops(cfg, chunk, inp)  # LoRA: no weight gradients of the frozen base
+    f.seconds["compute"] = (fwd_f + adapters) * T / eff  # T: this rank's CP shard
+    bk.seconds["compute"] = (2 * fwd_f + redo_f - skipped + 2 * adapters) * T / eff
     n_moe, n_redo = _moe_layers(cfg, chunk, inp)
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep  # dispatch or combine
     if a2a:
@@ -397,7 +404,8 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
     for k in KINDS:
         g, w = replicas[k], work[k]
         if pl.shard_world[k] == 1 and g > 1:  # sync_gradients sums whole fp32 gradients
-            step.move("dp comm", 2 * (g - 1) / g * t[k]["numel"] * MASTER, bw[_group(k, inp)])
+            step.move("dp comm", 2 * (g - 1) / g * (t[k]["numel"] - t[k]["frozen_numel"]) * MASTER,
+                      bw[_group(k, inp)])
         if inp.pp > 1 and w["tied"]:  # first and last stage sum the embedding's gradient
             step.move("dp comm", w["tied"] * MASTER, bw["embedding"])
         if pl.host_masters:
@@ -531,7 +539,7 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
     """The step-time prediction of a layout. ``global_batch_size`` in packs (default: micro-
     batches x micro-batch size x DP)."""
     a, peak, pl = a or TimeAssumptions(), peak_tflops(peak), placement(inp)
-    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length)
+    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length, inp.lora)
     S, M = inp.pp * inp.vpp, inp.num_microbatches
     fwd, bwd, work = [0.0] * S, [0.0] * S, []
     for r, chunks in enumerate(shares):
@@ -559,8 +567,13 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
     slowest = max(ranks, key=lambda x: x.total)
     step_s, world = slowest.total, inp.sizes.world
     gbs = global_batch_size or M * inp.micro_batch_size * inp.dp
-    model_flops = 3 * sum(_stage_flops(cfg, c, inp)[0] for chunks in shares for c in chunks) \
-        * inp.seq_length * gbs
+    # useful FLOPs: forward and backward once (no recompute); a LoRA run's backward has no weight
+    # gradients of its frozen base, and its adapters' work is useful
+    chunks_all = [c for chunks in shares for c in chunks]
+    model_flops = 3 * sum(_stage_flops(cfg, c, inp)[0] for c in chunks_all) * inp.seq_length * gbs
+    if inp.lora_rank:
+        skipped, adapters = (sum(x) for x in zip(*(lora_flops(cfg, c, inp) for c in chunks_all)))
+        model_flops += (3 * adapters - skipped) * inp.seq_length * gbs
     bubble = sum(x.seconds["idle"] for x in ranks) / (inp.pp * makespan) if makespan else 0.0
     return StepTime(ranks, step_s, slowest.pp_rank, makespan, bubble,
                     gbs * inp.seq_length / step_s / world, model_flops / (step_s * world * peak * 1e12),

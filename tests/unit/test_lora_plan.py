@@ -1,0 +1,96 @@
+"""The planner under LoRA (``--lora-rank``): the frozen base costs its stored copy only (2 bytes
+per parameter under --bf16, its fp32 routers 4), the adapters their fp32 parameter, gradient and
+AdamW state; the backward skips the frozen weights' gradient GEMMs and adds the adapters'; the
+search plans LoRA layouts with the modes MemoryMode.check_lora accepts, and for Step-3.7-Flash
+on 8 x H200 ranks first a layout without offload that leaves 10 GB free."""
+from __future__ import annotations
+
+import torch
+
+from core.lora import LoraSettings, adapter_params, apply_lora
+from core.moe.router import TopKRouter
+from core.shapes import AttentionShape, BlockShape, FFNShape
+from models.step37 import Step37Config
+from models.step37.model import Step37Model
+from training.planner.memory import PlanInputs, plan
+from training.planner.search import candidates
+from training.planner.lora import adapter_flops
+from training.planner.timing import plan_time
+
+TINY = Step37Config.preset("tiny")
+
+
+def _counts():
+    """(frozen bf16 parameters, frozen fp32 router parameters, adapter parameters, adapter
+    tensors) of the whole tiny model, counted from the modules."""
+    with torch.device("meta"):
+        model = Step37Model(TINY)
+    apply_lora(model, LoraSettings(lora_rank=4))
+    adapters = adapter_params(model)
+    routers = {id(p) for m in model.modules() if isinstance(m, TopKRouter) for p in m.parameters()}
+    ps = list(model.parameters())
+    return (sum(p.numel() for p in ps if id(p) not in adapters and id(p) not in routers),
+            sum(p.numel() for p in ps if id(p) in routers),
+            sum(p.numel() for p in ps if id(p) in adapters), sum(1 for p in ps if id(p) in adapters))
+
+
+def test_lora_memory_is_the_frozen_base_in_bf16_and_the_adapters_state():
+    base_bf16, routers, adapters, tensors = _counts()
+    inp = PlanInputs(seq_length=64, optimizer="adamw", bf16=True, lora_rank=4, num_microbatches=1)
+    rank = plan(TINY, inp)[0]
+    assert rank.device["parameters"] == 2 * base_bf16 + 4 * routers + 4 * adapters
+    assert rank.device["gradients"] == 4 * adapters
+    assert rank.device["optimizer"] == 8 * adapters + 4 * tensors  # AdamW's two moments and its step
+    full = plan(TINY, PlanInputs(seq_length=64, optimizer="adamw", bf16=True, num_microbatches=1))[0]
+    assert full.device["parameters"] == 4 * (base_bf16 + routers)
+
+
+def test_adapter_flops_hand_worked():
+    """Attention with 4 heads of 16, 2 KV heads and a gate at hidden 64, rank 4: q 64 -> 64,
+    k and v 64 -> 32, o 64 -> 64, gate 64 -> 4: 2 x 4 x (128 + 96 + 96 + 128 + 68) = 4,128; an MoE
+    FFN (top-2 of experts of 32, shared 48): experts 2 x 3 x (64 + 32) = 576 ends, shared
+    3 x (64 + 48) = 336 ends."""
+    b = BlockShape(AttentionShape(heads=4, kv_heads=2, head_dim=16, gate=True),
+                   FFNShape("moe", 32, experts=8, top_k=2, shared=48))
+    assert adapter_flops(64, b, 4, {"attention"}) == 4128
+    assert adapter_flops(64, b, 4, {"experts"}) == 8 * 576
+    assert adapter_flops(64, b, 4, {"shared_expert", "mlp"}) == 8 * 336
+    assert adapter_flops(64, b, 4, {"mlp"}) == 0  # no dense MLP in an MoE block
+
+
+def test_lora_backward_skips_the_frozen_weight_gradients():
+    kw = dict(seq_length=64, optimizer="adamw", bf16=True, num_microbatches=1)
+    full, lora = plan_time(TINY, PlanInputs(**kw)), plan_time(TINY, PlanInputs(lora_rank=4, **kw))
+    assert lora.ranks[0].seconds["compute"] < full.ranks[0].seconds["compute"]
+    assert lora.ranks[0].seconds["optimizer"] < full.ranks[0].seconds["optimizer"]
+
+
+def test_search_plans_lora_with_the_modes_it_allows():
+    cfg = Step37Config.preset("step37-flash")
+    base = PlanInputs(seq_length=8192, optimizer="adamw", bf16=True, lora_rank=32)
+    todo = candidates(cfg, 8, base, 32)
+    assert todo and all(c.lora_rank == 32 for c in todo)
+    assert {c.cpu_offload for c in todo} == {"none", "experts", "all"}
+    assert not any(c.store_param_remainders or c.optimizer_in_backward or c.recompute_chunks > 1 for c in todo)
+    assert not candidates(cfg, 8, PlanInputs(seq_length=8192, optimizer="muon", bf16=True, lora_rank=32), 32)
+
+
+def test_lora_recipe_runs_the_search_top_row(tmp_path):
+    """examples/step37_flash_8xh200_lora_sft.sh: its layout flags are the LoRA search's fastest
+    fitting layout for Step-3.7-Flash on 8 x H200 (searched in this process), with no offload
+    and 10 GB to spare."""
+    from tests.unit.test_plan_cli import _assert_recipe_is_the_search_top_row
+
+    wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
+                                                  "step37_flash_8xh200_lora_sft.sh", 141 - 10)
+    assert "--cpu-offload" not in wanted
+
+
+def test_h100_lora_recipe_runs_the_80gb_search_top_row(tmp_path):
+    """examples/step37_flash_8xh100_lora_sft.sh: the LoRA search's fastest fitting layout on 8 GPUs
+    of 80 GB (5 GB to spare): the frozen experts offloaded to host memory."""
+    from tests.unit.test_plan_cli import _assert_recipe_is_the_search_top_row
+
+    wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
+                                                  "step37_flash_8xh100_lora_sft.sh", 80 - 5, gpu_gb=80)
+    assert wanted[wanted.index("--cpu-offload") + 1] == "experts"
