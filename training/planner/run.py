@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 from training.planner.memory import GB, PlanInputs, as_dict, format_table, plan
-from training.planner.timing import TimeAssumptions, format_time, peak_tflops, plan_time, summary
-from training.planner.timing import as_dict as time_dict
+from training.planner.timing import BREAKDOWN, StepTime, TimeAssumptions, peak_tflops, plan_time
 from training.run_layout import RunLayout, model_config
 
 DEFAULT_DEVICE_GB = 141.0  # H200
@@ -111,3 +111,30 @@ def search_report(args, world: int, *, device_gb: float = DEFAULT_DEVICE_GB, hos
     rows = search_plan(args, world, device_gb=device_gb, host_gb=host_gb, assumptions=a, reserve_gb=reserve_gb)
     return print_rows(rows, world, device_gb, host_gb, a, peak_tflops(args.logging.peak_tflops), top, as_json, prog,
                       reserve_gb)
+
+
+# ------------------------------------------------------------- the step time, as printed
+
+def time_dict(st: StepTime) -> dict:
+    d = asdict(st)
+    for r, x in zip(d["ranks"], st.ranks):
+        r["step_s"] = x.total
+    return d
+
+
+def format_time(st: StepTime) -> str:
+    a = st.assumptions
+    lines = [f"predicted step time in seconds (assumed: {a['assumed_mfu']:.0%} of {st.peak_tflops:g} "
+             f"TFLOP/s, PCIe {a['pcie_gb_s']:g} GB/s, NVLink {a['nvlink_gb_s']:g} GB/s, host "
+             f"{a['host_gb_s']:g} GB/s; overlapping the backward: host masters' host work, in-backward "
+             f"Newton-Schulz behind its all-to-alls)",
+             f"{'rank':<6}" + "".join(f"{k:>13}" for k in BREAKDOWN) + f"{'step':>10}{'PCIe GB':>10}"]
+    for r in st.ranks:
+        lines.append(f"pp{r.pp_rank:<4}" + "".join(f"{r.seconds[k]:>13.2f}" for k in BREAKDOWN)
+                     + f"{r.total:>10.2f}{r.bytes['host-device'] / 1e9:>10.0f}")
+    return "\n".join(lines)
+
+
+def summary(st: StepTime) -> str:
+    return (f"predicted step {st.step_s:.1f} s (slowest pp{st.slowest}; pipeline idle "
+            f"{st.bubble:.1%}), {st.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {st.mfu:.1%}")

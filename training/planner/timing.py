@@ -578,28 +578,3 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
     return StepTime(ranks, step_s, slowest.pp_rank, makespan, bubble,
                     gbs * inp.seq_length / step_s / world, model_flops / (step_s * world * peak * 1e12),
                     peak, asdict(a))
-
-
-def as_dict(st: StepTime) -> dict:
-    d = asdict(st)
-    for r, x in zip(d["ranks"], st.ranks):
-        r["step_s"] = x.total
-    return d
-
-
-def format_time(st: StepTime) -> str:
-    a = st.assumptions
-    lines = [f"predicted step time in seconds (assumed: {a['assumed_mfu']:.0%} of {st.peak_tflops:g} "
-             f"TFLOP/s, PCIe {a['pcie_gb_s']:g} GB/s, NVLink {a['nvlink_gb_s']:g} GB/s, host "
-             f"{a['host_gb_s']:g} GB/s; overlapping the backward: host masters' host work, in-backward "
-             f"Newton-Schulz behind its all-to-alls)",
-             f"{'rank':<6}" + "".join(f"{k:>13}" for k in BREAKDOWN) + f"{'step':>10}{'PCIe GB':>10}"]
-    for r in st.ranks:
-        lines.append(f"pp{r.pp_rank:<4}" + "".join(f"{r.seconds[k]:>13.2f}" for k in BREAKDOWN)
-                     + f"{r.total:>10.2f}{r.bytes['host-device'] / 1e9:>10.0f}")
-    return "\n".join(lines)
-
-
-def summary(st: StepTime) -> str:
-    return (f"predicted step {st.step_s:.1f} s (slowest pp{st.slowest}; pipeline idle "
-            f"{st.bubble:.1%}), {st.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {st.mfu:.1%}")
