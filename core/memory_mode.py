@@ -118,9 +118,7 @@ class MemoryMode:
         the optimizer and its options): the one set of rules validation and the search share."""
         self.check_flags()
         M, replicas, n = run.num_microbatches, run.dense_replicas, self.recompute_chunks
-        if n > 1 and run.micro_batch_size % n:
-            raise ValueError(f"--recompute-chunks {n} must divide --micro-batch-size {run.micro_batch_size}: "
-                             "each chunk is a group of whole packs")
+        self.check_chunks(run.micro_batch_size)
         if n > 1 and run.context_parallel > 1:
             raise ValueError("--recompute-chunks with --context-parallel-size > 1 is not supported: a CP shard's "
                              "documents are cut by the shard, not at its boundaries")
@@ -176,6 +174,13 @@ class MemoryMode:
                  "bookkeeping is not built for a frozen base yet")):
             if on:
                 raise ValueError(f"--lora-rank with {flag} is not supported: {reason}")
+
+    def check_chunks(self, micro_batch_size: int) -> None:
+        """``--recompute-chunks`` cuts a micro-batch into groups of whole packs."""
+        n = self.recompute_chunks
+        if n > 1 and micro_batch_size % n:
+            raise ValueError(f"--recompute-chunks {n} must divide --micro-batch-size {micro_batch_size}: "
+                             "each chunk is a group of whole packs")
 
     def allows(self, run: "RunFacts") -> bool:
         try:

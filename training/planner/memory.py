@@ -91,9 +91,9 @@ class PlanInputs:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected one of "
                                  f"{', '.join(allowed)}")
-        mode = self.mode  # the flags' own rules (core/memory_mode.py); the layout's: run_facts
-        if mode.recompute_chunks > 1 and self.micro_batch_size % mode.recompute_chunks:
-            mode.check(self.run_facts)  # the flags' message
+        # the flags' own rules and the chunks' cut (core/memory_mode.py); the rest of the layout's
+        # rules are the search's and validation's (MemoryMode.check over run_facts)
+        self.mode.check_chunks(self.micro_batch_size)
         if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
                              f"= {2 * self.cp}")
