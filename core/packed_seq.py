@@ -57,3 +57,41 @@ class PackedSeqParams:
                                self.cu_seqlens_padded.to(device, non_blocking=non_blocking),
                                self.max_seqlen, self.qkv_format, *self.host_boundaries(),
                                cp=None if self.cp is None else self.cp.to(device, non_blocking))
+
+
+@dataclass
+class ImageInputs:
+    """The images of one micro-batch, as the first pipeline stage's vision tower takes them.
+
+    ``pixel_values`` holds every image's global view, in the order the images appear in the
+    micro-batch's tokens; ``pixel_values_local`` every image's crops, image by image (``None``
+    when no image has crops); ``num_local_patches`` the crops per image (host ints). The tower's
+    features are taken per image as its crops' features then its global view's (transformers'
+    ``Step3p7Model.get_image_features`` order) and written over the embeddings at
+    ``feature_positions``: int64 ``[F]``, indices into the micro-batch's ``T`` tokens of every
+    image placeholder, ascending, made on the host by the loader (so writing them needs no
+    device sync). ``F`` equals the tower's feature count, which is checked on the host.
+    """
+    pixel_values: torch.Tensor                # float32 [N, 3, S, S]
+    pixel_values_local: torch.Tensor | None   # float32 [M, 3, P, P], M == sum(num_local_patches)
+    num_local_patches: tuple                  # N host ints
+    feature_positions: torch.Tensor           # int64 [F]
+
+    def __post_init__(self) -> None:
+        n = self.pixel_values.shape[0]
+        if len(self.num_local_patches) != n:
+            raise ValueError(f"ImageInputs: {n} global views but {len(self.num_local_patches)} "
+                             "crop counts")
+        m = 0 if self.pixel_values_local is None else self.pixel_values_local.shape[0]
+        if m != sum(self.num_local_patches):
+            raise ValueError(f"ImageInputs: {m} crops but num_local_patches sums to "
+                             f"{sum(self.num_local_patches)}")
+        if self.feature_positions.dtype != torch.int64 or self.feature_positions.dim() != 1:
+            raise ValueError("ImageInputs.feature_positions must be a 1-D int64 tensor")
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "ImageInputs":
+        local = self.pixel_values_local
+        return ImageInputs(self.pixel_values.to(device, non_blocking=non_blocking),
+                           None if local is None else local.to(device, non_blocking=non_blocking),
+                           self.num_local_patches,
+                           self.feature_positions.to(device, non_blocking=non_blocking))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.packed_seq import PackedSeqParams
+from core.packed_seq import ImageInputs, PackedSeqParams
 
 IGNORE_INDEX = -100
 
@@ -32,10 +32,12 @@ class THDBatch:
     labels: torch.Tensor        # int64 [T], IGNORE_INDEX where there is no target
     position_ids: torch.Tensor  # int64 [T]
     packed_seq_params: PackedSeqParams
+    images: ImageInputs | None = None  # the images of image + text documents (first stage only)
 
     def to(self, device) -> "THDBatch":
         return THDBatch(self.tokens.to(device), self.labels.to(device), self.position_ids.to(device),
-                        self.packed_seq_params.to(device))
+                        self.packed_seq_params.to(device),
+                        None if self.images is None else self.images.to(device))
 
     @property
     def num_target_tokens(self) -> int:
