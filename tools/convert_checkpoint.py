@@ -115,7 +115,7 @@ def check_out_folder(out: str, what: str) -> None:
 def cmd_export(args) -> int:
     from core.checkpointing import load_checkpoint, read_meta, resolve
 
-    from training.checkpoints import checkpoint_model
+    from training.checkpoints import checkpoint_model, lora_model
 
     check_out_folder(args.out, "export")
     registry.import_model_module(args.model_module)
@@ -155,27 +155,6 @@ def cmd_export(args) -> int:
           f"({spec.family}, {layout} layout, {count_parameters(model)['total']:,} parameters; pad_token_id "
           f"{pad_id} from {pad_from})")
     return 0
-
-
-def lora_model(spec, cfg, lora: dict, base: str | None, path: str):
-    """The model of a LoRA checkpoint: its base (``base``, else the --load-hf it trained on, else
-    the seeded weights), checked against the recorded fingerprint, with empty adapters for the
-    checkpoint to fill."""
-    from core.lora import LoraSettings, apply_lora, base_fingerprint
-
-    recorded = lora["base"]
-    base = base or recorded["load_hf"]
-    model = spec.build(cfg, seed=recorded["seed"] or 0) if not base else spec.build(cfg)
-    apply_lora(model, LoraSettings(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                   lora_targets=",".join(lora["targets"])))
-    if base:
-        model.load_hf(base)
-    fingerprint = base_fingerprint([model])
-    if fingerprint != recorded["weights_fingerprint"]:
-        raise ValueError(f"{path}: its adapters were trained on another base (weights fingerprint "
-                         f"{recorded['weights_fingerprint']}, {base or 'the seeded weights'}: {fingerprint}); "
-                         "pass --base with the base it was trained on")
-    return model
 
 
 def _config_pad(config_dir: str | None) -> int | None:

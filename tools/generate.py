@@ -10,7 +10,9 @@ tokenizer is the one the run recorded, unless --tokenizer-type / --tokenizer-mod
 greedily (temperature 0) and by sampling at each other --temperature. An empty prompt starts from
 the end-of-document token (an unconditional sample); a prompt must leave room in the model's
 context for one new token, and --max-new-tokens is capped at what the context leaves (said
-before it starts). Bad flags exit 2 with a one-line reason.
+before it starts). Bad flags exit 2 with a one-line reason. A LoRA run's checkpoint samples
+with its adapters beside its frozen base: the base is the --load-hf folder the run recorded, or
+--base DIR (its weights' fingerprint must be the recorded one).
 Single process on CPU (or the current GPU), fp32, no KV cache: every new token runs the whole
 sequence again, which is fine at this size (the tiny model: milliseconds per token).
 """
@@ -31,12 +33,15 @@ from data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from models import registry  # noqa: E402
 
 
-def load_model(load_dir: str, model_module: str | None = None):
-    """(model with the checkpoint's weights, its meta.json, its path), for any registered family."""
+def load_model(load_dir: str, model_module: str | None = None, base: str | None = None):
+    """(model with the checkpoint's weights, its meta.json, its path), for any registered family.
+    A LoRA run's checkpoint holds only adapters: its base is ``base``, else the ``--load-hf`` it
+    trained on, else the seeded weights it started from, checked against the recorded
+    fingerprint; the adapters run beside the frozen weights, unmerged, as in training."""
     from core.checkpointing import load_checkpoint
     from core.checkpoint_dir import resolve
     from core.checkpoint_reader import read_meta
-    from training.checkpoints import checkpoint_model
+    from training.checkpoints import checkpoint_model, lora_model
 
     if not os.path.exists(load_dir):
         raise FileNotFoundError(f"--load {load_dir}: no such checkpoint directory (train with "
@@ -45,7 +50,9 @@ def load_model(load_dir: str, model_module: str | None = None):
     path = resolve(load_dir)
     meta = read_meta(path)
     spec, cfg = checkpoint_model(path, meta)
-    model = spec.build(cfg)
+    if base and not meta.get("lora"):
+        raise ValueError(f"--base {base}: {path} is not a LoRA run's checkpoint (it holds every weight)")
+    model = lora_model(spec, cfg, meta["lora"], base, path) if meta.get("lora") else spec.build(cfg)
     load_checkpoint(path, [model])
     return model.eval(), meta, path
 
@@ -110,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a small model runs fastest on "
                                                           "one; 0: torch's default)")
     ap.add_argument("--model-module", help="import this module first (it registers another model family)")
+    ap.add_argument("--base", help="a LoRA run's checkpoint: the Hugging Face folder of its base model "
+                                   "(default: the --load-hf it trained on, as recorded; the weights' "
+                                   "fingerprint is checked)")
     return ap
 
 
@@ -199,7 +209,7 @@ def _main(argv: list[str] | None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model, meta, path = load_model(args.load, args.model_module)
+        model, meta, path = load_model(args.load, args.model_module, args.base)
         tok, kind, warning = choose_tokenizer(args, meta, path)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"generate: error: {e}", file=sys.stderr)

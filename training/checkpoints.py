@@ -204,3 +204,24 @@ class RunCheckpoints:
                     f"{saved['lr_decay_iters']} to keep the checkpoint's schedule)")
         self.log.warning(f"the learning-rate schedule differs from the checkpoint's: "
                          f"{', '.join(diffs)}{hint}")
+
+
+def lora_model(spec, cfg, lora: dict, base: str | None, path: str):
+    """The model of a LoRA checkpoint: its base (``base``, else the --load-hf it trained on, else
+    the seeded weights), checked against the recorded fingerprint, with empty adapters for the
+    checkpoint to fill."""
+    from core.lora import LoraSettings, apply_lora
+
+    recorded = lora["base"]
+    base = base or recorded["load_hf"]
+    model = spec.build(cfg, seed=recorded["seed"] or 0) if not base else spec.build(cfg)
+    apply_lora(model, LoraSettings(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                   lora_targets=",".join(lora["targets"])))
+    if base:
+        model.load_hf(base)
+    fingerprint = base_fingerprint([model])
+    if fingerprint != recorded["weights_fingerprint"]:
+        raise ValueError(f"{path}: its adapters were trained on another base (weights fingerprint "
+                         f"{recorded['weights_fingerprint']}, {base or 'the seeded weights'}: {fingerprint}); "
+                         "pass --base with the base it was trained on")
+    return model

@@ -35,8 +35,7 @@ def test_peft_export_and_merged_export_give_our_logits(dataset, tmp_path):
 
     # ours: the base with the trained adapters, as the export tool builds it
     from core.checkpointing import load_checkpoint, read_meta, resolve
-    from tools.convert_checkpoint import lora_model
-    from training.checkpoints import checkpoint_model
+    from training.checkpoints import checkpoint_model, lora_model
 
     path = resolve(str(tmp_path / "ck"))
     meta = read_meta(path)
@@ -99,8 +98,7 @@ def test_step37_merged_export_gives_our_hidden_states(dataset, tmp_path):
     from transformers import Step3p7TextModel
 
     from core.checkpointing import load_checkpoint, read_meta, resolve
-    from tools.convert_checkpoint import lora_model
-    from training.checkpoints import checkpoint_model
+    from training.checkpoints import checkpoint_model, lora_model
 
     train(["--data-path", dataset, "--optimizer", "adamw", "--lr", "2e-2", "--train-iters", "3",
            "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "8",
@@ -134,8 +132,7 @@ def test_step37_peft_export_loads_onto_transformers_text_model(dataset, tmp_path
 
     from core.checkpointing import load_checkpoint, read_meta, resolve
     from models.step37 import Step37Config, Step37Model
-    from tools.convert_checkpoint import lora_model
-    from training.checkpoints import checkpoint_model
+    from training.checkpoints import checkpoint_model, lora_model
 
     base_dir = tmp_path / "base"
     Step37Model(Step37Config.preset("tiny"), seed=5).save_hf(str(base_dir))

@@ -79,6 +79,39 @@ def test_lora_resume_is_bitwise_and_refuses_another_base(lora_runs, tmp_path, ca
     assert str(hf) in why and str(other) in why
 
 
+def test_generate_samples_with_the_adapters_over_the_recorded_base(lora_runs, tmp_path, capsys):
+    """tools/generate.py on a LoRA checkpoint: the model it builds is the recorded base with the
+    trained adapters (its logits are the merged weights' to fp32 rounding, 1e-5 of the largest
+    logit, and differ from the base's); it samples from it; another base is refused naming it."""
+    import torch
+
+    from core.lora_export import merge_lora
+    from core.packed_seq import PackedSeqParams
+    from tools.generate import load_model, main
+
+    tmp, hf, *_ = lora_runs
+    model, meta, path = load_model(str(tmp / "ck"))
+    assert meta["lora"] and path.endswith("iter_0000004")
+    n = 9
+    args = (torch.arange(3, 3 + n), torch.arange(n), PackedSeqParams(torch.tensor([0, n], dtype=torch.int32),
+                                                                      torch.tensor([0, n], dtype=torch.int32), n))
+    base = Step37Model(Step37Config.preset("tiny"))
+    base.load_hf(str(hf))
+    with torch.no_grad():
+        got = model(*args)
+        merge_lora(model)
+        merged = model(*args)
+    assert (got - merged).abs().max() <= 1e-5 * merged.abs().max()
+    with torch.no_grad():
+        assert (base.eval()(*args) - got).abs().max() > 1e-3 * got.abs().max()  # the adapters matter
+    assert main(["--load", str(tmp / "ck"), "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert "[greedy] 'ab' -> " in capsys.readouterr().out
+    other = tmp_path / "other_hf"
+    Step37Model(Step37Config.preset("tiny"), seed=6).save_hf(str(other))
+    assert main(["--load", str(tmp / "ck"), "--base", str(other), "--prompt", "ab"]) == 1
+    assert "its adapters were trained on another base" in capsys.readouterr().err
+
+
 def test_bf16_lora_keeps_the_frozen_base_in_bf16(dataset, tmp_path, capfd):
     """Under --bf16 the frozen base is stored in bf16, its only copy (its compute weight: the
     fp32 value rounded once, as FSDP's mixed precision rounds a full run's masters), the routers
