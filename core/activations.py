@@ -49,16 +49,51 @@ def ffn_bytes(hidden: int, f: FFNShape, T: int, b: int) -> int:
     return total
 
 
-def block_bytes(shapes: ModelShapes, block: int, T: int, b: int, recompute: str = "none") -> int:
+def frozen_savings(hidden: int, s: BlockShape, T: int, b: int, lora: tuple) -> int:
+    """What a block keeps less when its base is frozen (LoRA: ``lora`` is ``(rank, targets)``,
+    ``core/lora.py``), and what its adapters keep more. autograd saves a matmul's input only for
+    its weight's gradient and a norm's normalised output only for its scale's, so a frozen norm
+    drops that fp32 output, and a frozen projection with no adapter drops its input: the
+    attention's normed input and gated output (q, k, v, gate and o adapted together under
+    ``attention``), the FFN's normed input (a routed expert's copy of it, the permuted tokens,
+    too) and each SwiGLU's product (the down projection's input). An adapted projection keeps
+    its input (the adapter's A needs it) and ``x A^T`` (``T x rank``, for B's gradient). The
+    first layers before any adapter keep even less (nothing there requires a gradient): not
+    counted, an overestimate by at most a layer. Dropout's mask (``--lora-dropout``) is not counted."""
+    rank, targets = lora[0], {t.strip() for t in lora[1].split(",")} if isinstance(lora[1], str) else set(lora[1])
+    a, f, H = s.attention, s.ffn, hidden
+    q = T * a.heads * a.head_dim
+    saved = T * H * F32 * 2 + T * (a.heads + a.kv_heads) * a.head_dim * F32  # the four norms' outputs
+    if "attention" in targets:  # q, k, v, gate (in: H) and o (in: heads x head_dim)
+        saved -= T * rank * b * (5 if a.gate else 4)
+    else:
+        saved += T * H * b + q * b
+    adapted_ffn = ("mlp" in targets) if not f.moe else bool({"shared_expert", "experts"} & set(targets))
+    if not adapted_ffn:
+        saved += T * H * b
+    if not f.moe:
+        saved += T * f.size * b if "mlp" not in targets else -3 * T * rank * b
+        return saved
+    K = f.top_k
+    saved += T * K * (H + f.size) * b if "experts" not in targets else -3 * T * K * rank * b
+    if f.shared:
+        saved += T * f.shared * b if "shared_expert" not in targets else -3 * T * rank * b
+    return saved
+
+
+def block_bytes(shapes: ModelShapes, block: int, T: int, b: int, recompute: str = "none",
+                lora: tuple = ()) -> int:
     """Bytes kept between forward and backward by decoder layer ``block`` (``-1-k``: extra block
-    k), its own head and input projection excluded (see :func:`extra_block_bytes`)."""
+    k), its own head and input projection excluded (see :func:`extra_block_bytes`); ``lora``:
+    ``(rank, targets)`` of a frozen base with adapters (:func:`frozen_savings`)."""
     H = shapes.hidden
     if recompute == "full":
         return T * H * b  # the layer input only
     if recompute == "selective":  # norms, their outputs and the residual stream stay
         return 2 * (norm_bytes(T, H, b) + T * H * b)
     s: BlockShape = shapes.block(block)
-    return attention_bytes(H, s.attention, T, b) + ffn_bytes(H, s.ffn, T, b)
+    kept = attention_bytes(H, s.attention, T, b) + ffn_bytes(H, s.ffn, T, b)
+    return kept - frozen_savings(H, s, T, b, lora) if lora else kept
 
 
 def loss_bytes(T: int) -> int:
@@ -72,7 +107,8 @@ def head_bytes(shapes: ModelShapes, T: int, b: int) -> int:
     return norm_bytes(T, shapes.hidden, b) + T * shapes.hidden * b + loss_bytes(T)
 
 
-def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: str = "none") -> int:
+def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: str = "none",
+                      lora: tuple = ()) -> int:
     """Extra block ``k``: its layer, its head, and for an input projection the shifted embedding
     and the projection's input. Under ``full`` recompute everything before its head reruns
     (``core.transformer.block.RecomputeUnit``): only that part's inputs (the shifted embedding,
@@ -82,11 +118,11 @@ def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: st
     if recompute == "full":
         total = T * H * b * (2 if s.input_proj else 1)
         return total + (T * H * b + loss_bytes(T) if s.head else 0)
-    total = block_bytes(shapes, -1 - k, T, b, recompute)
+    total = block_bytes(shapes, -1 - k, T, b, recompute, lora)
     if s.head:
         total += head_bytes(shapes, T, b)
-    if s.input_proj:
-        total += 3 * T * H * b
+    if s.input_proj:  # a frozen projection (never adapted) drops its concatenated input
+        total += T * H * b if lora else 3 * T * H * b
     return total
 
 

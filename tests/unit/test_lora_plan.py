@@ -94,3 +94,40 @@ def test_h100_lora_recipe_runs_the_80gb_search_top_row(tmp_path):
     wanted = _assert_recipe_is_the_search_top_row(tmp_path, Step37Config, "step37-flash",
                                                   "step37_flash_8xh100_lora_sft.sh", 80 - 5, gpu_gb=80)
     assert wanted[wanted.index("--cpu-offload") + 1] == "experts"
+
+
+def test_frozen_layers_keep_what_the_planner_books():
+    """A frozen block keeps less for its backward: no normalised output of a frozen norm, no
+    input of a frozen projection without an adapter (``core.activations.frozen_savings``).
+    Measured on the tiny model's last decoder layer (full attention, MoE with a shared expert;
+    earlier adapters make its input require a gradient) for each target set: the planner's
+    block within 25% of what autograd saved (the base formula's bound), and its saving against
+    the full block within 25% of the measured saving (the part LoRA changes)."""
+    from core.activations import block_bytes, cpu_sdpa_extra_bytes
+    from core.memory import SavedTensorBytes
+    from core.parallel_state import ParallelState
+    from models.registry import shapes_of
+    from tests.unit.test_memory_plan import labels_for, thd
+    from training.parallelize import build_chunks
+
+    docs, i, shapes = [100, 100, 56], 3, shapes_of(TINY)
+    assert TINY.mlp_layer_types[i] == "sparse" and TINY.layer_types[i] == "full_attention"
+    extra = cpu_sdpa_extra_bytes(shapes.blocks[i].attention, docs, 4, 1)  # CPU SDPA on top of a fused kernel
+
+    def measured(targets: str | None) -> int:
+        chunk = build_chunks(TINY, ParallelState.single())[0]
+        if targets:
+            apply_lora(chunk, LoraSettings(lora_rank=4, lora_alpha=8, lora_targets=targets))
+        saved = SavedTensorBytes(chunk)
+        layer = chunk.layers[str(i)]
+        layer.register_forward_pre_hook(lambda m, a: saved.__enter__() and None)
+        layer.register_forward_hook(lambda m, a, o: saved.__exit__(None, None, None))
+        tokens, pos, psp = thd(docs)
+        chunk(tokens, pos, psp, labels=labels_for(tokens, docs))
+        return saved.bytes
+
+    full, full_est = measured(None), block_bytes(shapes, i, 256, 4) + extra
+    for targets in ("attention", "attention,shared_expert", "attention,experts", "attention,mlp,shared_expert,experts"):
+        got, est = measured(targets), block_bytes(shapes, i, 256, 4, "none", (4, targets)) + extra
+        assert 0.75 <= est / got <= 1.25, (targets, est, got)
+        assert 0.75 <= (full_est - est) / (full - got) <= 1.25, (targets, full_est - est, full - got)

@@ -475,14 +475,14 @@ def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
     shapes, total = shapes_of(cfg), 0
     for k, i in enumerate(chunk.layers):
         mode = inp.recompute if (inp.recompute_num_layers <= 0 or k < inp.recompute_num_layers) else "none"
-        total += block_bytes(shapes, int(i), T, b, mode)
+        total += block_bytes(shapes, int(i), T, b, mode, inp.lora)
     if not chunk.first:
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
     if chunk.last:
         total += head_bytes(shapes, T, b)
         extra = inp.recompute if recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)) else "none"
         for k in range(len(shapes.extra)):  # extra (MTP) blocks: as apply_recompute sets them
-            total += extra_block_bytes(shapes, k, T, b, extra)
+            total += extra_block_bytes(shapes, k, T, b, extra, inp.lora)
     return total
 
 
