@@ -123,7 +123,8 @@ def test_step37_merged_export_gives_our_hidden_states(dataset, tmp_path):
 
 
 def test_step37_peft_export_loads_onto_transformers_text_model(dataset, tmp_path):
-    """Step-3.7 adapters on attention and the shared experts (its routed experts are published
+    """Step-3.7 adapters on attention, the dense MLP and the shared experts (the issue's command
+    line; its routed experts are published
     stacked: no PEFT form): exported against the base's own checkpoint (``--base``: its tensor
     names choose among the family's published names, here transformers' Step3p7TextModel's),
     ``PeftModel.from_pretrained`` on that model gives our final hidden states (HF_REL)."""
@@ -138,7 +139,7 @@ def test_step37_peft_export_loads_onto_transformers_text_model(dataset, tmp_path
     Step37Model(Step37Config.preset("tiny"), seed=5).save_hf(str(base_dir))
     train(["--data-path", dataset, "--load-hf", str(base_dir), "--optimizer", "adamw", "--lr", "2e-2",
            "--train-iters", "3", "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "8",
-           "--lora-targets", "attention,shared_expert", "--save", str(tmp_path / "ck")], tmp_path / "log")
+           "--lora-targets", "attention,mlp,shared_expert", "--save", str(tmp_path / "ck")], tmp_path / "log")
     path = resolve(str(tmp_path / "ck"))
     meta = read_meta(path)
     spec, cfg = checkpoint_model(path, meta)
@@ -149,6 +150,8 @@ def test_step37_peft_export_loads_onto_transformers_text_model(dataset, tmp_path
         want = ours.final_hidden(tokens, pos, psp)
 
     assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft")]) == 0
+    targets = json.load(open(tmp_path / "peft" / "adapter_config.json"))["target_modules"]
+    assert "layers.0.mlp.down_proj" in targets and "layers.1.mlp.shared_experts.up_proj" in targets, targets
     hf = Step3p7TextModel.from_pretrained(str(base_dir)).eval()
     with torch.no_grad():
         plain = hf(input_ids=tokens[None]).last_hidden_state[0]
