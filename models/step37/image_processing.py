@@ -235,7 +235,8 @@ class Step37ImageProcessor:
         ids = [int(i) for i in ids]
         found = ids.count(self.image_token_id)
         if found != len(sizes):
-            raise ValueError(f"the text holds {found} <im_patch> token(s) but {len(sizes)} image(s) came with it")
+            raise ValueError(f"the text holds {found} <im_patch> token(s) but {len(sizes)} image(s) "
+                             "came with it")
         out: list[int] = []
         images = iter(sizes)
         for i in ids:

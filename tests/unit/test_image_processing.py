@@ -13,7 +13,7 @@ tests/fixtures/step3p7_processor/make_fixtures.py made with torchvision (not nee
   size ~2 (a few ulps of 2.4e-7), not any real difference. Two cases are also compared with
   transformers' float32 output directly.
 - tokens: chat rows rendered with the tiny processor folder's template and expanded, equal to the
-  processor's input ids exactly; crop counts equal ``get_number_of_image_patches`` on 508 sizes.
+  processor's input ids exactly; crop counts equal ``get_number_of_image_patches`` on 517 sizes.
 - a property over random sizes: the placeholder count is crops x (per-crop + 2) + row breaks +
   global + 2, the counts taken from the settings and the grid, not from the expansion.
 - the settings round trip and the errors (unknown processor type, missing config, ...).
@@ -145,7 +145,8 @@ def test_crop_counts_equal_transformers(procs, tokens):
 
 
 @hsettings(max_examples=300, deadline=None)
-@given(width=st.integers(1, 8000), height=st.integers(1, 8000), geometry=st.sampled_from(["default", "small"]))
+@given(width=st.integers(1, 8000), height=st.integers(1, 8000),
+       geometry=st.sampled_from(["default", "small"]))
 def test_placeholder_count_property(procs, width, height, geometry):
     proc = procs[geometry]
     s = proc.settings
