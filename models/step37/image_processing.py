@@ -272,7 +272,7 @@ class Step37ImageProcessor:
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         s = self.settings
         if s["do_normalize"]:
-            return (x.to(torch.float32) - self._mean) / self._std
+            return x.to(torch.float32).sub_(self._mean).div_(self._std)
         if s["do_rescale"]:
             return x * s["rescale_factor"]
         return x.to(torch.float32)
