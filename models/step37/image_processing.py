@@ -172,6 +172,8 @@ class Step37ImageProcessor:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{folder}: the tokenizer has no {token!r} (got id {value!r})")
             ids[token] = value
+        if len(set(ids.values())) != len(ids):  # e.g. convert_tokens_to_ids giving unk for each
+            raise ValueError(f"{folder}: the image tokens share ids {ids}: the tokenizer lacks some")
         return cls(settings, ids)
 
     @classmethod

@@ -215,6 +215,8 @@ def test_config_files_and_errors(tmp_path, procs):
         load_image_processor(str(tmp_path / "broken"), token_id)
     with pytest.raises(ValueError, match="has no '<patch_newline>'"):
         load_image_processor(FIXTURES, {k: v for k, v in ids.items() if k != "<patch_newline>"}.__getitem__)
+    with pytest.raises(ValueError, match="the image tokens share ids"):
+        load_image_processor(FIXTURES, lambda token: 0)  # a tokenizer answering unk for all
     with pytest.raises(ValueError, match="not a registered model family"):
         image_processor_from_settings({"image_processor_type": "Nope"}, ids)
     with pytest.raises(ValueError, match="unknown image processor settings"):
