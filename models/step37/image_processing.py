@@ -35,6 +35,9 @@ rebuilds the processor without the tokenizer folder)::
     proc.num_placeholders(width, height) -> int  # len(placeholder_ids(...)), without the list
     proc.pixels(pil_image) -> (global float32 [3, S, S], crops float32 [n, 3, P, P])
 
+Checked equal (bit for bit on the native path) under torch's AVX512, AVX2 and DEFAULT CPU
+dispatch (``ATEN_CPU_CAPABILITY``); ARM's kernels are not checked.
+
 ``models.registry.load_image_processor(folder, token_id)`` and
 ``models.registry.image_processor_from_settings(settings, token_ids)`` pick the family by
 ``image_processor_type``.
