@@ -37,6 +37,8 @@ class ModelSpec:
     model_types: tuple = ()          # Hugging Face model_type values this family reads
     presets: tuple = ()              # preset names (config_class.preset)
     description: str = ""
+    image_processor: type | None = None  # from_pretrained(folder, token_id), from_settings(...),
+    #                                      TYPE_NAMES: the image_processor_type values it reads
 
     def preset(self, name: str):
         return self.config_class.preset(name)
@@ -164,6 +166,32 @@ def resolve(preset: str | None = None, hf_config=None, **overrides):
     s = spec_for_hf(hf_config) if hf_config else spec_for_preset(preset)
     base = s.config_class.from_hf(hf_config).to_hf() if hf_config else s.preset(preset).to_hf()
     return s, s.config_class.from_hf(base, **overrides)
+
+
+def _image_processor_class(kind, where: str) -> type:
+    """The image processor class of the family whose ``TYPE_NAMES`` hold ``kind``."""
+    owners = {name: s.image_processor for s in families().values() if s.image_processor is not None
+              for name in s.image_processor.TYPE_NAMES}
+    if kind in owners:
+        return owners[kind]
+    raise ValueError(f"{where}: image_processor_type {kind!r} is not a registered model family's "
+                     f"(known: {', '.join(sorted(owners)) or 'none'})")
+
+
+def load_image_processor(folder: str, token_id: Callable[[str], int]):
+    """The image processor of a processor folder (its ``image_processor_type`` picks the family);
+    ``token_id``: the tokenizer's token -> id, for the image special tokens."""
+    from models.common.processor_files import read_image_processor_config
+
+    raw, where = read_image_processor_config(folder)
+    cls = _image_processor_class(raw.get("image_processor_type"), where)
+    return cls.from_pretrained(folder, token_id)
+
+
+def image_processor_from_settings(settings: dict, token_ids: dict):
+    """Rebuild an image processor from its ``settings`` and ``token_ids`` (what a dataset stores)."""
+    cls = _image_processor_class(settings.get("image_processor_type"), "image processor settings")
+    return cls.from_settings(settings, token_ids)
 
 
 _SHAPES: dict = {}

@@ -3,11 +3,13 @@ from models.common.decoder import count_parameters
 from models.registry import ModelSpec
 from models.step37.config import PRESETS, Step37Config
 from models.step37.costs import model_shapes
+from models.step37.image_processing import Step37ImageProcessor
 from models.step37.model import Step37Model
 
 SPEC = ModelSpec(family="step37", config_class=Step37Config, model_class=Step37Model, shapes=model_shapes,
                  model_types=("step3p5", "step3p7", "step3p7_text"), presets=tuple(PRESETS),
                  description="StepFun Step-3.5 / Step-3.7 text decoder (gated GQA, sliding windows, "
-                             "sigmoid-routed MoE with a shared expert, MTP)")
+                             "sigmoid-routed MoE with a shared expert, MTP)",
+                 image_processor=Step37ImageProcessor)
 
-__all__ = ["SPEC", "Step37Config", "Step37Model", "count_parameters"]
+__all__ = ["SPEC", "Step37Config", "Step37ImageProcessor", "Step37Model", "count_parameters"]
