@@ -49,6 +49,12 @@ def image_prefixes(text_prefix: str) -> tuple[str, str] | None:
     return f"{base}_images_document", f"{base}_image_index_document"
 
 
+def has_images(text_prefix: str) -> bool:
+    """Whether an image index lies beside ``text_prefix`` (an image run's dataset)."""
+    names = image_prefixes(text_prefix)
+    return names is not None and os.path.exists(names[1] + ".idx")
+
+
 class ImageStore:
     """The images of one text dataset and the processor that turns them into pixels."""
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from core.packed_seq import PackedSeqParams
-from data.image_store import ImageStore, concat_images, open_images
+from data.image_store import ImageStore, concat_images, has_images, open_images
 from data.indexed_dataset import IndexedDataset
 from data.packing import PackPlan, cached_plan, permutation
 from data.thd import THDBatch, build_thd_batch
@@ -151,6 +151,10 @@ class THDLoader:
         if micro_batch_size < 1:
             raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
         self.sources = [s for _, s in sources]
+        for s in self.sources:
+            if s.images is None and has_images(s.prefix):
+                raise ValueError(f"{s.prefix} holds images but was opened without them: open it "
+                                 "with open_source(..., image_processor=...) (docs/vlm.md)")
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         self.pad_id, self.pad_multiple, self.seed = pad_id, pad_multiple, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size

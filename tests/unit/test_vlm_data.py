@@ -250,6 +250,10 @@ def test_processor_and_files_must_match_the_dataset(images_dir, proc):
     other = image_processor_from_settings({**proc.settings, "patch_size": 28}, proc.token_ids)
     with pytest.raises(ValueError, match="made with image processor settings"):
         open_source(prefix, 512, "split", 0, image_processor=other)
+    src = open_source(prefix, 512, "split", 0, image_processor=proc)
+    src.images = None  # a source built without its images (validation parts, say)
+    with pytest.raises(ValueError, match="holds images but was opened without them"):
+        THDLoader([(1.0, src)], seq_length=512, micro_batch_size=1, pad_id=0)
     os.remove(image_prefixes(prefix)[0] + ".idx")
     with pytest.raises(ValueError, match="images dataset .* is missing"):
         open_source(prefix, 512, "split", 0, image_processor=proc)
