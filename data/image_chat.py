@@ -16,7 +16,8 @@ whose content is a list of text parts is rendered as their concatenation (a stri
 chat templates render such a list, so its target can be located as for any text answer.
 
 Without a chat template (the built-in one) or without an image processor, list content is joined
-into text, and a row with an image part is rejected (``images_unsupported``).
+into text (a template not made for images may print a list's repr), and a row with an image part
+is rejected (``images_unsupported``).
 """
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def _text_of(parts: list, i: int) -> str:
 
 def _is_image(p) -> bool:
     return isinstance(p, dict) and p.get("type") in ("image", "image_url")
+
+
+def _has_images(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) and any(map(_is_image, m["content"]))
+        for m in messages)
 
 
 def split_images(messages, images_column=None) -> tuple[list, list]:
@@ -131,13 +138,15 @@ def encode_image_chat(tok, proc: ImageProcessor | None, messages, images_column,
                       max_pixels: int, **chat_kwargs):
     """One conversation with images: (ids int64, mask uint8, images [(bytes, w, h)], runs
     int64 [k, 2]). Without images it is :func:`data.chat.encode_chat`'s result (and no run)."""
-    messages, sources = split_images(messages, images_column)
-    if sources and (proc is None or not tok.chat_template):
+    if (proc is None or not tok.chat_template) and _has_images(messages):
         why = "no image processor" if proc is None else "no chat template"
-        raise RowError("images_unsupported", f"the row has {len(sources)} image(s) but the "
-                                             f"tokenizer ({why}) cannot place them: give "
-                                             "--tokenizer-model a processor folder")
-    if not tok.chat_template and isinstance(messages, list):
+        raise RowError("images_unsupported", f"the row has image parts but the tokenizer ({why}) "
+                                             "cannot place them: give --tokenizer-model a "
+                                             "processor folder")
+    # a text-only run ignores an images column (it has no image part to give it to)
+    messages, sources = split_images(messages, images_column if proc is not None else None)
+    if (proc is None or not tok.chat_template) and isinstance(messages, list):
+        # a template not made for images may not render a list either (it would print its repr)
         messages = [{**m, "content": _text_of(m["content"], i)} if isinstance(m, dict)
                     and isinstance(m.get("content"), list) else m for i, m in enumerate(messages)]
     images = load_images(sources, base_dir, max_pixels)
