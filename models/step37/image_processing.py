@@ -6,8 +6,8 @@ Why our own: transformers' image processor needs torchvision, which is not insta
 (no build matches our CPU torch). The numerics are torchvision's, reproduced with the same torch
 calls: images become uint8 tensors (PIL's RGB conversion, transparency composited on white), every
 resize is ``torch.nn.functional.interpolate(..., "bilinear", antialias=True)`` taken the way
-torchvision takes it (native uint8 when the CPU dispatch is AVX2, else float32 rounded back to
-uint8: see :func:`resize_uint8`), and the rescale by 1/255 is fused into the normalisation.
+torchvision takes it (native uint8 when the CPU dispatch is AVX2 / AVX512 or on ARM, else float32
+rounded back to uint8: see :func:`resize_uint8`), and the rescale by 1/255 is fused into the normalisation.
 
 What one image becomes:
 
@@ -31,7 +31,12 @@ rebuilds the processor without the tokenizer folder)::
     proc = Step37ImageProcessor.from_settings(proc.settings, proc.token_ids)   # the same processor
     proc.plan(width, height) -> CropPlan
     proc.placeholder_ids(width, height) -> list[int]
+    proc.expand_ids(ids, sizes) -> list[int]     # each <im_patch> of a rendered chat expanded
+    proc.num_placeholders(width, height) -> int  # len(placeholder_ids(...)), without the list
     proc.pixels(pil_image) -> (global float32 [3, S, S], crops float32 [n, 3, P, P])
+
+Checked equal (bit for bit on the native path) under torch's AVX512, AVX2 and DEFAULT CPU
+dispatch (``ATEN_CPU_CAPABILITY``); ARM's kernels are not checked.
 
 ``models.registry.load_image_processor(folder, token_id)`` and
 ``models.registry.image_processor_from_settings(settings, token_ids)`` pick the family by
@@ -170,6 +175,8 @@ class Step37ImageProcessor:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{folder}: the tokenizer has no {token!r} (got id {value!r})")
             ids[token] = value
+        if len(set(ids.values())) != len(ids):  # e.g. convert_tokens_to_ids giving unk for each
+            raise ValueError(f"{folder}: the image tokens share ids {ids}: the tokenizer lacks some")
         return cls(settings, ids)
 
     @classmethod
@@ -226,6 +233,21 @@ class Step37ImageProcessor:
                 ids.append(self.patch_newline_id)
         return ids + [self.im_start_id] + [self.image_token_id] * self.global_tokens + [self.im_end_id]
 
+    def expand_ids(self, ids, sizes) -> list[int]:
+        """``ids`` (a rendered chat, one ``<im_patch>`` per image part) with each ``<im_patch>``
+        replaced by :meth:`placeholder_ids` of the image of that (width, height), in order: what
+        ``Step3p7Processor`` does to the text."""
+        ids = [int(i) for i in ids]
+        found = ids.count(self.image_token_id)
+        if found != len(sizes):
+            raise ValueError(f"the text holds {found} <im_patch> token(s) but {len(sizes)} image(s) "
+                             "came with it")
+        out: list[int] = []
+        images = iter(sizes)
+        for i in ids:
+            out.extend(self.placeholder_ids(*next(images)) if i == self.image_token_id else (i,))
+        return out
+
     def num_placeholders(self, width: int, height: int) -> int:
         p = self.plan(width, height)
         return p.num_crops * (self.crop_tokens + 2) + sum(p.newlines) + self.global_tokens + 2
@@ -255,7 +277,7 @@ class Step37ImageProcessor:
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         s = self.settings
         if s["do_normalize"]:
-            return (x.to(torch.float32) - self._mean) / self._std
+            return x.to(torch.float32).sub_(self._mean).div_(self._std)
         if s["do_rescale"]:
             return x * s["rescale_factor"]
         return x.to(torch.float32)
@@ -293,9 +315,13 @@ def to_uint8_chw(image, convert_rgb: bool = True) -> torch.Tensor:
 
 
 def native_uint8_resize() -> bool:
-    """torchvision resizes uint8 bilinearly in uint8 only where torch's CPU dispatch is AVX2
-    (its ``_do_native_uint8_resize_on_cpu``); elsewhere through float32, rounded back."""
-    return "AVX2" in torch.backends.cpu.get_cpu_capability()
+    """torchvision (0.29) resizes uint8 bilinearly in uint8 where torch's CPU dispatch is AVX2 or
+    AVX512, or on ARM (its ``_do_native_uint8_resize_on_cpu``); elsewhere through float32,
+    rounded back to uint8."""
+    import platform
+
+    return (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+            or platform.machine() in ("aarch64", "arm64"))
 
 
 def resize_uint8(x: torch.Tensor, height: int, width: int, native: bool | None = None) -> torch.Tensor:
