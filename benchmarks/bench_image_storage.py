@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         flat.tofile(path)
         ms = median_ms(lambda: np.fromfile(path, np.float32), args.repeat)
         print(f"{'pixels float32':<22}{flat.nbytes:>14,}{ms:>18.1f}")
-        u8 = (flat.size * 1)
+        u8 = flat.size  # one byte per value
         path8 = os.path.join(tmp, "pixels.u8")
         np.zeros(u8, np.uint8).tofile(path8)
         ms = median_ms(lambda: np.fromfile(path8, np.uint8).astype(np.float32), args.repeat)
