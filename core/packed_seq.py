@@ -71,6 +71,9 @@ class ImageInputs:
     ``feature_positions``: int64 ``[F]``, indices into the micro-batch's ``T`` tokens of every
     image placeholder, ascending, made on the host by the loader (so writing them needs no
     device sync). ``F`` equals the tower's feature count, which is checked on the host.
+    Under context parallelism a shard keeps its whole micro-batch's images, and
+    ``feature_positions`` index the whole pack (``PackedSeqParams.cp.index`` maps local tokens
+    to pack positions; ``data/cp_shard.py``).
     """
     pixel_values: torch.Tensor                # float32 [N, 3, S, S]
     pixel_values_local: torch.Tensor | None   # float32 [M, 3, P, P], M == sum(num_local_patches)

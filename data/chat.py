@@ -1,7 +1,9 @@
 """Chat rows -> token ids and an assistant-only loss mask.
 
 A chat row holds ``messages: [{"role": ..., "content": ...}, ...]`` with roles ``system``,
-``user``, ``assistant`` and ``tool``, and at least one assistant turn. An assistant message may
+``user``, ``assistant`` and ``tool``, and at least one assistant turn. A non-assistant message's
+content may be a list of text and image parts (``data/image_chat.py`` prepares them), which only
+a tokenizer's chat template renders. An assistant message may
 carry OpenAI-style ``tool_calls`` (``[{"type": "function", "function": {"name": ...,
 "arguments": {...} or "..."}}]``, or the flat ``{"name", "arguments"}``); its ``content`` may
 then be null.
@@ -103,9 +105,11 @@ def validate_messages(messages) -> list[dict]:
         for field in ("role", "content"):
             if field not in m and not (field == "content" and calls):
                 raise RowError("wrong_type", f"message {i} has no '{field}'")
-        content_ok = isinstance(m.get("content"), str) or (calls and m.get("content") is None)
+        content_ok = isinstance(m.get("content"), str) or (calls and m.get("content") is None) \
+            or (isinstance(m.get("content"), list) and m.get("role") != "assistant")  # parts
         if not isinstance(m["role"], str) or not content_ok:
-            raise RowError("wrong_type", f"message {i}: role and content must be strings")
+            raise RowError("wrong_type", f"message {i}: role and content must be strings (or, "
+                                         "for a non-assistant message, a list of parts)")
         if m["role"] not in ROLES:
             raise RowError("unknown_role", f"message {i} has role {m['role']!r}; "
                                            f"expected one of {', '.join(ROLES)}")

@@ -279,4 +279,9 @@ def strip_nulls(value):
 def row_text(values: dict) -> str:
     """A rejected row's columns as JSON, for the rejects file."""
     return json.dumps({k: (None if isinstance(v, BadValue) else v) for k, v in values.items()},
-                      ensure_ascii=False, default=str)
+                      ensure_ascii=False, default=_short)
+
+
+def _short(v) -> str:
+    """Bytes (an image column's) as their size, not their repr: a rejects file stays readable."""
+    return f"<{len(v):,} bytes>" if isinstance(v, (bytes, bytearray)) else str(v)

@@ -4,7 +4,13 @@ Every CP rank of a data-parallel rank builds the same micro-batch on the host (i
 the data-parallel rank's), computes labels, position ids and the MTP depths' shifted inputs and
 targets on the whole pack, and keeps its two chunks of every document. The pack plan was made
 with each document padded to a multiple of ``2 x cp`` (``pad_multiple``), so the cut needs no
-data from other ranks and T / cp is the same on every rank and step."""
+data from other ranks and T / cp is the same on every rank and step.
+
+Images (image + text packs): every CP rank keeps the whole micro-batch's ``ImageInputs``
+unchanged, its ``feature_positions`` indexing the whole pack's ``T`` tokens (not the shard's).
+Each rank encodes every image of the pack (redundant vision work, no communication, exact) and
+keeps the features whose positions it holds: ``packed_seq_params.cp.index`` gives the pack
+position of each local token (host ints), so the local placement is a host computation."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,7 +41,8 @@ def shard_batch(batch: THDBatch, size: int, rank: int, mtp_depths: int = 0) -> T
     shard = CPShard(size, rank, tuple(cu), tuple(pad), index, torch.from_numpy(valid[index]), inputs, labels)
     params = PackedSeqParams(torch.tensor(local_cu, dtype=torch.int32), torch.tensor(local_pad, dtype=torch.int32),
                              p.max_seqlen, cp=shard)
-    return THDBatch(batch.tokens[pick], batch.labels[pick], batch.position_ids[pick], params)
+    return THDBatch(batch.tokens[pick], batch.labels[pick], batch.position_ids[pick], params,
+                    batch.images)  # whole-pack images and positions (module docstring)
 
 
 class CPShardLoader(THDLoader):

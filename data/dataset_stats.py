@@ -80,6 +80,16 @@ def read_sidecar(prefix: str, cache_path: str | None = None) -> dict | None:
     return next((d for d in _sidecars(prefix, cache_path) if d.get("identity") == ident), None)
 
 
+def recorded_facts(prefix: str, cache_path: str | None = None) -> dict:
+    """What the sidecar of ``prefix`` says beyond the statistics (the tokenizer, the publishing
+    unit, an image run's processor settings): the current sidecar's, else a stale one's whose
+    sizes match (a copy that did not keep modification times); {} when there is none."""
+    doc = read_sidecar(prefix, cache_path)
+    if doc is not None:
+        return {k: v for k, v in doc.items() if k not in ("format", "identity", "stats")}
+    return _kept_facts(prefix, cache_path)
+
+
 def _kept_facts(prefix: str, cache_path: str | None) -> dict:
     """What a stale sidecar says beyond the statistics (the tokenizer, the publishing unit),
     when only the modification times differ (a copy that did not keep them): kept when the

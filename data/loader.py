@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from core.packed_seq import PackedSeqParams
+from data.image_store import ImageStore, concat_images, has_images, open_images
 from data.indexed_dataset import IndexedDataset
 from data.packing import PackPlan, cached_plan, permutation
 from data.thd import THDBatch, build_thd_batch
@@ -67,13 +68,15 @@ def blend_pattern(weights: list[float], period: int = BLEND_PERIOD) -> np.ndarra
 
 @dataclass
 class PackedSource:
-    """One dataset prefix, its (optional) chat loss mask, and its cached pack plan."""
+    """One dataset prefix, its (optional) chat loss mask, its cached pack plan, and its images
+    (image + text data, ``data/image_store.py``)."""
 
     prefix: str
     text: IndexedDataset
     loss_mask: IndexedDataset | None
     plan: PackPlan
     skipped: dict
+    images: ImageStore | None = None
 
 
 def loss_mask_prefix(prefix: str, cache_path: str | None = None) -> str | None:
@@ -88,7 +91,7 @@ def loss_mask_prefix(prefix: str, cache_path: str | None = None) -> str | None:
 
 def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
                 pad_multiple: int = 1, train_fraction: float = 1.0,
-                cache_dir: str | None = None) -> PackedSource:
+                cache_dir: str | None = None, image_processor=None) -> PackedSource:
     """Open ``PREFIX`` (``..._text_document``) and plan its packs, skipping unusable documents.
 
     Zero-length documents and documents whose loss mask length differs from their token count
@@ -96,6 +99,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
     keeps only the first part of the documents (``--split``; the rest is held out).
     ``cache_dir`` (``--data-cache-path``) is where the pack plan is cached; by default beside
     the dataset, or the user cache when that directory is read-only (``data/cache.py``).
+    ``image_processor``: for a dataset with images, the processor or a ``settings -> processor``
+    factory (``data/image_store.open_images``); a dataset with images refuses to open without.
     """
     text = IndexedDataset(prefix)
     mask_prefix = loss_mask_prefix(prefix, cache_dir)
@@ -120,7 +125,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
         plan = _unpad_plan(plan, text.lengths)
     if plan.num_packs == 0:
         raise ValueError(f"{prefix}: no packs (no usable documents with --long-docs {long_docs})")
-    return PackedSource(prefix, text, mask, plan, {k: len(v) for k, v in skipped.items()})
+    images = open_images(prefix, text.lengths, image_processor, cache_dir)
+    return PackedSource(prefix, text, mask, plan, {k: len(v) for k, v in skipped.items()}, images)
 
 
 def _unpad_plan(plan: PackPlan, real_lengths: np.ndarray) -> PackPlan:
@@ -135,7 +141,9 @@ class THDLoader:
 
     def __init__(self, sources: list[tuple[float, PackedSource]], *, seq_length: int,
                  micro_batch_size: int, pad_id: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, pad_multiple: int = 1):
+                 seed: int = 0, pad_multiple: int = 1, with_images: bool = True):
+        """``with_images``: build ``THDBatch.images`` for image + text data (False on pipeline
+        stages that do not run the vision tower: no image is decoded there)."""
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, {dp_size})")
         if seq_length % pad_multiple:
@@ -143,9 +151,14 @@ class THDLoader:
         if micro_batch_size < 1:
             raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
         self.sources = [s for _, s in sources]
+        for s in self.sources:
+            if s.images is None and has_images(s.prefix):
+                raise ValueError(f"{s.prefix} holds images but was opened without them: open it "
+                                 "with open_source(..., image_processor=...) (docs/vlm.md)")
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         self.pad_id, self.pad_multiple, self.seed = pad_id, pad_multiple, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.with_images = with_images
         self.pattern = blend_pattern([w for w, _ in sources])
         self.per_period = np.bincount(self.pattern, minlength=len(self.sources))
         # rank_in_period[i]: how many packs of pattern[i]'s dataset come before position i
@@ -203,10 +216,15 @@ class THDLoader:
         if len(srcs) == 1:
             src = self.sources[srcs.pop()]
             return build_thd_batch([p for _, p in packs], src.text, self.seq_length, self.pad_id,
-                                   loss_mask=src.loss_mask, pad_multiple=self.pad_multiple)
+                                   loss_mask=src.loss_mask, pad_multiple=self.pad_multiple,
+                                   images=self._images(src))
         return _concat([build_thd_batch([p], self.sources[d].text, self.seq_length, self.pad_id,
                                         loss_mask=self.sources[d].loss_mask,
-                                        pad_multiple=self.pad_multiple) for d, p in packs])
+                                        pad_multiple=self.pad_multiple,
+                                        images=self._images(self.sources[d])) for d, p in packs])
+
+    def _images(self, src: PackedSource):
+        return src.images if self.with_images else None
 
     def __iter__(self):
         return self
@@ -310,5 +328,7 @@ def _concat(batches: list[THDBatch]) -> THDBatch:
         offset += b.tokens.numel()
     params = PackedSeqParams(torch.cat(cu), torch.cat(cu_pad),
                              max(b.packed_seq_params.max_seqlen for b in batches))
+    starts = np.cumsum([0] + [b.tokens.numel() for b in batches[:-1]]).tolist()
     return THDBatch(torch.cat([b.tokens for b in batches]), torch.cat([b.labels for b in batches]),
-                    torch.cat([b.position_ids for b in batches]), params)
+                    torch.cat([b.position_ids for b in batches]), params,
+                    concat_images([b.images for b in batches], starts))

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from data.columnar import check_columns, describe_unit, input_format, iter_units
+from data.columnar import check_columns, describe_unit, input_format, iter_units, schema_names
 from data.indexed_dataset import IndexedDatasetWriter, names_file, publish_together, token_dtype
 from data.input_chunks import describe_task, iter_chunks
 from data.input_files import expand_inputs
@@ -42,7 +42,11 @@ from data.workers import OrderedPool
 REJECT_REASONS = ("blank_line", "invalid_utf8", "invalid_unicode", "invalid_json", "too_deep",
                   "not_an_object", "missing_key", "wrong_type", "empty_text", "unknown_role",
                   "no_assistant_turn", "invalid_tool_call", "tool_calls_unsupported",
-                  "reasoning_unsupported", "template_error", "tokenizer_error")
+                  "reasoning_unsupported", "template_error", "tokenizer_error",
+                  # image + text rows (data/images.py, data/image_chat.py)
+                  "image_unreadable", "image_empty", "image_too_large", "image_url",
+                  "image_placement", "image_in_assistant", "images_unsupported")
+IMAGE_DATASETS = ["images", "image_index"]  # the datasets an image run adds (data/image_store.py)
 
 
 @dataclass
@@ -52,6 +56,8 @@ class PreprocessStats:
     rejected: Counter = field(default_factory=Counter)
     documents: int = 0
     tokens: int = 0
+    images: int | None = None  # an image run's images (None: a text-only run)
+    image_tokens: int = 0      # tokens of their placeholder runs (markers included)
     seconds: float = 0.0
     notes: list = field(default_factory=list)  # inputs left out or read once, said before the run
     removed: list = field(default_factory=list)  # stale outputs of an earlier run, removed
@@ -63,9 +69,11 @@ class PreprocessStats:
     def summary(self) -> str:
         by_reason = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items())) or "none"
         rate = self.tokens / self.seconds if self.seconds else 0.0
+        images = "" if self.images is None else \
+            f", images {self.images:,} ({self.image_tokens:,} image tokens)"
         return (f"rows read {self.rows_read:,}, accepted {self.accepted:,}, rejected "
                 f"{self.num_rejected:,} ({by_reason}), documents {self.documents:,}, tokens "
-                f"{self.tokens:,}, {self.seconds:.1f} s ({rate:,.0f} tokens/s)")
+                f"{self.tokens:,}{images}, {self.seconds:.1f} s ({rate:,.0f} tokens/s)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,15 +112,20 @@ def output_keys(cfg: Any) -> list[str]:
     return ["text"] if cfg.chat else list(cfg.json_keys)
 
 
-def written_keys(cfg: Any) -> list[str]:
-    """Every dataset key the run publishes: the text keys, and the chat loss mask."""
-    return output_keys(cfg) + (["loss_mask"] if cfg.chat else [])
+def written_keys(cfg: Any, images: bool = False) -> list[str]:
+    """Every dataset key the run publishes: the text keys, the chat loss mask, and with an image
+    processor the images and their index."""
+    return output_keys(cfg) + (["loss_mask"] if cfg.chat else []) + \
+        (IMAGE_DATASETS if images and cfg.chat else [])
 
 
-def _tasks(files: list[str], chunk_bytes: int, columns: list[str]):
+def _tasks(files: list[str], chunk_bytes: int, columns: list[str], images: bool = False):
     for file_idx, path in enumerate(files):
+        # an image column counts in a unit's size: its bytes are most of the row
+        extra = ["images"] if images and input_format(path) != "jsonl" and \
+            "images" in schema_names(path) else []
         units = iter_chunks(path, chunk_bytes) if input_format(path) == "jsonl" else \
-            iter_units(path, chunk_bytes, columns)
+            iter_units(path, chunk_bytes, columns + extra)
         for task in units:
             task["file_idx"] = file_idx
             yield task
@@ -138,8 +151,8 @@ def _with_file_idx(task: dict) -> tuple[int, dict]:  # process_chunk looked up h
 class _InProcess:
     """--workers 1: the same code path without a pool (and without pickling)."""
 
-    def __init__(self, cfg):
-        init_worker(cfg)
+    def __init__(self, cfg, image_processor=None):
+        init_worker(cfg, image_processor)
 
     def imap(self, tasks):
         return map(_with_file_idx, tasks)
@@ -151,29 +164,41 @@ class _InProcess:
         return False
 
 
-def _executor(cfg):
+def _executor(cfg, image_processor=None):
     if cfg.workers == 1:
-        return _InProcess(cfg)
+        return _InProcess(cfg, image_processor)
     # spawn: workers start clean (no inherited tokenizer threads or torch state)
-    return OrderedPool(cfg.workers, _with_file_idx, init_worker, (cfg,), describe=_describe)
+    return OrderedPool(cfg.workers, _with_file_idx, init_worker, (cfg, image_processor),
+                       describe=_describe)
 
 
 class _Outputs:
     """The datasets and rejects file of one run, under temporary names until ``publish``."""
 
-    def __init__(self, cfg, files: list[str], tok):
+    def __init__(self, cfg, files: list[str], tok, proc=None):
         prefix = cfg.output_prefix
         dtype = token_dtype(tok.vocab_size)
         self.files, self.stats = files, PreprocessStats()
         self.line_base = [0] * len(files)
+        images = proc is not None and bool(cfg.chat)
         # the unit (data/units.py): training pairs a text with a loss mask only of its own run
         self.meta = {"tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
-                                   "vocab_size": tok.vocab_size}, "unit": new_unit(written_keys(cfg))}
+                                   "vocab_size": tok.vocab_size},
+                     "unit": new_unit(written_keys(cfg, images))}
+        if images:  # what the loader rebuilds the processor from (data/image_store.py)
+            self.meta["images"] = {"processor": proc.settings, "token_ids": proc.token_ids,
+                                   "image_token_id": proc.image_token_id}
+            self.stats.images = 0
         text_only = not cfg.chat and "text" in cfg.json_keys
         self.stale_mask = f"{prefix}_loss_mask_document" if text_only else None
         self.writers = {k: IndexedDatasetWriter(f"{prefix}_{k}_document", dtype) for k in output_keys(cfg)}
+        self.text_keys = list(self.writers)
         if cfg.chat:
             self.writers["loss_mask"] = IndexedDatasetWriter(f"{prefix}_loss_mask_document", np.uint8)
+        if images:
+            self.writers["images"] = IndexedDatasetWriter(f"{prefix}_images_document", np.uint8)
+            self.writers["image_index"] = IndexedDatasetWriter(f"{prefix}_image_index_document",
+                                                               np.int64)
         self.rejects_path = f"{prefix}_rejects.jsonl"
         self.rejects_tmp = f"{self.rejects_path}.tmp-{os.getpid()}"
         # a detail may quote a lone surrogate: escape it rather than fail the whole run
@@ -201,9 +226,12 @@ class _Outputs:
         for key, w in self.writers.items():
             flat, lengths = res[key]
             w.add_many(flat, lengths)
-            if key != "loss_mask":
+            if key in self.text_keys:
                 stats.tokens += flat.size
-        stats.documents += len(lengths)
+        stats.documents += len(res[next(iter(self.text_keys))][1])
+        if stats.images is not None:
+            stats.images += len(res["images"][1])
+            stats.image_tokens += int(res["image_index"][0].reshape(-1, 4)[:, 1].sum())
 
     def publish(self, max_rejected_fraction: float) -> None:
         stats = self.stats
@@ -243,32 +271,39 @@ class _Outputs:
             os.remove(self.rejects_tmp)
 
 
-def run(cfg: Any, progress: bool = True) -> PreprocessStats:
+def run(cfg: Any, progress: bool = True, image_processor=None) -> PreprocessStats:
     """Tokenize ``cfg.input`` into ``cfg.output_prefix`` datasets; returns the counts.
+
+    ``image_processor``: a picklable factory ``token_id -> ImageProcessor`` (``data/images.py``;
+    ``tools/preprocess_data.py`` makes it from the tokenizer folder): chat rows may then hold
+    images, written to ``PREFIX_images_document`` with ``PREFIX_image_index_document``.
 
     Raises PreprocessError (nothing published but the rejects file), WorkerDied, Terminated
     (SIGTERM) or KeyboardInterrupt; every temporary file is gone when any of them propagates.
     """
     from tqdm import tqdm
 
-    files, notes = expand_inputs(cfg.input, cfg.output_prefix, written_keys(cfg))
+    images = image_processor is not None and bool(cfg.chat)
+    files, notes = expand_inputs(cfg.input, cfg.output_prefix, written_keys(cfg, images))
     check_inputs(files, cfg)
     for note in notes if progress else ():
         print(f"preprocess_data: {note}", file=sys.stderr)
     tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
+    proc = image_processor(tok.token_id) if images else None
     if cfg.append_eod and tok.eod_id < 0:
         raise ValueError("--append-eod: this tokenizer defines no end-of-document (EOS) token")
     t0 = time.perf_counter()
     total = None if any(f.endswith(".gz") for f in files) else sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress)
     with _sigterm_unwinds():
-        out = _Outputs(cfg, files, tok)
+        out = _Outputs(cfg, files, tok, proc)
         stats = out.stats
         stats.notes = notes
         try:
-            with _executor(cfg) as pool:
+            with _executor(cfg, image_processor if images else None) as pool:
                 last_log = 0
-                for file_idx, res in pool.imap(_tasks(files, int(cfg.chunk_mb * 2**20), read_columns(cfg))):
+                for file_idx, res in pool.imap(_tasks(files, int(cfg.chunk_mb * 2**20),
+                                                      read_columns(cfg), images)):
                     out.add(file_idx, res)
                     bar.update(res["n_bytes"])
                     if stats.rows_read - last_log >= cfg.log_interval:

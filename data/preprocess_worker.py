@@ -21,19 +21,27 @@ from typing import Any
 
 import numpy as np
 
-from data.chat import SURROGATE, RowError, encode_chat
+from data.chat import SURROGATE, RowError
 from data.columnar import (BadValue, describe_unit, one_line, read_errors, read_unit, row_text,
-                           strip_nulls)
+                           schema_names, strip_nulls)
+from data.image_chat import encode_image_chat
+from data.images import DEFAULT_MAX_IMAGE_PIXELS
 from data.indexed_dataset import token_dtype
 from data.tokenizers import build_tokenizer
 
 _worker: dict = {}
 
 
-def init_worker(cfg: Any) -> None:
+IMAGES_COLUMN = "images"  # chat rows: the row's images, in the order of its image parts
+
+
+def init_worker(cfg: Any, image_processor=None) -> None:
+    """``image_processor``: a picklable factory ``token_id -> ImageProcessor`` (``data/images.py``),
+    called here with the tokenizer's ``token_id``, or None for text-only runs."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker process
     tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
-    _worker.update(cfg=cfg, tok=tok, dtype=token_dtype(tok.vocab_size))
+    proc = image_processor(tok.token_id) if image_processor is not None else None
+    _worker.update(cfg=cfg, tok=tok, dtype=token_dtype(tok.vocab_size), proc=proc, schemas={})
 
 
 def read_columns(cfg: Any) -> list[str]:
@@ -71,8 +79,8 @@ def row_values(row: dict, cfg: Any, missing: str = "no key {!r}", surrogates: bo
             raise RowError("missing_key", missing.format(k))
         if isinstance(row[k], BadValue):
             raise RowError(row[k].reason, f"{k!r}: {row[k].detail}")
-    if cfg.chat:
-        return row[cfg.chat]  # encode_chat checks the rendered text for lone surrogates
+    if cfg.chat:  # encode_chat checks the rendered text for lone surrogates
+        return row[cfg.chat], row.get(IMAGES_COLUMN)
     values = [row[k] for k in keys]
     for k, v in zip(keys, values):
         if not isinstance(v, str):
@@ -124,7 +132,7 @@ def _jsonl_rows(task: dict, cfg: Any):
 def _columnar_rows(task: dict, cfg: Any):
     """As :func:`_jsonl_rows`, for a unit of Parquet row groups or Arrow record batches. A null
     is an absent key (what a missing key becomes when rows are written as columns)."""
-    keys = read_columns(cfg)
+    keys = read_columns(cfg) + image_columns(task["path"], cfg)
     cols = read_unit(task, keys)
     n = len(cols[keys[0]]) if keys else 0
     rows = [{k: cols[k][i] for k in keys} for i in range(n)]
@@ -137,6 +145,16 @@ def _columnar_rows(task: dict, cfg: Any):
         except Exception as e:
             rejects.append((i, *reject_reason(e, "wrong_type"), row_text(row)))
     return n, parsed, rejects, lambda i: row_text(rows[i])
+
+
+def image_columns(path: str, cfg: Any) -> list[str]:
+    """``["images"]`` for a chat file of an image run whose schema has that column."""
+    if not cfg.chat or _worker.get("proc") is None:
+        return []
+    schemas = _worker.setdefault("schemas", {})
+    if path not in schemas:
+        schemas[path] = IMAGES_COLUMN in schema_names(path)
+    return [IMAGES_COLUMN] if schemas[path] else []
 
 
 def _read_range(path: str, start: int, end: int) -> bytes:
@@ -181,19 +199,32 @@ def _encode_rows(tok, texts: list[str]) -> tuple[list, dict]:
     return ids, failed
 
 
-def _encode_chats(out: dict, parsed: list, rejects: list, raw_of, tok, cfg, dtype, eod) -> None:
-    ids, masks = [], []
-    for i, msgs in parsed:
+def _encode_chats(out: dict, parsed: list, rejects: list, raw_of, tok, cfg, dtype, eod,
+                  base_dir: str) -> None:
+    ids, masks, images, index = [], [], [], []
+    proc = _worker.get("proc")
+    max_pixels = getattr(cfg, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
+    for i, (msgs, row_images) in parsed:
         try:
-            t, m = encode_chat(tok, msgs, reasoning_loss=cfg.reasoning_loss,
-                               mask_history=cfg.mask_history)
+            t, m, imgs, runs = encode_image_chat(tok, proc, msgs, row_images, base_dir, max_pixels,
+                                                 reasoning_loss=cfg.reasoning_loss,
+                                                 mask_history=cfg.mask_history)
         except Exception as e:
             rejects.append((i, *reject_reason(e, "tokenizer_error"), raw_of(i)))
             continue
         ids.append(t)
         masks.append(m if eod is None else np.append(m, np.uint8(0)))
+        images += imgs
+        # one row per image: (run start, run length, width, height)
+        index.append(np.column_stack([runs, np.array([(w, h) for _, w, h in imgs], np.int64)
+                                      .reshape(-1, 2)]).reshape(-1))
     out["text"] = _flatten(ids, dtype, eod)
     out["loss_mask"] = (np.concatenate(masks) if masks else np.zeros(0, np.uint8), out["text"][1])
+    if proc is not None:
+        out["images"] = (np.frombuffer(b"".join(b for b, _, _ in images), np.uint8),
+                         np.array([len(b) for b, _, _ in images], np.int64))
+        out["image_index"] = (np.concatenate(index) if index else np.zeros(0, np.int64),
+                              np.array([len(x) for x in index], np.int64))
 
 
 def _encode_texts(out: dict, parsed: list, rejects: list, raw_of, tok, cfg, dtype, eod) -> None:
@@ -225,7 +256,10 @@ def process_chunk(task) -> dict:
     out: dict = {"n_lines": n, "rejects": rejects, "row_numbers": "row" if "format" in task else "line",
                  "n_bytes": task["n_bytes"] if "format" in task else task["end"] - task["start"]}
     eod = tok.eod_id if cfg.append_eod else None
-    (_encode_chats if cfg.chat else _encode_texts)(out, parsed, rejects, raw_of, tok, cfg, dtype, eod)
+    if cfg.chat:
+        _encode_chats(out, parsed, rejects, raw_of, tok, cfg, dtype, eod, os.path.dirname(task["path"]))
+    else:
+        _encode_texts(out, parsed, rejects, raw_of, tok, cfg, dtype, eod)
     rejects.sort(key=lambda r: r[0])
     return out
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from core.packed_seq import ImageInputs, PackedSeqParams
+from data.image_store import batch_images
 
 IGNORE_INDEX = -100
 
@@ -49,17 +50,19 @@ def _round_up(x: np.ndarray | int, m: int):
 
 
 def build_thd_batch(packs: list[np.ndarray], text, seq_length: int, pad_id: int, *,
-                    loss_mask=None, pad_multiple: int = 1) -> THDBatch:
+                    loss_mask=None, pad_multiple: int = 1, images=None) -> THDBatch:
     """Assemble one micro-batch from ``packs`` (each an int64 ``[n, 3]`` array of segments).
 
-    ``text`` / ``loss_mask`` are indexed datasets (anything with ``get(doc, start, length)``).
-    Raises ``ValueError`` if a pack does not fit ``seq_length`` once documents are padded.
+    ``text`` / ``loss_mask`` are indexed datasets (anything with ``get(doc, start, length)``);
+    ``images`` the dataset's :class:`data.image_store.ImageStore` (image + text data), which
+    gives the batch its ``images``. Raises ``ValueError`` if a pack does not fit ``seq_length``
+    once documents are padded, or a segment cuts through an image's placeholder run.
     """
     T = len(packs) * seq_length
     tokens = np.full(T, pad_id, dtype=np.int64)
     labels = np.full(T, IGNORE_INDEX, dtype=np.int64)
     positions = np.empty(T, dtype=np.int64)
-    real, padded = [], []
+    real, padded, placed = [], [], []
     for p, segs in enumerate(packs):
         base = p * seq_length
         seg_len = segs[:, 2]
@@ -79,6 +82,7 @@ def build_thd_batch(packs: list[np.ndarray], text, seq_length: int, pad_id: int,
                 keep = loss_mask.get(doc, start, n)[1:].astype(bool)
                 labels[pos:pos + n - 1][~keep] = IGNORE_INDEX
             positions[pos:pos + width] = np.arange(width)
+            placed.append((images, doc, start, n, pos))
             pos += width
         real.append(seg_len)
         padded.append(seg_pad)
@@ -89,5 +93,6 @@ def build_thd_batch(packs: list[np.ndarray], text, seq_length: int, pad_id: int,
     np.cumsum(pad_len, out=cu_pad[1:])
     params = PackedSeqParams(torch.from_numpy(cu), torch.from_numpy(cu_pad),
                              int(real_len.max()) if len(real_len) else 0)
+    batch_imgs = batch_images(placed, tokens) if images is not None else None
     return THDBatch(torch.from_numpy(tokens), torch.from_numpy(labels),
-                    torch.from_numpy(positions), params)
+                    torch.from_numpy(positions), params, batch_imgs)

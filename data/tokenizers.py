@@ -42,6 +42,11 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no chat template")
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a special token written as ``text`` (None when the vocabulary lacks it)."""
+        ids = self.encode(text)
+        return ids[0] if len(ids) == 1 else None
+
 
 def _char_offsets_from_byte_offsets(text: str, byte_offsets: np.ndarray) -> np.ndarray:
     """Map UTF-8 byte offsets into ``text`` to character offsets."""
@@ -150,6 +155,7 @@ class HuggingFaceTokenizer(Tokenizer):
             token_id = hf.convert_tokens_to_ids
         eos = _token_text(special.get("eos_token")) or "<|endoftext|>"
         pad = _token_text(special.get("pad_token"))
+        self._token_to_id = token_id
         self.eod_id = _or(token_id(eos), -1)
         self.pad_id = _or(token_id(pad), self.eod_id) if pad else self.eod_id
         jinja = os.path.join(self._dir, "chat_template.jinja")
@@ -175,6 +181,9 @@ class HuggingFaceTokenizer(Tokenizer):
             else:
                 self._hf = PreTrainedTokenizerFast(tokenizer_file=self._path)
         return self._hf
+
+    def token_id(self, text: str) -> int | None:
+        return self._token_to_id(text)
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:

@@ -58,3 +58,19 @@ def check_pair(text_prefix: str, mask_prefix: str, cache_path: str | None = None
 
 def _id(unit: dict | None) -> str:
     return unit["id"][:12] if unit else "none recorded"
+
+
+def check_member(text_prefix: str, key: str, prefix: str, cache_path: str | None = None) -> None:
+    """``prefix`` (the ``key`` dataset of an image run: ``images``, ``image_index``) is present and
+    was published with ``text_prefix``; ``ValueError`` naming both otherwise."""
+    text = unit_of(text_prefix, cache_path)
+    if not os.path.exists(prefix + ".idx"):
+        raise ValueError(f"{text_prefix}: made by an image run, but its {key} dataset {prefix}.idx is "
+                         "missing (publishing failed part way, or it was not copied); run "
+                         "tools/preprocess_data.py again, or copy it beside the text")
+    other = unit_of(prefix, cache_path)
+    if text is None or other is None or text["id"] != other["id"] or \
+            key not in text.get("datasets", ()):
+        raise ValueError(f"{prefix} does not belong to {text_prefix}: they were not published by "
+                         f"the same preprocessing run (unit {_id(other)} and {_id(text)}); run "
+                         "tools/preprocess_data.py again for this prefix")

@@ -5,6 +5,9 @@
         [--long-docs split] [--seed 0] [--context-parallel-size N | --document-pad-multiple P] \\
         [--plot packs.png]
 
+For image + text data (an ``..._image_index_document`` beside the dataset) it also reports the
+images per pack and the share of pack tokens that are image placeholder tokens.
+
 With context parallelism every document is padded to a multiple of 2 x N (as training pads it):
 the plan is then made on padded lengths, and a line shows the padding and the packs it adds.
 
@@ -22,6 +25,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
+from data.image_store import image_prefixes, pack_image_counts  # noqa: E402
 from data.indexed_dataset import IndexedDataset  # noqa: E402
 from data.packing import LONG_DOC_POLICIES, cached_plan  # noqa: E402
 
@@ -35,6 +39,20 @@ def histogram_lines(values: np.ndarray, bins: int = 12, width: int = 40) -> list
     top = counts.max() or 1
     return [f"{lo:>8}-{hi - 1:<8} {c:>10,} {'#' * int(round(width * c / top))}"
             for lo, hi, c in zip(edges[:-1], edges[1:], counts)]
+
+
+def _image_lines(prefix: str, plan) -> None:
+    """Images per pack and the image-token share, for image + text data."""
+    names = image_prefixes(prefix)
+    if names is None or not os.path.exists(names[1] + ".idx"):
+        return
+    images, tokens = pack_image_counts(IndexedDataset(names[1]), plan.segments)
+    offsets = np.asarray(plan.pack_offsets)
+    per_pack = np.add.reduceat(images, offsets[:-1]) if plan.num_packs else images[:0]
+    share = tokens.sum() / max(1, plan.num_tokens)
+    print(f"images       {int(images.sum()):,} in {int((per_pack > 0).sum()):,} of {plan.num_packs:,} "
+          f"packs; per pack mean {per_pack.mean():.2f}, max {per_pack.max()}")
+    print(f"image tokens {int(tokens.sum()):,} ({100 * share:.2f}% of the packed tokens)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cp padding   documents padded to a multiple of {pad}: +{added:,} pad tokens "
               f"({100 * added / max(1, ds.num_tokens):.2f}% of the real ones); {plan.num_packs:,} packs "
               f"against {bare.num_packs:,} unpadded (fill counts the padding as used)")
+    _image_lines(args.data_path, plan)
     print("document lengths:")
     print("\n".join(histogram_lines(lengths[lengths > 0])))
     if args.plot:

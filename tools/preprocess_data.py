@@ -8,6 +8,11 @@ Text:  python tools/preprocess_data.py --input data.jsonl --output-prefix out/co
 Chat:  python tools/preprocess_data.py --input 'sft/*.parquet' --output-prefix out/sft --chat
        -> out/sft_text_document.{bin,idx} and out/sft_loss_mask_document.{bin,idx} (uint8,
           1 on assistant tokens), aligned token for token.
+Image + text chat: --chat --tokenizer-type huggingface --tokenizer-model PROCESSOR_DIR, where the
+       folder also holds an image processor (preprocessor_config.json): each image part becomes
+       the processor's placeholder tokens; adds out/sft_images_document.{bin,idx} (the images'
+       encoded bytes) and out/sft_image_index_document.{bin,idx} (per document: where each
+       image's tokens are). docs/vlm.md.
 
 Every rejected row goes to PREFIX_rejects.jsonl with its file, line number (JSONL) or row index
 (Parquet, Arrow), reason and original text; rows read always equal rows accepted plus rows
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make the packa
 from core.cli import add_to_parser, from_namespace, option  # noqa: E402
 from data.preprocess import (REJECT_REASONS, PreprocessError, Terminated,  # noqa: E402
                              output_keys, run)
+from data.images import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
 from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from data.workers import WorkerDied, WorkerFailed  # noqa: E402
 
@@ -69,6 +76,9 @@ class PreprocessConfig:
     log_interval: int = option(10000, "refresh the progress bar's row counters every N rows")
     max_rejected_fraction: float = option(0.01, "exit 1 without publishing a dataset when more "
                                                 "than this fraction of rows is rejected")
+    max_image_pixels: int = option(DEFAULT_MAX_IMAGE_PIXELS, "image + text chat: an image of more "
+                                   "pixels (width x height) rejects its row (image_too_large; "
+                                   "a decompression bomb); PIL's own threshold is the default")
 
     def __post_init__(self):
         if self.workers < 1:
@@ -81,6 +91,23 @@ class PreprocessConfig:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
         if self.tokenizer_type != "byte" and not self.tokenizer_model:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
+
+
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def image_processor_factory(cfg: PreprocessConfig):
+    """A picklable ``token_id -> processor`` for a chat run whose tokenizer folder holds an image
+    processor (the workers build their own), else None (a text-only run)."""
+    folder = cfg.tokenizer_model
+    if not cfg.chat or cfg.tokenizer_type != "huggingface" or not folder or not os.path.isdir(folder) \
+            or not any(os.path.isfile(os.path.join(folder, f)) for f in IMAGE_PROCESSOR_FILES):
+        return None
+    from models.registry import load_image_processor
+
+    return functools.partial(load_image_processor, folder)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     try:
-        stats = run(cfg, progress=True)
+        stats = run(cfg, progress=True, image_processor=image_processor_factory(cfg))
     except (PreprocessError, FileNotFoundError, ValueError, WorkerFailed) as e:
         print(f"preprocess_data: error: {e}", file=sys.stderr)
         return 1
@@ -123,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     outputs = ", ".join(f"{cfg.output_prefix}_{k}_document" for k in output_keys(cfg))
     if cfg.chat:
         outputs += f", {cfg.output_prefix}_loss_mask_document"
+    if stats.images is not None:
+        outputs += f", {cfg.output_prefix}_images_document, {cfg.output_prefix}_image_index_document"
     print(f"preprocess_data: {stats.summary()}; wrote {outputs}")
     for what in stats.removed:
         print(f"preprocess_data: removed {what}")
