@@ -15,7 +15,9 @@ from data.cp_shard import CPShardLoader
 from data.indexed_dataset import IndexedDataset
 from data.loader import PackedSource, THDLoader, _unpad_plan, loss_mask_prefix, open_source, parse_data_path
 from data.packing import cached_plan
+from data.image_store import open_images
 from data.splits import split_bounds
+from models import registry
 
 
 def validation_ranges(pairs: list[tuple[float, str]], split: str) -> list[tuple[float, str, int, int]]:
@@ -37,6 +39,7 @@ def _open_part(prefix: str, lo: int, hi: int, seq_length: int, long_docs: str, s
     """Documents ``[lo, hi)`` of ``prefix`` packed on their own (empty documents and documents
     whose loss mask has another length are left out, as ``open_source`` does)."""
     text = IndexedDataset(prefix)
+    images = open_images(prefix, text.lengths, registry.image_processor_from_settings, cache_dir)
     mask_prefix = loss_mask_prefix(prefix, cache_dir)
     mask = IndexedDataset(mask_prefix) if mask_prefix else None
     lengths = text.lengths.astype(np.int64)
@@ -53,12 +56,13 @@ def _open_part(prefix: str, lo: int, hi: int, seq_length: int, long_docs: str, s
     if plan.num_packs == 0:
         raise ValueError(f"{prefix}: the validation part (documents {lo}..{hi - 1}) has no usable "
                          f"document with --long-docs {long_docs}")
-    return PackedSource(prefix, text, mask, plan, {})
+    return PackedSource(prefix, text, mask, plan, {}, images)
 
 
 def make_loader(sources, ps, mtp_depths: int, **kwargs) -> THDLoader:
     """This rank's loader: its data-parallel rank's micro-batches, cut to its CP rank's shard
     under context parallelism (``data/cp_shard.py``)."""
+    kwargs["with_images"] = ps.is_first_stage  # only the first stage's vision tower reads them
     if ps.sizes.cp > 1:
         return CPShardLoader(sources, cp_size=ps.sizes.cp, cp_rank=ps.cp_rank, mtp_depths=mtp_depths,
                              dp_rank=ps.dp_rank, dp_size=ps.sizes.dp, **kwargs)
@@ -71,7 +75,7 @@ def validation_loader(args, pad_id: int, ps, mtp_depths: int = 0) -> THDLoader:
     pad = d.pad_multiple(ps.sizes.cp)
     if e.valid_data_path:
         sources = [(w, open_source(prefix, d.seq_length, d.long_docs, seed, pad_multiple=pad,
-                                   cache_dir=d.data_cache_path))
+                                   cache_dir=d.data_cache_path, image_processor=registry.image_processor_from_settings))
                    for w, prefix in parse_data_path(e.valid_data_path)]
     else:
         sources = [(w, _open_part(prefix, lo, hi, d.seq_length, d.long_docs, seed, d.data_cache_path, pad))

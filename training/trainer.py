@@ -24,6 +24,7 @@ from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from core.transformer.block import pending_grads
 from data.loader import open_source, parse_data_path
+from models import registry
 from data.tokenizers import build_tokenizer
 from models.registry import shapes_of
 from training.run_layout import RunLayout, aux_loss_coeff, evaluates
@@ -45,7 +46,8 @@ class Trainer:
         self.tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
         pad = d.pad_multiple(ps.sizes.cp)  # context parallelism packs with documents padded to 2 x cp
         sources = [(w, open_source(prefix, d.seq_length, d.long_docs, s.seed, pad_multiple=pad,
-                                   train_fraction=d.train_fraction, cache_dir=d.data_cache_path))
+                                   train_fraction=d.train_fraction, cache_dir=d.data_cache_path,
+                                   image_processor=registry.image_processor_from_settings))
                    for w, prefix in parse_data_path(d.data_path)]
         self.fill = sum(src.plan.fill for _, src in sources) / len(sources)
         self.loader = make_loader(sources, ps, self.cfg.num_mtp_layers, seq_length=d.seq_length,
