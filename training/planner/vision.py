@@ -174,8 +174,14 @@ def layout_for(cfg, inp) -> str | None:
     if inp.pipeline_layout or not has_images(inp) or inp.pp * inp.vpp == 1:
         return inp.pipeline_layout
     extra = vision_flops(cfg, inp).useful / 3
-    counts = balanced_layout(shapes_of(cfg), inp.pp * inp.vpp, inp.seq_length, first_extra=extra)
-    return ",".join(map(str, counts))
+    key = (type(cfg).__name__, repr(cfg), inp.pp * inp.vpp, inp.seq_length, extra)
+    if key not in _LAYOUTS:  # the search asks for every memory mode of a (pp, vpp)
+        counts = balanced_layout(shapes_of(cfg), inp.pp * inp.vpp, inp.seq_length, first_extra=extra)
+        _LAYOUTS[key] = ",".join(map(str, counts))
+    return _LAYOUTS[key]
+
+
+_LAYOUTS: dict = {}
 
 
 _WITH_VISION: dict = {}
