@@ -127,13 +127,13 @@ def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: st
 
 
 def layer_norm_bytes(T: int, n: int, b: int) -> int:
-    # as norm_bytes, with the mean beside 1/std
-    return norm_bytes(T, n, b) + T * F32
+    # torch's layer norm (fp32 under autocast): its fp32 input, mean and 1/std (no normalised output)
+    return T * n * F32 + 2 * T * F32
 
 
 def vit_layer_bytes(v: VisionShape, n: int, b: int, recompute: str = "none") -> int:
-    """Bytes one ViT block keeps for one view of ``n`` patches. ``none``: both LayerNorms and
-    their outputs (the inputs of q, k, v and of fc1); rotated q and k, v, the fused kernel's
+    """Bytes one ViT block keeps for one view of ``n`` patches. ``none``: both LayerNorms (fp32
+    input and statistics) and their outputs (the inputs of q, k, v and of fc1); rotated q and k, v, the fused kernel's
     output (o's input) and fp32 logsumexp; o's and fc2's outputs (the layer scales' inputs); fc1's
     output, its quick-GELU's sigmoid and product (fc2's input). ``selective``: as a decoder layer,
     the norms, their outputs and the residual stream. ``full``: the block's input only."""

@@ -14,10 +14,10 @@
 # measure yours with tools/inspect_packs.py (it reports the image-token share) and plan with it.
 # One image feature costs 16 patches through the tower: 68.8 GFLOP forward (62.3 for a crop's),
 # 2.3 times what a text token costs through the whole decoder (30.3), so each 0.1 of share adds
-# about 23% to the step's compute (docs/vlm.md, "Planner").
+# about 21% to the step's compute, all of it on the first pipeline stage (docs/vlm.md, "Planner").
 #
-# Predicted (not measured; no GPU has run this): 130.1 GB on the busiest GPU (10.9 GB to spare;
-# the tower's activations are 21.4 GB of it: full recompute keeps each block's input, 2.6 MB an
+# Predicted (not measured; no GPU has run this): 129.3 GB on the busiest GPU (11.7 GB to spare;
+# the tower's activations are 20.6 GB of it: full recompute keeps each block's input, 2.5 MB an
 # image feature), 19.3 s per step, 1,700 tokens/s per GPU, MFU 23.9% counting the tower's
 # forward and backward as useful (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe
 # 35 GB/s, host memory 52 GB/s per rank). The same layout with text only: 13.9 s, 2,360 tokens/s.

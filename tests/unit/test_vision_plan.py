@@ -202,3 +202,39 @@ def test_planner_flags(capsys):
     assert "planned with --pipeline-layout 1,3" in capsys.readouterr().out
     assert main(flags) == 0
     assert "--pipeline-layout" not in capsys.readouterr().out
+
+
+def test_vit_block_keeps_what_the_planner_books():
+    """A pre-norm ViT block in plain torch (LayerNorms, q / k / v / o and fc1 / fc2 with biases,
+    2-D-style rotary on q and k, the fused CPU attention kernel, quick-GELU, layer scales), fp32,
+    one view of 64 patches: autograd's saved bytes (``core.memory.SavedTensorBytes``) within 25%
+    of ``vit_layer_bytes`` (the bound the decoder's formula is held to); under full recompute the
+    block's input only."""
+    from core.activations import vit_layer_bytes
+    from core.memory import SavedTensorBytes
+
+    torch.manual_seed(0)
+    H, I, heads, n = 32, 64, 2, 64
+    v = VisionShape(hidden=H, intermediate=I, depth=1, heads=heads, patch=2, image_size=16)
+    d = H // heads
+    mods = torch.nn.ModuleDict({"ln1": torch.nn.LayerNorm(H), "ln2": torch.nn.LayerNorm(H),
+                                **{k: torch.nn.Linear(H, H) for k in "qkvo"},
+                                "fc1": torch.nn.Linear(H, I), "fc2": torch.nn.Linear(I, H)})
+    scale1, scale2 = torch.nn.Parameter(torch.full((H,), 0.1)), torch.nn.Parameter(torch.full((H,), 0.1))
+    cos, sin = torch.randn(n, d), torch.randn(n, d)
+
+    def rope(t):
+        half = torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1)
+        return t * cos + half * sin
+
+    x = torch.randn(1, n, H, requires_grad=True)
+    with SavedTensorBytes(mods) as saved:
+        h = mods["ln1"](x)
+        q, k, val = (mods[c](h).view(1, n, heads, d).transpose(1, 2) for c in "qkv")
+        a = F.scaled_dot_product_attention(rope(q), rope(k), val).transpose(1, 2).reshape(1, n, H)
+        y = x + scale1 * mods["o"](a)
+        g = mods["fc1"](mods["ln2"](y))
+        out = y + scale2 * mods["fc2"](g * torch.sigmoid(1.702 * g))
+    out.sum().backward()
+    assert 0.75 <= vit_layer_bytes(v, n, 4) / saved.bytes <= 1.25, (vit_layer_bytes(v, n, 4), saved.bytes)
+    assert vit_layer_bytes(v, n, 4, "full") == n * H * 4
