@@ -238,3 +238,19 @@ def test_vit_block_keeps_what_the_planner_books():
     out.sum().backward()
     assert 0.75 <= vit_layer_bytes(v, n, 4) / saved.bytes <= 1.25, (vit_layer_bytes(v, n, 4), saved.bytes)
     assert vit_layer_bytes(v, n, 4, "full") == n * H * 4
+
+
+def test_mfu_counts_the_encoders_forward_and_backward_and_rows_print_the_layout():
+    """MFU's useful FLOPs grow by the encoder's forward and backward (no recompute) per token of
+    every pack; a searched row with images on a pipeline prints the layout it was planned with."""
+    from training.planner.search import evaluate
+    from training.planner.timing import TimeAssumptions, plan_time
+
+    base = PlanInputs(seq_length=512, num_microbatches=2, optimizer="adamw", recompute="full")
+    img = replace(base, image_token_share=0.25)
+    useful = lambda inp: (lambda st: st.mfu * st.step_s * inp.sizes.world * st.peak_tflops * 1e12)(plan_time(TINY, inp))
+    assert useful(img) - useful(base) == pytest.approx(vision_flops(TINY, img).useful * 512 * 2, rel=1e-9)
+    a = TimeAssumptions()
+    piped = replace(img, pp=2)
+    assert evaluate(TINY, piped, a, 989.5, 2, 0.0).flags().endswith("--pipeline-layout 1,3")
+    assert "--pipeline-layout" not in evaluate(TINY, replace(base, pp=2), a, 989.5, 2, 0.0).flags()
