@@ -8,7 +8,7 @@ CPU's SDPA keeps on top is :func:`cpu_sdpa_extra_bytes`.
 """
 from __future__ import annotations
 
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes, VisionShape, conv_out
 
 F32 = 4
 
@@ -124,6 +124,53 @@ def extra_block_bytes(shapes: ModelShapes, k: int, T: int, b: int, recompute: st
     if s.input_proj:  # a frozen projection (never adapted) drops its concatenated input
         total += T * H * b if lora else 3 * T * H * b
     return total
+
+
+def layer_norm_bytes(T: int, n: int, b: int) -> int:
+    # torch's layer norm (fp32 under autocast): its fp32 input, mean and 1/std (no normalised output)
+    return T * n * F32 + 2 * T * F32
+
+
+def vit_layer_bytes(v: VisionShape, n: int, b: int, recompute: str = "none") -> int:
+    """Bytes one ViT block keeps for one view of ``n`` patches. ``none``: both LayerNorms (fp32
+    input and statistics) and their outputs (the inputs of q, k, v and of fc1); rotated q and k, v, the fused kernel's
+    output (o's input) and fp32 logsumexp; o's and fc2's outputs (the layer scales' inputs); fc1's
+    output, its quick-GELU's sigmoid and product (fc2's input). ``selective``: as a decoder layer,
+    the norms, their outputs and the residual stream. ``full``: the block's input only."""
+    H = v.hidden
+    if recompute == "full":
+        return n * H * b
+    if recompute == "selective":
+        return 2 * (layer_norm_bytes(n, H, b) + n * H * b)
+    return 2 * layer_norm_bytes(n, H, b) + 8 * n * H * b + n * v.heads * F32 + 3 * n * v.intermediate * b
+
+
+def vision_view_bytes(v: VisionShape, size: int, b: int, recompute: str = "none", trained: str = "all") -> int:
+    """Bytes the image encoder keeps for one view of ``size`` pixels until its backward.
+    ``trained``: ``"all"`` (every weight learns), ``"projector"`` (the tower frozen: nothing
+    before the projector requires a gradient, so only the projector's input stays) or ``"none"``
+    (LoRA: nothing of it learns, nothing stays). A trained tower keeps the pixels (the patch
+    embedding's input), the pre-norm, each block as :func:`vit_layer_bytes` under ``recompute``
+    (``full``: each block's input; the blocks rerun in the backward), each downsampler's input and
+    the projector's input (these last four the same in every recompute mode)."""
+    g = v.grid(size)
+    c, proj_in = v.hidden, 0
+    for o, k, s, p in v.downsamplers:
+        g = conv_out(g, k, s, p)
+        c = o
+    proj_in = g * g * c * b
+    if trained == "none":
+        return 0
+    if trained == "projector":
+        return proj_in
+    n, H = v.patches(size), v.hidden
+    total = n * v.channels * v.patch ** 2 * b + layer_norm_bytes(n, H, b)
+    total += v.depth * vit_layer_bytes(v, n, b, recompute)
+    g, c = v.grid(size), H
+    for o, k, s, p in v.downsamplers:
+        total += g * g * c * b
+        g, c = conv_out(g, k, s, p), o
+    return total + proj_in
 
 
 def cpu_sdpa_extra_bytes(a: AttentionShape, doc_lengths: list, b: int, sharing: int = 1) -> int:

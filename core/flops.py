@@ -10,10 +10,11 @@ step does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from core.pipeline.balance import partition
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes, VisionShape, conv_out
 
 
 def avg_keys(seq_length: int, window: int | None) -> float:
@@ -74,10 +75,11 @@ def model_costs(shapes: ModelShapes, seq_length: int) -> StageCosts:
     return StageCosts(blocks, 0.0, 2 * H * V + sum(extra), extra)
 
 
-def balanced_layout(shapes: ModelShapes, num_stages: int, seq_length: int) -> list[int]:
-    """Layers per virtual stage that minimise the slowest stage under this cost model."""
+def balanced_layout(shapes: ModelShapes, num_stages: int, seq_length: int, first_extra: float = 0.0) -> list[int]:
+    """Layers per virtual stage that minimise the slowest stage under this cost model;
+    ``first_extra``: more forward FLOPs per token on the first stage (an image encoder's)."""
     c = model_costs(shapes, seq_length)
-    return partition(c.blocks, num_stages, c.first_extra, c.last_extra)
+    return partition(c.blocks, num_stages, c.first_extra + first_extra, c.last_extra)
 
 
 def stage_flops(shapes: ModelShapes, counts: list[int], seq_length: int) -> list[float]:
@@ -109,6 +111,37 @@ def training_flops(shapes: ModelShapes, doc_lengths: list[int]) -> float:
         a = b.attention
         flops += 12.0 * a.heads * a.head_dim * sum(keys_seen(n, a.window) for n in doc_lengths)
     return flops
+
+
+def vit_layer_flops(v: VisionShape, n: int) -> float:
+    """Forward FLOPs of one ViT block over one view of ``n`` patches: q, k, v, o and the two MLP
+    matrices for every patch, and attention over all ``n`` patches of the view (bidirectional:
+    ``n x n`` scores and as many weighted values, per head dimension)."""
+    H = v.hidden
+    return 2.0 * n * (4 * H * H + 2 * H * v.intermediate) + 4.0 * H * n * n
+
+
+def vision_view_flops(v: VisionShape, size: int) -> dict:
+    """Forward FLOPs of one view of ``size`` pixels, by part: the patch embedding (a convolution
+    with stride = kernel: each patch's pixels times the weight), the ViT blocks, the downsamplers
+    (each output position's ``in x k x k`` window times ``out`` channels; padding counted as
+    multiplied) and the projector (each feature times the weight). Norms, RoPE, the layer scales
+    and biases are left out, as for the decoder."""
+    n, g = v.patches(size), v.grid(size)
+    out = {"embedding": 2.0 * n * v.channels * v.patch ** 2 * v.hidden,
+           "layers": v.depth * vit_layer_flops(v, n), "downsamplers": 0.0}
+    c = v.hidden
+    for o, k, s, p in v.downsamplers:
+        g = conv_out(g, k, s, p)
+        out["downsamplers"] += 2.0 * g * g * c * k * k * o
+        c = o
+    out["projector"] = 2.0 * v.features(size) * c * v.out_hidden
+    return out
+
+
+def vision_params(v: VisionShape) -> int:
+    """Parameters of the image encoder and its projector."""
+    return sum(math.prod(shape) for _, shape, _, _ in v.parameters())
 
 
 # Dense bf16 peaks (TFLOP/s, no sparsity) by device name, for MFU when --peak-tflops is not given.

@@ -16,6 +16,10 @@ model, sequence length, global batch, precision and optimizer stay as given:
 
     python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \\
         --seq-length 8192 --global-batch-size 64 --bf16 --optimizer muon --muon-momentum 0
+
+A vision-language model's images: ``--image-token-share 0.25 --image-crops-per-image 4`` (a
+quarter of each pack's tokens image features, every image a global view and 4 crops on
+average); the vision tower's cost goes on the first pipeline stage (docs/vlm.md, "Planner").
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from core.cli import add_to_parser, from_namespace  # noqa: E402
 from training.planner.timing import TimeAssumptions  # noqa: E402
 from train_args import SECTIONS, build_parser, sections, validate  # noqa: E402
 from training.planner.run import DEFAULT_DEVICE_GB, report, search_report  # noqa: E402
+from training.planner.vision import add_image_flags, image_mix  # noqa: E402
 
 
 def build_planner_parser():
@@ -52,6 +57,7 @@ def build_planner_parser():
     g.add_argument("--host-gb", type=float, default=2000.0,
                    help="--search: host memory per node in GB that a layout may use (default: 2000, "
                         "a DGX H200's 2 TB; 0: no limit)")
+    add_image_flags(parser)
     if "time" not in SECTIONS:  # pretrain_step37.py's flags do not carry the time model (yet)
         add_to_parser(parser, TimeAssumptions, "time model")
     return parser
@@ -67,6 +73,7 @@ def main(argv=None) -> int:
         if not (math.isfinite(ns.host_gb) and ns.host_gb >= 0):
             raise ValueError(f"--host-gb must be a finite number >= 0 (0: no limit), got {ns.host_gb:g}")
         assumptions = getattr(args, "time", None) or from_namespace(TimeAssumptions, ns)
+        args.images = image_mix(ns)
         if ns.search:
             if ns.top < 1:
                 raise ValueError(f"--top must be >= 1, got {ns.top}")

@@ -46,7 +46,8 @@ from core.optim.host_masters import STAGING
 from core.parallel_state import ParallelSizes
 from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.planner.shares import ROOT, ChunkShare, block_numel, rank_shares, schedule_facts
+from training.planner.shares import ROOT, ChunkShare, block_numel, schedule_facts
+from training.planner.vision import ImageMix, planned_shares, vision_bytes, vision_working_set
 
 GB = 10**9
 MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
@@ -84,6 +85,9 @@ class PlanInputs:
     compile: bool = False                 # (--compile refuses chunked recompute)
     lora_rank: int = 0                    # LoRA: adapters of this rank on a frozen base (core/lora.py)
     lora_targets: str = DEFAULT_TARGETS   # what they adapt (--lora-targets)
+    image_token_share: float = 0.0        # images in the packs (training/planner/vision.py; 0: text only)
+    image_crops_per_image: float = 0.0
+    freeze_vision: bool = False
 
     def __post_init__(self):
         for name, allowed in (("sharding", SHARDING_MODES), ("cpu_offload", OFFLOAD_MODES),
@@ -94,6 +98,7 @@ class PlanInputs:
         # the flags' own rules and the chunks' cut (core/memory_mode.py); the rest of the layout's
         # rules are the search's and validation's (MemoryMode.check over run_facts)
         self.mode.check_chunks(self.micro_batch_size)
+        ImageMix(self.image_token_share, self.image_crops_per_image, self.freeze_vision)  # its flags' rules
         if self.cp > 1 and self.seq_length % (2 * self.cp):
             raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
                              f"= {2 * self.cp}")
@@ -405,7 +410,7 @@ def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
     the same."""
     sizes = inp.sizes
     sizes.validate(cfg.num_layers, cfg.num_experts)
-    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length, inp.lora)
+    shares = planned_shares(cfg, inp)
     pl = placement(inp)
     out = []
     for pp_rank in range(inp.pp):
@@ -428,6 +433,8 @@ def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
     if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
         sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, inp.recompute)
                  + kv(-1 - k) for k in range(len(shapes.extra))]
+    if chunk.first:
+        sets.append(vision_working_set(cfg, inp))
     return max(sets, default=0)
 
 
@@ -478,6 +485,8 @@ def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
         total += block_bytes(shapes, int(i), T, b, mode, inp.lora)
     if not chunk.first:
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
+    else:
+        total += vision_bytes(cfg, inp)  # the image encoder's (0 without images)
     if chunk.last:
         total += head_bytes(shapes, T, b)
         extra = inp.recompute if recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)) else "none"

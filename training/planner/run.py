@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 from training.planner.memory import GB, PlanInputs, as_dict, format_table, plan
 from training.planner.timing import BREAKDOWN, StepTime, TimeAssumptions, peak_tflops, plan_time
+from training.planner.vision import layout_for
 from training.run_layout import RunLayout, model_config
 
 DEFAULT_DEVICE_GB = 141.0  # H200
@@ -39,13 +40,28 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                       bf16=m.bf16, store_param_remainders=m.store_param_remainders,
                       optimizer_in_backward=m.optimizer_in_backward, device_gb=device_gb,
                       pipeline_layout=p.pipeline_layout, moe_dispatcher=args.model.moe_dispatcher,
-                      clip_grad=o.clip_grad, compile=args.model.compile, **_lora_fields(args))
+                      clip_grad=o.clip_grad, compile=args.model.compile, **_lora_fields(args), **_image_fields(args))
 
 
 def _lora_fields(args) -> dict:
     """The LoRA flags the planner reads (none for a namespace without the section)."""
     lora = getattr(args, "lora", None)
     return dict(lora_rank=lora.lora_rank, lora_targets=lora.lora_targets) if lora is not None else {}
+
+
+IMAGE_FIELDS = ("image_token_share", "image_crops_per_image", "freeze_vision")
+
+
+def _inputs_dict(inp: PlanInputs) -> dict:
+    """The inputs as JSON; a text-only plan without the image fields (as before them)."""
+    return {k: v for k, v in vars(inp).items() if inp.image_token_share or k not in IMAGE_FIELDS}
+
+
+def _image_fields(args) -> dict:
+    """The planner's images (``args.images``, an ``ImageMix`` that tools/plan_memory.py attaches;
+    none: text only)."""
+    images = getattr(args, "images", None)
+    return asdict(images) if images is not None else {}
 
 
 def every_rank(ranks: list, layout: RunLayout) -> list[dict]:
@@ -70,13 +86,18 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
     st = plan_time(layout.config, inp, assumptions, peak, args.data.global_batch_size)
     s = layout.sizes
     if as_json:
-        print(json.dumps({"world_size": s.world, "inputs": vars(inp), "ranks": every_rank(ranks, layout),
+        print(json.dumps({"world_size": s.world, "inputs": _inputs_dict(inp), "ranks": every_rank(ranks, layout),
                           "time": time_dict(st)}, indent=2))
         return 0
     cp = f" x cp {s.cp}" if s.cp > 1 else ""
     print(f"world {s.world} = pp {s.pp} x dp {s.dp}{cp} (ep {s.ep}, expert-dp {s.expert_dp}), "
           f"{layout.num_microbatches} micro-batches per pipeline; nothing allocated")
     print(format_table(ranks, inp))
+    chosen = layout_for(layout.config, inp)
+    if chosen != inp.pipeline_layout:
+        print(f"{prog}: with {inp.image_token_share:g} of the tokens images, planned with --pipeline-layout "
+              f"{chosen} (the vision tower's cost on stage 0); pass it to the trainer, whose default split "
+              f"counts text only")
     if s.expert_dp > 1:
         print(f"(each row stands for its {s.expert_dp} expert-DP replicas; --json lists every rank)")
     worst = max(ranks, key=lambda r: r.device_total)

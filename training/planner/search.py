@@ -19,6 +19,7 @@ from core.memory_mode import SHARDING_MODES, MemoryMode, RunFacts
 
 from training.planner.memory import GB, PlanInputs, placement, plan
 from training.planner.timing import TimeAssumptions, peak_tflops, plan_time
+from training.planner.vision import layout_for
 
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -50,6 +51,7 @@ class Row:
     mfu: float
     idle: float              # pipeline bubble and imbalance
     fits: bool
+    pipeline_layout: str | None = None  # with images: the split that pays for the encoder on stage 0
 
     @property
     def mode(self) -> MemoryMode:
@@ -69,6 +71,8 @@ class Row:
             out.append(f"--virtual-pipeline-model-parallel-size {self.vpp}")
         out += self.mode.flags(always=("data_parallel_sharding", "recompute_granularity"), skip=("bf16",))
         out.append(f"--micro-batch-size {self.micro_batch_size}")
+        if self.pipeline_layout:
+            out.append(f"--pipeline-layout {self.pipeline_layout}")
         return " ".join(out)
 
 
@@ -184,7 +188,7 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
                inp.store_param_remainders, inp.optimizer_in_backward,
                inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
-               st.mfu, st.bubble, fits)
+               st.mfu, st.bubble, fits, layout_for(cfg, inp))
 
 
 def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
@@ -232,6 +236,14 @@ def _masters(r: Row) -> str:
     return ("rem" if r.remainders else "fp32") + ("+ib" if r.in_backward else "")
 
 
+def _row_dict(r: Row) -> dict:
+    """A row as JSON (no ``pipeline_layout`` key where the trainer's default layout runs)."""
+    d = asdict(r)
+    if d["pipeline_layout"] is None:
+        del d["pipeline_layout"]
+    return d
+
+
 def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: TimeAssumptions, peak: float,
            top: int = 20, as_json: bool = False, prog: str = "plan_memory", reserve: float | None = None) -> int:
     """Print the ranked table (or every row as JSON); returns 0, or 1 when nothing fits."""
@@ -241,7 +253,7 @@ def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: Tim
                           "host_gb_per_node": host_gb,
                           "peak_tflops": peak, "assumptions": asdict(a), "layouts": len(rows),
                           "fitting": len(fitting),
-                          "rows": [{**asdict(r), "flags": r.flags()} for r in rows]}, indent=1))
+                          "rows": [{**_row_dict(r), "flags": r.flags()} for r in rows]}, indent=1))
         return 0 if fitting else 1
     limit = f" and {host_gb:g} GB of host memory per node" if host_gb > 0 else ""
     print(f"{len(fitting)} of {len(rows)} layouts on {world} GPUs fit {device_gb:g} GB per GPU with "

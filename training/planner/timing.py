@@ -70,7 +70,8 @@ from models.registry import shapes_of
 from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _parameter_bytes, _shard_numel, chunk_tally,
                                   kept_inputs, placement)
 from training.planner.lora import lora_flops
-from training.planner.shares import ChunkShare, rank_shares, schedule_facts
+from training.planner.shares import ChunkShare, schedule_facts
+from training.planner.vision import planned_shares, vision_flops
 
 DEFAULT_PEAK = PEAK_TFLOPS["H200"]
 ADAMW_BYTES = 28  # fp32 p, g, m, v read; p, m, v written
@@ -359,6 +360,10 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     skipped, adapters = lora_flops(cfg, chunk, inp)  # LoRA: no weight gradients of the frozen base
     f.seconds["compute"] = (fwd_f + adapters) * T / eff  # T: this rank's CP shard
     bk.seconds["compute"] = (2 * fwd_f + redo_f - skipped + 2 * adapters) * T / eff
+    if chunk.stage == 0:  # the image encoder (nothing without images)
+        vf = vision_flops(cfg, inp)
+        f.seconds["compute"] += vf.forward * T / eff
+        bk.seconds["compute"] += (vf.backward + vf.redo) * T / eff
     n_moe, n_redo = _moe_layers(cfg, chunk, inp)
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep  # dispatch or combine
     if a2a:
@@ -539,7 +544,7 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
     """The step-time prediction of a layout. ``global_batch_size`` in packs (default: micro-
     batches x micro-batch size x DP)."""
     a, peak, pl = a or TimeAssumptions(), peak_tflops(peak), placement(inp)
-    shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, inp.pipeline_layout, inp.seq_length, inp.lora)
+    shares = planned_shares(cfg, inp)
     S, M = inp.pp * inp.vpp, inp.num_microbatches
     fwd, bwd, work = [0.0] * S, [0.0] * S, []
     for r, chunks in enumerate(shares):
@@ -574,6 +579,7 @@ def plan_time(cfg, inp: PlanInputs, a: TimeAssumptions | None = None,
     if inp.lora_rank:
         skipped, adapters = (sum(x) for x in zip(*(lora_flops(cfg, c, inp) for c in chunks_all)))
         model_flops += (3 * adapters - skipped) * inp.seq_length * gbs
+    model_flops += vision_flops(cfg, inp).useful * inp.seq_length * gbs  # the image encoder's, once
     bubble = sum(x.seconds["idle"] for x in ranks) / (inp.pp * makespan) if makespan else 0.0
     return StepTime(ranks, step_s, slowest.pp_rank, makespan, bubble,
                     gbs * inp.seq_length / step_s / world, model_flops / (step_s * world * peak * 1e12),
