@@ -1,0 +1,108 @@
+"""Step-3.7's vision tower and projector, from core's ViT blocks (``core/transformer/vit.py``,
+``core/transformer/axial_rotary.py``), numerically transformers' ``Step3p7VisionModel`` and
+``Step3p7Model.get_image_features``:
+
+    patches (conv, no bias) + learned positions (bilinearly resized to the view's grid)
+    -> LayerNorm -> N x ViT layer (2-D RoPE over (column, row), layer scale, quick_gelu)
+    -> conv 3x3 stride 2 (C -> 2C) -> conv 3x3 stride 2 (2C -> 4C) -> features [views, n, 4C]
+    -> projector (4C -> text hidden)
+
+q and k keep the published checkpoint's channel order (RoPE pairs interleaved, fused ``in_proj``
+rows q, k, v), so weights load and export by renaming alone; transformers permutes them into its
+rotate-half order on its own load, which gives the same attention.
+
+One micro-batch's images (``core.packed_seq.ImageInputs``): every global view is one batch
+through the tower, every crop another; each image contributes its crops' features, then its
+global view's, in image order, and these replace the token embeddings at ``feature_positions``
+(an ``index_copy`` with host-made indices: no device sync).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.packed_seq import ImageInputs
+from core.transformer.axial_rotary import AxialRotaryEmbedding, grid_coordinates
+from core.transformer.vit import LayerNorm, ViTLayer
+from models.step37.vision_config import Step37VisionConfig
+
+
+class Conv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose bias starts at zero (``core/init.py`` draws only the kernel)."""
+
+    def constant_init(self) -> dict[str, float]:
+        return {"bias": 0.0} if self.bias is not None else {}
+
+
+class VisionTower(nn.Module):
+    """Pixels ``[B, C, S, S]`` (one view size per call) -> features ``[B, n, 4 * hidden]``."""
+
+    def __init__(self, cfg: Step37VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, grid = cfg.hidden_size, cfg.image_size // cfg.patch_size
+        self.patch_embed = nn.Conv2d(cfg.num_channels, D, cfg.patch_size, stride=cfg.patch_size, bias=False)
+        self.pos_embed = nn.Parameter(torch.empty(grid * grid, D))
+        self.pre_norm = LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.rotary = AxialRotaryEmbedding(cfg.head_dim, cfg.rope_theta, axes=2)
+        self.blocks = nn.ModuleList([
+            ViTLayer(D, cfg.num_heads, cfg.intermediate_size, act=cfg.hidden_act, eps=cfg.layer_norm_eps,
+                     layer_scale=cfg.layer_scale_init, interleaved_rope=True) for _ in range(cfg.num_layers)])
+        self.downsample1 = Conv2d(D, 2 * D, 3, stride=2, padding=1)
+        self.downsample2 = Conv2d(2 * D, 4 * D, 3, stride=2, padding=1)
+
+    def positions(self, h: int, w: int) -> torch.Tensor:
+        """The learned position table on an ``h x w`` grid (bilinear, as transformers resizes it)."""
+        table = self.pos_embed
+        g = int(round(table.shape[0] ** 0.5))
+        if (h, w) == (g, g):
+            return table
+        grid = table.reshape(1, g, g, -1).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=False)
+        return grid.permute(0, 2, 3, 1).reshape(h * w, -1)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        B, _, H, W = pixels.shape
+        h, w = H // self.cfg.patch_size, W // self.cfg.patch_size
+        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
+        x = self.pre_norm(x + self.positions(h, w))
+        rope = self.rotary(grid_coordinates(h, w, x.device), x.dtype)
+        for block in self.blocks:
+            x = block(x, rope)
+        x = x.transpose(1, 2).reshape(B, -1, h, w)
+        x = self.downsample2(self.downsample1(x))
+        return x.flatten(2).transpose(1, 2)
+
+
+def image_features(tower: VisionTower, projector: nn.Module, images: ImageInputs) -> torch.Tensor:
+    """``[F, text hidden]``: per image its crops' projected features, then its global view's."""
+    glob = projector(tower(images.pixel_values))               # [N, n_global, H]
+    local = projector(tower(images.pixel_values_local)) if images.pixel_values_local is not None else None
+    parts, crop = [], 0
+    for i, n in enumerate(images.num_local_patches):  # host ints: slicing only, no device sync
+        if n:
+            parts.append(local[crop:crop + n].flatten(0, 1))
+            crop += n
+        parts.append(glob[i])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def write_features(x_TH: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x_TH`` with rows ``positions`` replaced by ``feats`` (counts checked on the host)."""
+    if feats.shape[0] != positions.shape[0]:
+        raise ValueError(f"the images give {feats.shape[0]} features but the micro-batch has "
+                         f"{positions.shape[0]} image placeholder positions (ImageInputs.feature_positions): "
+                         "the placeholder expansion does not match the vision tower's image size")
+    return x_TH.index_copy(0, positions, feats.to(x_TH.dtype))
+
+
+def idle_pass(tower: VisionTower, projector: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
+    """``x_TH`` unchanged (an empty ``index_copy``), tied to the tower's and projector's
+    parameters through one zero one-patch image. A micro-batch without images still runs every
+    collective a sharded tower needs (FSDP gathers, reduce-scatters of zero gradients), so data-
+    parallel ranks with and without images stay in step."""
+    p = tower.cfg.patch_size
+    pixels = x_TH.new_zeros(1, tower.cfg.num_channels, p, p, dtype=torch.float32)
+    feats = projector(tower(pixels)).flatten(0, 1)[:0]
+    return x_TH.index_copy(0, torch.empty(0, dtype=torch.int64, device=x_TH.device), feats.to(x_TH.dtype))
