@@ -3,7 +3,7 @@ chunks, with fixed-shape ``[T, hidden]`` point-to-point transfers of activations
 gradients.
 
 Every stage builds micro-batch ``m`` itself (``get_batch(m)``: tokens, position ids, packed
-sequence metadata, labels), so only hidden states cross stages, and they always have the
+sequence metadata, labels; the first stage also takes its ``images``), so only hidden states cross stages, and they always have the
 same shape: no shape exchange, no metadata on the wire. The transfers follow the plan of
 ``core/pipeline/p2p.py``: batches of ``batch_isend_irecv``, issued in the plan's order,
 deadlock-free under NCCL's in-order matching (proven by ``nccl_replay``; the executor records
@@ -183,8 +183,11 @@ class PipelineExecutor:
         inp = None if stage == 0 else self._inbox.pop(("F", a.microbatch, stage))
         if inp is not None and torch.is_grad_enabled():
             inp.requires_grad_()
+        # a micro-batch's images (image + text packs) go to the first stage only, and only when
+        # there are some: a text-only call is the same call as before images existed
+        images = getattr(batch, "images", None) if stage == 0 else None
         out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
-                    labels=batch.labels)
+                    labels=batch.labels, **({"images": images} if images is not None else {}))
         stats.add(a.chunk, out)
         carry, router = self._carry(stage, a.microbatch, out, n_mb)
         aux = None

@@ -123,10 +123,6 @@ class Step37Config:
                              f"[1, {self.num_experts}]")
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
-        if self.vision is not None and not (self.image_token_id is not None
-                                                and 0 <= self.image_token_id < self.vocab_size):
-            raise ValueError(f"image_token_id {self.image_token_id} must be a token of the "
-                             f"{self.vocab_size}-token vocabulary when the model has a vision tower")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: expected one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
