@@ -1,0 +1,242 @@
+"""The Step-3.7 vision-language model on packed image + text THD micro-batches, against
+transformers' Step3p7ForConditionalGeneration run on each document alone (fp32, CPU, a tiny
+random config with a 2-layer vision tower: the "step37-tiny-vlm" preset).
+
+Tolerance HF_REL, relative to the largest value compared: the same terms summed in other orders
+(per-document SDPA vs transformers' mask, grouped GEMM vs a per-expert loop, a fused qkv GEMM in
+the checkpoint's interleaved RoPE channel order vs transformers' split, permuted projections).
+Measured over 5 seeds: logits <= 3.3e-6, loss sums <= 1e-7 (relative); 4e-5 (the text model's
+bar, tests/unit/test_model_hf.py) leaves > 10x margin.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.packed_seq import ImageInputs, PackedSeqParams
+from models.step37 import Step37Config, Step37Model
+from tests.unit.hf_reference import randomize
+from tests.unit.numerics import assert_close_rel
+
+HF_REL = 4e-5
+IMG = 319                      # the preset's image placeholder token
+GLOBAL, CROP = 112, 84         # view sizes (pixels): 4 features each after the downsamplers
+SEQ = 64                       # one pack; its documents fill 53 tokens, the rest is padding
+
+
+def _hf_model(seed: int):
+    from transformers import Step3p7Config, Step3p7ForConditionalGeneration
+
+    raw = Step37Config.preset("step37-tiny-vlm").to_hf()
+    cfg = Step3p7Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    hf = Step3p7ForConditionalGeneration(cfg).eval()
+    randomize(hf, seed)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vlm") / "hf"
+    hf = _hf_model(seed=1)
+    hf.save_pretrained(str(path))
+    return str(path), hf
+
+
+def _text(g, n):
+    return torch.randint(0, 300, (n,), generator=g)
+
+
+def documents(seed=0):
+    """Three documents: text, an image with 2 crops, text; text, an image without crops, text,
+    an image with 1 crop, text; text only. Each: (tokens, [(global [3,S,S], crops [k,3,P,P])])."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = Step37Config.preset("step37-tiny-vlm").vision
+
+    def image(crops):
+        n = crops * cfg.features(CROP) + cfg.features(GLOBAL)
+        return (torch.randn(3, GLOBAL, GLOBAL, generator=g), torch.randn(crops, 3, CROP, CROP, generator=g)), \
+            torch.full((n,), IMG)
+
+    a1, ta1 = image(2)
+    b1, tb1 = image(0)
+    b2, tb2 = image(1)
+    return [(torch.cat([_text(g, 5), ta1, _text(g, 6)]), [a1]),
+            (torch.cat([_text(g, 3), tb1, _text(g, 4), tb2, _text(g, 2)]), [b1, b2]),
+            (_text(g, 9), [])]
+
+
+def labels_of(tokens):
+    """Next token of the document; none at its end and none that is an image placeholder."""
+    lab = torch.full_like(tokens, -100)
+    lab[:-1] = tokens[1:]
+    lab[lab == IMG] = -100
+    return lab
+
+
+def image_inputs(images, positions) -> ImageInputs | None:
+    if not images:
+        return None
+    crops = [c for _, c in images if c.shape[0]]
+    return ImageInputs(torch.stack([g for g, _ in images]), torch.cat(crops) if crops else None,
+                       tuple(c.shape[0] for _, c in images), positions)
+
+
+def pack(docs):
+    """One THD micro-batch of SEQ tokens (the trailing pad folded into the last document)."""
+    tokens = torch.zeros(SEQ, dtype=torch.int64)
+    labels = torch.full((SEQ,), -100, dtype=torch.int64)
+    positions = torch.zeros(SEQ, dtype=torch.int64)
+    cu, at = [0], 0
+    for t, _ in docs:
+        tokens[at:at + len(t)], labels[at:at + len(t)] = t, labels_of(t)
+        positions[at:at + len(t)] = torch.arange(len(t))
+        at += len(t)
+        cu.append(at)
+    positions[at:] = torch.arange(SEQ - at) + len(docs[-1][0])
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    pad = cu_t.clone()
+    pad[-1] = SEQ
+    images = [im for _, ims in docs for im in ims]
+    psp = PackedSeqParams(cu_t, pad, max(len(t) for t, _ in docs))
+    return tokens, labels, positions, psp, image_inputs(images, (tokens == IMG).nonzero()[:, 0])
+
+
+def hf_document(hf, tokens, images):
+    kw = {}
+    if images:
+        kw = dict(pixel_values=torch.stack([g for g, _ in images]),
+                  pixel_values_local=torch.cat([c for _, c in images]) if any(c.shape[0] for _, c in images) else None,
+                  num_local_patches=[c.shape[0] for _, c in images])
+    return hf(input_ids=tokens[None], **kw).logits[0]
+
+
+def ours(path, **overrides):
+    model = Step37Model(Step37Config.from_hf(path, **overrides))
+    report = model.load_hf(path, strict=False)
+    assert report["unexpected"] == [] and report["misshaped"] == []
+    assert all(n.startswith("mtp.") for n in report["missing"])  # transformers has no MTP weights
+    return model
+
+
+def test_packed_image_text_logits_and_loss_equal_transformers_per_document(checkpoint):
+    path, hf = checkpoint
+    model = ours(path)
+    docs = documents()
+    tokens, labels, pos, psp, images = pack(docs)
+    with torch.no_grad():
+        logits = model(tokens, pos, psp, images=images)
+        out = model(tokens, pos, psp, labels=labels, images=images)
+        ref_sum, at = torch.zeros((), dtype=torch.float64), 0
+        for t, ims in docs:
+            ref = hf_document(hf, t, ims)
+            assert_close_rel(logits[at:at + len(t)], ref, rel=HF_REL)
+            ref_sum += F.cross_entropy(ref.double(), labels_of(t), ignore_index=-100, reduction="sum")
+            at += len(t)
+    assert int(out.num_tokens) == int((labels != -100).sum())
+    assert abs(float(out.loss_sum) - float(ref_sum)) <= HF_REL * abs(float(ref_sum))
+
+
+def test_export_reloads_in_transformers_with_the_same_logits(checkpoint, tmp_path):
+    """Trained vision weights (perturbed here) leave by their published names: transformers
+    reads the export whole and gives our logits; our reload restores every tensor."""
+    from transformers import Step3p7ForConditionalGeneration
+
+    path, _ = checkpoint
+    model = ours(path)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for name, p in model.named_parameters():
+            if name.startswith(("vision_model.", "multi_modal_projector.")):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    assert model.save_hf(str(tmp_path / "out")) == "published"
+    hf, info = Step3p7ForConditionalGeneration.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    docs = documents(seed=3)
+    tokens, _, pos, psp, images = pack(docs)
+    with torch.no_grad():
+        logits, at = model(tokens, pos, psp, images=images), 0
+        for t, ims in docs:
+            assert_close_rel(logits[at:at + len(t)], hf_document(hf.eval(), t, ims), rel=HF_REL)
+            at += len(t)
+    again = ours(str(tmp_path / "out"))
+    for (n, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
+        assert n.startswith("mtp.") or torch.equal(p, q), n
+
+
+def test_one_documents_image_changes_no_other_document(checkpoint):
+    """A new image in document 1: documents 0 and 2 keep their logits and the gradients of their
+    loss (document 1's targets masked), the vision tower's included; document 1's change."""
+    path, _ = checkpoint
+    model = ours(path)
+    docs = documents()
+    other = [(docs[1][0], [(g + 1.0, c * 0.5) for g, c in docs[1][1]])]
+    runs = []
+    for d in (docs, [docs[0], *other, docs[2]]):
+        tokens, labels, pos, psp, images = pack(d)
+        a, b = psp.host_cu_seqlens[1], psp.host_cu_seqlens[2]
+        labels[a:b] = -100
+        model.zero_grad()
+        out = model(tokens, pos, psp, labels=labels, images=images)
+        out.loss_sum.backward()
+        with torch.no_grad():
+            logits = model(tokens, pos, psp, images=images)
+        runs.append((logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, a, b))
+    (l0, g0, a, b), (l1, g1, _, _) = runs
+    keep = torch.ones(SEQ, dtype=torch.bool)
+    keep[a:b] = False
+    # measured: exactly equal on CPU; a tolerance because the MoE's expert group sizes change
+    # with document 1's routing, which may change GEMM blocking (a summation order) elsewhere
+    assert_close_rel(l1[keep], l0[keep], rel=1e-6)
+    assert (l1[a:b] - l0[a:b]).abs().max() > 1e-3
+    assert g0.keys() == g1.keys() and any(n.startswith("vision_model.") for n in g0)
+    for n in g0:
+        assert_close_rel(g1[n], g0[n], rel=1e-5)
+
+
+def test_text_only_packs_are_unchanged(checkpoint):
+    """Without images, the VLM (whose first stage still runs its tower on an idle zero patch)
+    gives bit for bit the text decoder's logits and loss, and every vision parameter a (zero)
+    gradient, so data-parallel ranks without images run the same collectives."""
+    path, _ = checkpoint
+    vlm, text = ours(path), ours(path, vision=None)
+    assert text.vision_model is None and not any(n.startswith("vision_model.") for n, _ in text.named_parameters())
+    docs = [d for d in documents() if not d[1]] * 3
+    tokens, labels, pos, psp, images = pack(docs)
+    assert images is None
+    with torch.no_grad():
+        assert torch.equal(vlm(tokens, pos, psp), text(tokens, pos, psp))
+    a, b = vlm(tokens, pos, psp, labels=labels), text(tokens, pos, psp, labels=labels)
+    assert torch.equal(a.loss_sum, b.loss_sum)
+    a.loss_sum.backward()
+    vision = [p for n, p in vlm.named_parameters() if n.startswith(("vision_model.", "multi_modal_projector."))]
+    assert vision and all(p.grad is not None and not p.grad.any() for p in vision)
+    t2, _, p2, psp2, im2 = pack(documents())
+    with pytest.raises(ValueError, match="has no vision tower"):
+        text(t2, p2, psp2, images=im2)
+
+
+def test_parts_specs_and_units_cover_the_vision_tower():
+    cfg = Step37Config.preset("step37-tiny-vlm")
+    with torch.device("meta"):
+        first, later = Step37Model(cfg, layers=[0, 1], last=False), Step37Model(cfg, layers=[2, 3], first=False)
+    assert later.vision_model is None and later.multi_modal_projector is None
+    parts = first.param_parts()
+    assert parts["projector"] == ["multi_modal_projector.weight"]
+    assert len(parts["vision"]) == 8 + 2 * 14 and "embed_tokens.weight" in parts["language"]
+    assert sorted(sum(parts.values(), [])) == sorted(n for n, _ in first.named_parameters())
+    specs = first.param_specs()
+    assert specs["vision_model.pos_embed"].role == "embedding"           # AdamW, not Muon
+    assert specs["vision_model.downsample1.weight"].role == "embedding"  # 4-D kernel
+    assert specs["vision_model.blocks.0.attn.qkv.weight"].role == "weight"
+    units = [u.module for u in first.fsdp_units()]
+    assert units[:3] == [*first.vision_model.blocks, first.vision_model]
+    assert Step37Config.from_hf(cfg.to_hf()) == cfg and Step37Config(**cfg.to_dict()) == cfg
+
+
+def test_feature_count_mismatch_is_a_clear_error(checkpoint):
+    model = ours(checkpoint[0])
+    tokens, _, pos, psp, images = pack(documents())
+    images.feature_positions = images.feature_positions[:-1]
+    with pytest.raises(ValueError, match="give 24 features but the micro-batch has 23 image placeholder"):
+        model(tokens, pos, psp, images=images)
