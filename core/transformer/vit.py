@@ -111,6 +111,14 @@ class ViTLayer(nn.Module):
         self.scale1 = LayerScale(hidden, layer_scale) if layer_scale is not None else nn.Identity()
         self.scale2 = LayerScale(hidden, layer_scale) if layer_scale is not None else nn.Identity()
 
-    def forward(self, x_BNH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x_BNH, rope):
+        """``x_BNH [B, N, hidden]`` with its ``rope``, or lists of both: batches of views of
+        several sizes in one call, so a layer that is an FSDP unit gathers its weights once per
+        call whatever the number of view sizes (every rank then issues the same collectives)."""
+        if isinstance(x_BNH, (list, tuple)):
+            return [self._one(x, r) for x, r in zip(x_BNH, rope)]
+        return self._one(x_BNH, rope)
+
+    def _one(self, x_BNH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x_BNH = x_BNH + self.scale1(self.attn(self.norm1(x_BNH), rope))
         return x_BNH + self.scale2(self.mlp(self.norm2(x_BNH)))

@@ -23,6 +23,7 @@ from core.transformer.block import DecoderBlock
 from core.transformer.mlp import SwiGLUMLP
 from core.transformer.mtp import MTPDepth, MultiTokenPrediction
 from core.transformer.norm import RMSNorm
+from core.transformer.vit import BiasedLinear
 from models.common.decoder import DecoderLM
 from models.step37.config import Step37Config
 from models.step37.vision import VisionTower, idle_pass, image_features, write_features
@@ -81,7 +82,7 @@ class Step37Model(DecoderLM):
         super()._build(own, first, last, experts)
         cfg = self.config
         self.vision_model = VisionTower(cfg.vision) if first and cfg.vision is not None else None
-        self.multi_modal_projector = nn.Linear(cfg.vision.out_size, cfg.hidden_size, bias=cfg.projector_bias) \
+        self.multi_modal_projector = BiasedLinear(cfg.vision.out_size, cfg.hidden_size, bias=cfg.projector_bias) \
             if self.vision_model is not None else None
 
     def embed(self, tokens: torch.Tensor, images=None) -> torch.Tensor:
@@ -102,10 +103,13 @@ class Step37Model(DecoderLM):
 
     def fsdp_units(self) -> list[FSDPUnit]:
         """Each vision layer a unit, then the tower (patch and position embeddings, downsamplers),
-        then the decoder's units; the projector falls to the root with the embedding."""
+        the projector, then the decoder's units. The projector is not left to the root: the root
+        is released once the heads' backward is done (``core/model_api.py``), and the projector's
+        backward, which reads its weight, comes after the whole trunk's."""
         units = []
         if self.vision_model is not None:
-            units = [FSDPUnit(b, "dp") for b in self.vision_model.blocks] + [FSDPUnit(self.vision_model, "dp")]
+            units = [FSDPUnit(b, "dp") for b in self.vision_model.blocks] + [
+                FSDPUnit(self.vision_model, "dp"), FSDPUnit(self.multi_modal_projector, "dp")]
         return units + super().fsdp_units()
 
     def param_parts(self) -> dict[str, list[str]]:

@@ -11,8 +11,9 @@ q and k keep the published checkpoint's channel order (RoPE pairs interleaved, f
 rows q, k, v), so weights load and export by renaming alone; transformers permutes them into its
 rotate-half order on its own load, which gives the same attention.
 
-One micro-batch's images (``core.packed_seq.ImageInputs``): every global view is one batch
-through the tower, every crop another; each image contributes its crops' features, then its
+One micro-batch's images (``core.packed_seq.ImageInputs``): the global views are one batch, the
+crops another, both through the tower in one call (each of its FSDP units gathers once per
+micro-batch, with images or without: ``idle_pass``); each image contributes its crops' features, then its
 global view's, in image order, and these replace the token embeddings at ``feature_positions``
 (an ``index_copy`` with host-made indices: no device sync).
 """
@@ -24,7 +25,7 @@ from torch import nn
 
 from core.packed_seq import ImageInputs
 from core.transformer.axial_rotary import AxialRotaryEmbedding, grid_coordinates
-from core.transformer.vit import LayerNorm, ViTLayer
+from core.transformer.vit import BiasedLinear, LayerNorm, ViTLayer
 from models.step37.vision_config import Step37VisionConfig
 
 
@@ -36,7 +37,7 @@ class Conv2d(nn.Conv2d):
 
 
 class VisionTower(nn.Module):
-    """Pixels ``[B, C, S, S]`` (one view size per call) -> features ``[B, n, 4 * hidden]``."""
+    """Views ``[[B, C, S, S], ...]`` (one tensor per view size) -> features ``[[B, n, 4 * hidden], ...]``."""
 
     def __init__(self, cfg: Step37VisionConfig):
         super().__init__()
@@ -62,27 +63,37 @@ class VisionTower(nn.Module):
         grid = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=False)
         return grid.permute(0, 2, 3, 1).reshape(h * w, -1)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        B, _, H, W = pixels.shape
-        h, w = H // self.cfg.patch_size, W // self.cfg.patch_size
-        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
-        x = self.pre_norm(x + self.positions(h, w))
-        rope = self.rotary(grid_coordinates(h, w, x.device), x.dtype)
+    def forward(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each entry of ``views`` one size of view ``[B, C, S, S]``, all in one call (one FSDP
+        gather per unit and micro-batch, however many view sizes it holds)."""
+        xs, ropes, grids = [], [], []
+        for pixels in views:
+            h, w = pixels.shape[2] // self.cfg.patch_size, pixels.shape[3] // self.cfg.patch_size
+            x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
+            xs.append(self.pre_norm(x + self.positions(h, w)))
+            ropes.append(self.rotary(grid_coordinates(h, w, x.device), x.dtype))
+            grids.append((h, w))
         for block in self.blocks:
-            x = block(x, rope)
-        x = x.transpose(1, 2).reshape(B, -1, h, w)
-        x = self.downsample2(self.downsample1(x))
-        return x.flatten(2).transpose(1, 2)
+            xs = block(xs, ropes)
+        out = []
+        for x, (h, w) in zip(xs, grids):
+            x = self.downsample2(self.downsample1(x.transpose(1, 2).reshape(x.shape[0], -1, h, w)))
+            out.append(x.flatten(2).transpose(1, 2).contiguous())
+        return out
 
 
 def image_features(tower: VisionTower, projector: nn.Module, images: ImageInputs) -> torch.Tensor:
     """``[F, text hidden]``: per image its crops' projected features, then its global view's."""
-    glob = projector(tower(images.pixel_values))               # [N, n_global, H]
-    local = projector(tower(images.pixel_values_local)) if images.pixel_values_local is not None else None
+    views = [images.pixel_values] + ([images.pixel_values_local] if images.pixel_values_local is not None else [])
+    outs = tower(views)
+    # one projector call (an FSDP unit of its own: one gather per micro-batch on every rank)
+    flat = projector(torch.cat([f.flatten(0, 1) for f in outs]) if len(outs) > 1 else outs[0].flatten(0, 1))
+    glob, *local = [part.view(f.shape[0], f.shape[1], -1)
+                    for part, f in zip(flat.split([f.shape[0] * f.shape[1] for f in outs]), outs)]
     parts, crop = [], 0
     for i, n in enumerate(images.num_local_patches):  # host ints: slicing only, no device sync
         if n:
-            parts.append(local[crop:crop + n].flatten(0, 1))
+            parts.append(local[0][crop:crop + n].flatten(0, 1))
             crop += n
         parts.append(glob[i])
     return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -104,5 +115,5 @@ def idle_pass(tower: VisionTower, projector: nn.Module, x_TH: torch.Tensor) -> t
     parallel ranks with and without images stay in step."""
     p = tower.cfg.patch_size
     pixels = x_TH.new_zeros(1, tower.cfg.num_channels, p, p, dtype=torch.float32)
-    feats = projector(tower(pixels)).flatten(0, 1)[:0]
+    feats = projector(tower([pixels])[0]).flatten(0, 1)[:0]
     return x_TH.index_copy(0, torch.empty(0, dtype=torch.int64, device=x_TH.device), feats.to(x_TH.dtype))

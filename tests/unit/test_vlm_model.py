@@ -230,7 +230,7 @@ def test_parts_specs_and_units_cover_the_vision_tower():
     assert specs["vision_model.downsample1.weight"].role == "embedding"  # 4-D kernel
     assert specs["vision_model.blocks.0.attn.qkv.weight"].role == "weight"
     units = [u.module for u in first.fsdp_units()]
-    assert units[:3] == [*first.vision_model.blocks, first.vision_model]
+    assert units[:4] == [*first.vision_model.blocks, first.vision_model, first.multi_modal_projector]
     assert Step37Config.from_hf(cfg.to_hf()) == cfg and Step37Config(**cfg.to_dict()) == cfg
 
 
@@ -240,3 +240,39 @@ def test_feature_count_mismatch_is_a_clear_error(checkpoint):
     images.feature_positions = images.feature_positions[:-1]
     with pytest.raises(ValueError, match="give 24 features but the micro-batch has 23 image placeholder"):
         model(tokens, pos, psp, images=images)
+
+
+def test_train_step_takes_images_from_the_micro_batch(checkpoint):
+    """core.train_step on one process: THDBatch.images reach the first stage through the
+    pipeline executor; loss and gradients (tower included) are those of the model called
+    directly, over a micro-batch with images and one without."""
+    import copy
+
+    from core.parallel_state import ParallelSizes, ParallelState
+    from core.train_step import StepSettings, train_step
+    from data.thd import THDBatch
+
+    model = ours(checkpoint[0])
+    ref = copy.deepcopy(model)
+    batches = []
+    for docs in (documents(seed=5), [d for d in documents(seed=6) if not d[1]]):
+        tokens, labels, pos, psp, images = pack(docs)
+        batches.append(THDBatch(tokens, labels, pos, psp, images))
+    n = sum(b.num_target_tokens for b in batches)
+    total = 0.0
+    for b in batches:
+        out = ref(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels, images=b.images)
+        (out.loss_sum / n).backward()
+        total += float(out.loss_sum.detach())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    m = train_step([model], ParallelState(ParallelSizes(1), 0, {}), opt, batches,
+                   StepSettings(hidden_size=model.config.hidden_size, mtp_depths=model.config.num_mtp_layers))
+    assert abs(m.loss - total / n) <= 1e-6 * abs(total / n)
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        want = grads[name].grad  # None: the MTP depths, whose losses weigh 0 here
+        if want is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            assert_close_rel(p.grad, want, rel=1e-6)  # the same operations
+    assert model.vision_model.blocks[0].attn.qkv.weight.grad.abs().max() > 0
