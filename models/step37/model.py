@@ -7,7 +7,7 @@ With a vision tower in the config (Step-3.7 VLM), the first stage (the chunk wit
 embedding) also holds ``vision_model`` and ``multi_modal_projector`` (``models/step37/vision.py``)
 and, given a micro-batch's ``images``, writes their projected features over the embeddings of
 the image placeholders. A first-stage micro-batch without images still runs the tower once on a
-zero one-patch image whose features are written nowhere (``vision.idle_pass``): its logits are
+zero 5 x 5-patch image whose features are written nowhere (``vision.idle_pass``): its logits are
 unchanged bit for bit, and every data-parallel rank runs the same FSDP collectives for the
 tower's units whether its micro-batch has images or not.
 """

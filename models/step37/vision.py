@@ -29,6 +29,9 @@ from core.transformer.vit import BiasedLinear, LayerNorm, ViTLayer
 from models.step37.vision_config import Step37VisionConfig
 
 
+IDLE_GRID = 5  # patches per side of the idle pass's image (see idle_pass)
+
+
 class Conv2d(nn.Conv2d):
     """``nn.Conv2d`` whose bias starts at zero (``core/init.py`` draws only the kernel)."""
 
@@ -110,10 +113,13 @@ def write_features(x_TH: torch.Tensor, feats: torch.Tensor, positions: torch.Ten
 
 def idle_pass(tower: VisionTower, projector: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:
     """``x_TH`` unchanged (an empty ``index_copy``), tied to the tower's and projector's
-    parameters through one zero one-patch image. A micro-batch without images still runs every
+    parameters through one zero image. A micro-batch without images still runs every
     collective a sharded tower needs (FSDP gathers, reduce-scatters of zero gradients), so data-
-    parallel ranks with and without images stay in step."""
-    p = tower.cfg.patch_size
-    pixels = x_TH.new_zeros(1, tower.cfg.num_channels, p, p, dtype=torch.float32)
+    parallel ranks with and without images stay in step. The image is 5 x 5 patches, the
+    smallest grid on which every tap of both stride-2 convolutions meets a real input: torch's
+    CPU bf16 convolution left the weight gradient of taps that see only padding undefined (NaN,
+    now and then, on a one-patch image)."""
+    side = IDLE_GRID * tower.cfg.patch_size
+    pixels = x_TH.new_zeros(1, tower.cfg.num_channels, side, side, dtype=torch.float32)
     feats = projector(tower([pixels])[0]).flatten(0, 1)[:0]
     return x_TH.index_copy(0, torch.empty(0, dtype=torch.int64, device=x_TH.device), feats.to(x_TH.dtype))
