@@ -6,7 +6,7 @@ per-layer ``rope_theta`` / ``partial_rotary_factors`` lists padded with MTP entr
 ``rope_scaling``) and as transformers' ``save_pretrained`` writes it (``rope_parameters``,
 ``mlp_layer_types``, ``per_layer_config``, ``num_sliding_attention_heads``). Fields it does not
 know raise an error instead of being dropped. ``Step37Config.preset("step37-flash" | "tiny" |
-"step37-tiny-vlm")``.
+"step37-flash-vlm" | "step37-tiny-vlm")``.
 
 A Step-3.7 config with a ``vision_config`` (top level, beside ``text_config``) also gives the
 vision tower (``vision``: ``models/step37/vision_config.py``), the placeholder token
@@ -168,7 +168,7 @@ class Step37Config:
         vision = {}
         if raw.get("vision_config"):
             vision = dict(vision=Step37VisionConfig.from_hf(raw["vision_config"]),
-                          image_token_id=raw.get("image_token_id", 151679),
+                          image_token_id=raw.get("image_token_id"),
                           projector_bias=bool(raw.get("projector_bias", False)))
         return cls(**{**_fields_from_hf(cfg), **vision, **overrides})
 
@@ -205,10 +205,12 @@ class Step37Config:
             out["swiglu_limits_shared"] += [0 if v is None else v for v in self.mtp_swiglu_limits_shared]
         if self.vision is None:
             return out
-        return {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7",
-                "text_config": {k: v for k, v in out.items() if k != "architectures"},
-                "vision_config": self.vision.to_hf(), "image_token_id": self.image_token_id,
-                "projector_bias": self.projector_bias}
+        vlm = {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7",
+               "text_config": {k: v for k, v in out.items() if k != "architectures"},
+               "vision_config": self.vision.to_hf(), "projector_bias": self.projector_bias}
+        if self.image_token_id is not None:  # else the tokenizer's <im_patch> (transformers' default)
+            vlm["image_token_id"] = self.image_token_id
+        return vlm
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -361,4 +363,14 @@ def _tiny_vlm_config() -> dict:
                               "hidden_act": "quick_gelu", "ls_init_value": 0.1}}
 
 
-PRESETS = {"step37-flash": _flash_config(), "tiny": _tiny_config(), "step37-tiny-vlm": _tiny_vlm_config()}
+def _flash_vlm_config() -> dict:
+    """Step-3.7-Flash whole: the text decoder above with its vision tower (transformers'
+    Step3p7VisionConfig defaults: 47 layers of 1536, 16 heads, 728-pixel views, patches of 14).
+    The placeholder token id is the tokenizer's ``<im_patch>`` (not part of this preset)."""
+    return {"model_type": "step3p7", "text_config": _flash_config(), "projector_bias": False,
+            "vision_config": {"width": 1536, "layers": 47, "heads": 16, "image_size": 728, "patch_size": 14,
+                              "mlp_ratio": 8960 / 1536, "hidden_act": "quick_gelu", "ls_init_value": 0.1}}
+
+
+PRESETS = {"step37-flash": _flash_config(), "tiny": _tiny_config(), "step37-tiny-vlm": _tiny_vlm_config(),
+           "step37-flash-vlm": _flash_vlm_config()}

@@ -28,3 +28,21 @@ def model_shapes(cfg: Step37Config) -> ModelShapes:
                          cfg.mtp_swiglu_limits_shared[k], input_proj=2 * cfg.hidden_size, head=True)
                   for k in range(cfg.num_mtp_layers))
     return ModelShapes(cfg.hidden_size, cfg.vocab_size, blocks, extra)
+
+
+def vision_view_flops(cfg: Step37Config, side: int) -> int:
+    """Forward FLOPs (2 per multiply-add) of one square view of ``side`` pixels through the
+    vision tower, its downsamplers and the projector (``models/step37/vision.py``): the patch
+    convolution, per layer the qkv / output / MLP GEMMs and the attention's two products over
+    the view's patches, then the two 3 x 3 stride-2 convolutions and the projector. Norms,
+    RoPE and activations are left out, as in the text FLOP model."""
+    v = cfg.vision
+    D, grid = v.hidden_size, side // v.patch_size
+    n = grid * grid
+    g1 = (grid + 1) // 2
+    g2 = (g1 + 1) // 2
+    flops = 2 * n * v.num_channels * v.patch_size ** 2 * D
+    per_layer = 2 * n * D * 3 * D + 2 * n * D * D + 2 * 2 * n * n * D + 2 * 2 * n * D * v.intermediate_size
+    flops += v.num_layers * per_layer
+    flops += 2 * g1 * g1 * 9 * D * 2 * D + 2 * g2 * g2 * 9 * 2 * D * 4 * D
+    return flops + 2 * g2 * g2 * 4 * D * cfg.hidden_size

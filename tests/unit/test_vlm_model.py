@@ -276,3 +276,32 @@ def test_train_step_takes_images_from_the_micro_batch(checkpoint):
         else:
             assert_close_rel(p.grad, want, rel=1e-6)  # the same operations
     assert model.vision_model.blocks[0].attn.qkv.weight.grad.abs().max() > 0
+
+
+def test_vision_flops_count_what_the_tower_runs():
+    """vision_view_flops equals torch's FLOP counter on the tower and projector (on meta: every
+    GEMM, convolution and attention product counted, nothing run)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.step37.costs import vision_view_flops
+
+    cfg = Step37Config.preset("step37-tiny-vlm")
+    with torch.device("meta"):
+        model = Step37Model(cfg)
+    for side in (GLOBAL, CROP, 70):
+        with FlopCounterMode(display=False) as counter:
+            model.multi_modal_projector(model.vision_model([torch.zeros(1, 3, side, side, device="meta")])[0])
+        assert counter.get_total_flops() == vision_view_flops(cfg, side)
+
+
+def test_flash_vlm_preset_has_transformers_vision_parameter_count():
+    from transformers import Step3p7VisionConfig, Step3p7VisionModel
+
+    cfg = Step37Config.preset("step37-flash-vlm")
+    with torch.device("meta"):
+        hf = Step3p7VisionModel(Step3p7VisionConfig())
+        first = Step37Model(cfg, layers=[0], last=False)
+    parts = dict(first.named_parameters())
+    ours = sum(parts[n].numel() for part in ("vision", "projector") for n in first.param_parts()[part])
+    assert ours == sum(p.numel() for p in hf.parameters()) + 4 * 1536 * 4096  # + the projector
+    assert cfg.image_token_id is None and "image_token_id" not in cfg.to_hf()
