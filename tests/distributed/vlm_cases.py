@@ -1,7 +1,11 @@
-"""Rank-side body of the VLM FSDP test: two data-parallel ranks, FSDP2 over the vision tower's
-units, one rank's micro-batches with images and the other's without any: the rank without
-images still runs the tower's gathers and reduce-scatters (its idle pass), so nothing hangs, and
-two optimizer steps equal one unsharded process over all four micro-batches."""
+"""Rank-side body of the VLM layout tests, two optimizer steps against one process over the same
+micro-batches:
+
+* ``fsdp``: two data-parallel ranks, FSDP2 over the vision tower's units, one rank's
+  micro-batches with images and the other's without any: the rank without images still runs
+  the tower's gathers and reduce-scatters (its idle pass), so nothing hangs;
+* ``pp``: two pipeline stages, the images on the first only (the tower lives there), every
+  micro-batch with images."""
 from __future__ import annotations
 
 import torch
@@ -21,22 +25,23 @@ from training.parallelize import parallelize
 STEPS = 2
 
 
-def _batches(dp_rank: int, step: int) -> list:
+def _batches(dp_rank: int, step: int, images_everywhere: bool) -> list:
     out = []
     for m in range(2):
         docs = documents(seed=10 * step + 2 * dp_rank + m)
-        if dp_rank == 1:
+        if dp_rank == 1 and not images_everywhere:
             docs = [d for d in docs if not d[1]] * 3  # text only: no image on this rank
         tokens, labels, pos, psp, images = pack(docs)
         out.append(THDBatch(tokens, labels, pos, psp, images))
     return out
 
 
-def check_vlm_fsdp(rank, world):
+def check_vlm(rank, world, layout: str):
     cfg = Step37Config.preset("step37-tiny-vlm")
-    sizes = ParallelSizes(world)
+    pp = 2 if layout == "pp" else 1
+    sizes = ParallelSizes(world, pp=pp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
-    steps = [[_batches(d, s) for d in range(sizes.dp)] for s in range(STEPS)]
+    steps = [[_batches(d, s, layout == "pp") for d in range(sizes.dp)] for s in range(STEPS)]
 
     ref = Step37Model(cfg, seed=0)
     ref_opt, _ = build_optimizer([ref], _optim_cfg("adamw"))
@@ -54,8 +59,11 @@ def check_vlm_fsdp(rank, world):
         ref_opt.zero_grad()
         ref_losses.append(total / n)
 
-    chunks = parallelize(cfg, ps, run_args(1, 1, 1, "--data-parallel-sharding", "fsdp"))
-    assert any(isinstance(p, DTensor) for p in chunks[0].vision_model.parameters())
+    flags = ["--data-parallel-sharding", "fsdp"] if layout == "fsdp" else []
+    chunks = parallelize(cfg, ps, run_args(pp, 1, 1, *flags))
+    if layout == "fsdp":
+        assert any(isinstance(p, DTensor) for p in chunks[0].vision_model.parameters())
+    assert (chunks[0].vision_model is not None) == (ps.pp_rank == 0)
     opt, _ = build_optimizer(chunks, _optim_cfg("adamw"))
     for step, batches in enumerate(steps):
         m = train_step(chunks, ps, opt, batches[ps.dp_rank], s)
