@@ -74,7 +74,8 @@ class VisionTower(nn.Module):
             h, w = pixels.shape[2] // self.cfg.patch_size, pixels.shape[3] // self.cfg.patch_size
             x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
             xs.append(self.pre_norm(x + self.positions(h, w)))
-            ropes.append(self.rotary(grid_coordinates(h, w, x.device), x.dtype))
+            # cos / sin stay fp32 under bf16 (transformers rotates q and k in fp32 with fp32 angles)
+            ropes.append(self.rotary(grid_coordinates(h, w, x.device), torch.float32))
             grids.append((h, w))
         for block in self.blocks:
             xs = block(xs, ropes)
