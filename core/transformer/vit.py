@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.transformer.axial_rotary import apply_pair_rotary
 
@@ -99,7 +100,11 @@ class ViTMLP(nn.Module):
 
 
 class ViTLayer(nn.Module):
-    """One pre-norm encoder layer (see the module docstring); ``layer_scale=None``: no scale."""
+    """One pre-norm encoder layer (see the module docstring); ``layer_scale=None``: no scale.
+    ``recompute`` (set by ``core.transformer.block.apply_recompute``): ``full`` keeps only the
+    layer's input for backward, ``selective`` drops the attention's and the MLP's internals."""
+
+    recompute: str = "none"
 
     def __init__(self, hidden: int, num_heads: int, intermediate: int, *, act: str = "gelu",
                  eps: float = 1e-5, layer_scale: float | None = None, interleaved_rope: bool = True):
@@ -116,9 +121,19 @@ class ViTLayer(nn.Module):
         several sizes in one call, so a layer that is an FSDP unit gathers its weights once per
         call whatever the number of view sizes (every rank then issues the same collectives)."""
         if isinstance(x_BNH, (list, tuple)):
-            return [self._one(x, r) for x, r in zip(x_BNH, rope)]
+            return [self._run(x, r) for x, r in zip(x_BNH, rope)]
+        return self._run(x_BNH, rope)
+
+    def _run(self, x_BNH, rope):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._one, x_BNH, rope, use_reentrant=False)
         return self._one(x_BNH, rope)
 
     def _one(self, x_BNH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x_BNH = x_BNH + self.scale1(self.attn(self.norm1(x_BNH), rope))
-        return x_BNH + self.scale2(self.mlp(self.norm2(x_BNH)))
+        selective = self.recompute == "selective" and torch.is_grad_enabled()
+        h = self.norm1(x_BNH)
+        h = checkpoint(self.attn, h, rope, use_reentrant=False) if selective else self.attn(h, rope)
+        x_BNH = x_BNH + self.scale1(h)
+        h = self.norm2(x_BNH)
+        h = checkpoint(self.mlp, h, use_reentrant=False) if selective else self.mlp(h)
+        return x_BNH + self.scale2(h)

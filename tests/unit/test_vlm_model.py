@@ -327,3 +327,30 @@ def test_image_features_in_bf16_follow_transformers(checkpoint):
         got = image_features(model.vision_model, model.multi_modal_projector, images)
     assert got.dtype == torch.bfloat16
     assert_close_rel(got.float(), ref.float(), rel=2e-2)
+
+
+def test_vision_layers_recompute_with_the_decoder(checkpoint):
+    """apply_recompute gives the tower's layers the same granularity: the same loss and
+    gradients, and a forward through the tower keeps less for backward (full: only each
+    layer's input)."""
+    from core.memory import SavedTensorBytes
+    from core.transformer.block import apply_recompute
+
+    model = ours(checkpoint[0])
+    tokens, labels, pos, psp, images = pack(documents())
+    results = {}
+    for granularity in ("none", "selective", "full"):
+        apply_recompute(model, granularity)
+        assert {b.recompute for b in model.vision_model.blocks} == {granularity}
+        model.zero_grad()
+        model(tokens, pos, psp, labels=labels, images=images).loss_sum.backward()
+        with SavedTensorBytes(model) as saved:
+            model.vision_model([images.pixel_values, images.pixel_values_local])
+        results[granularity] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                                saved.bytes)
+    (none, b_none), (sel, b_sel), (full, b_full) = results.values()
+    assert b_full < b_sel < b_none
+    for grads in (sel, full):
+        assert grads.keys() == none.keys()
+        for n in none:
+            assert_close_rel(grads[n], none[n], rel=1e-6)  # the same maths rerun
