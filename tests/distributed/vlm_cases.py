@@ -1,7 +1,8 @@
 """Rank-side body of the VLM layout tests, two optimizer steps against one process over the same
 micro-batches:
 
-* ``fsdp``: two data-parallel ranks, FSDP2 over the vision tower's units, one rank's
+* ``fsdp``: two data-parallel ranks, FSDP2 over the vision tower's units (and full recompute,
+  the vision layers' included), one rank's
   micro-batches with images and the other's without any: the rank without images still runs
   the tower's gathers and reduce-scatters (its idle pass), so nothing hangs;
 * ``pp``: two pipeline stages, the images on the first only (the tower lives there), every
@@ -59,7 +60,7 @@ def check_vlm(rank, world, layout: str):
         ref_opt.zero_grad()
         ref_losses.append(total / n)
 
-    flags = ["--data-parallel-sharding", "fsdp"] if layout == "fsdp" else []
+    flags = ["--data-parallel-sharding", "fsdp", "--recompute-granularity", "full"] if layout == "fsdp" else []
     chunks = parallelize(cfg, ps, run_args(pp, 1, 1, *flags))
     if layout == "fsdp":
         assert any(isinstance(p, DTensor) for p in chunks[0].vision_model.parameters())
