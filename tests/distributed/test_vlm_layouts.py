@@ -1,6 +1,6 @@
-"""The Step-3.7 VLM under FSDP2 (full recompute) with images on one data-parallel rank only, and over two
-pipeline stages: the same losses and parameters after two steps as one unsharded process (fp32,
-gloo; tolerances in tests/distributed/vlm_cases.py)."""
+"""The Step-3.7 VLM under FSDP2 (full recompute) with images on one data-parallel rank only,
+and over two pipeline stages: the same losses and parameters after two steps as one unsharded
+process (fp32, gloo; tolerances in tests/distributed/vlm_cases.py)."""
 from __future__ import annotations
 
 import pytest
