@@ -83,8 +83,10 @@ class Step37VisionConfig:
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"config.json: vision_config rope_type {rope['rope_type']!r}: only 'axial' is supported")
         d = cls()
-        return cls(hidden_size=c.get("hidden_size", d.hidden_size), num_layers=c.get("num_hidden_layers", d.num_layers),
-                   num_heads=c.get("num_attention_heads", d.num_heads), mlp_ratio=float(c.get("mlp_ratio", d.mlp_ratio)),
+        return cls(hidden_size=c.get("hidden_size", d.hidden_size),
+                   num_layers=c.get("num_hidden_layers", d.num_layers),
+                   num_heads=c.get("num_attention_heads", d.num_heads),
+                   mlp_ratio=float(c.get("mlp_ratio", d.mlp_ratio)),
                    image_size=c.get("image_size", d.image_size), patch_size=c.get("patch_size", d.patch_size),
                    num_channels=c.get("num_channels", d.num_channels), hidden_act=c.get("hidden_act", d.hidden_act),
                    layer_norm_eps=float(c.get("layer_norm_eps", d.layer_norm_eps)),
