@@ -354,3 +354,20 @@ def test_vision_layers_recompute_with_the_decoder(checkpoint):
         assert grads.keys() == none.keys()
         for n in none:
             assert_close_rel(grads[n], none[n], rel=1e-6)  # the same maths rerun
+
+
+def test_vision_config_reads_the_hub_form_and_refuses_other_designs():
+    from models.step37.vision_config import Step37VisionConfig
+
+    hub = {"model_type": "perception_encoder", "width": 1536, "layers": 47, "heads": 16, "image_size": 728,
+           "patch_size": 14, "mlp_ratio": 8960 / 1536, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
+           "use_cls_token": False, "use_ln_pre": True, "use_ln_post": False, "use_abs_posemb": True,
+           "use_rope2d": True, "ls_init_value": 0.1}
+    v = Step37VisionConfig.from_hf(hub)
+    assert (v.hidden_size, v.num_layers, v.num_heads, v.intermediate_size, v.features(728), v.features(504)) == \
+        (1536, 47, 16, 8960, 169, 81)
+    assert Step37VisionConfig.from_hf(v.to_hf()) == v
+    with pytest.raises(ValueError, match="use_cls_token=True selects a vision tower"):
+        Step37VisionConfig.from_hf({**hub, "use_cls_token": True})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['frobnicate'\]"):
+        Step37VisionConfig.from_hf({**hub, "frobnicate": 1})
