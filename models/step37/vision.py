@@ -13,9 +13,9 @@ rotate-half order on its own load, which gives the same attention.
 
 One micro-batch's images (``core.packed_seq.ImageInputs``): the global views are one batch, the
 crops another, both through the tower in one call (each of its FSDP units gathers once per
-micro-batch, with images or without: ``idle_pass``); each image contributes its crops' features, then its
-global view's, in image order, and these replace the token embeddings at ``feature_positions``
-(an ``index_copy`` with host-made indices: no device sync).
+micro-batch, with images or without: ``idle_pass``); each image contributes its crops'
+features, then its global view's, in image order, and these replace the token embeddings at
+``feature_positions`` (an ``index_copy`` with host-made indices: no device sync).
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class Conv2d(nn.Conv2d):
 
 
 class VisionTower(nn.Module):
-    """Views ``[[B, C, S, S], ...]`` (one tensor per view size) -> features ``[[B, n, 4 * hidden], ...]``."""
+    """Views ``[[B, C, S, S], ...]`` (one tensor per view size) -> features
+    ``[[B, n, 4 * hidden], ...]``."""
 
     def __init__(self, cfg: Step37VisionConfig):
         super().__init__()
