@@ -3,11 +3,11 @@ chunks, with fixed-shape ``[T, hidden]`` point-to-point transfers of activations
 gradients.
 
 Every stage builds micro-batch ``m`` itself (``get_batch(m)``: tokens, position ids, packed
-sequence metadata, labels; the first stage also its ``images``), so only hidden states cross
-stages, and they always have the same shape: no shape exchange, no metadata on the wire. The
-transfers follow the plan of ``core/pipeline/p2p.py``: batches of ``batch_isend_irecv``, issued
-in the plan's order, deadlock-free under NCCL's in-order matching (proven by ``nccl_replay``;
-the executor records what it issues in ``trace`` so tests replay the real thing). A batch is not waited on when it is
+sequence metadata, labels), so only hidden states cross stages, and they always have the
+same shape: no shape exchange, no metadata on the wire. The transfers follow the plan of
+``core/pipeline/p2p.py``: batches of ``batch_isend_irecv``, issued in the plan's order,
+deadlock-free under NCCL's in-order matching (proven by ``nccl_replay``; the executor records
+what it issues in ``trace`` so tests replay the real thing). A batch is not waited on when it is
 issued: the executor computes on, and waits (in issue order, as NCCL completes them) only when
 an action needs a tensor it receives, so a rank never idles for a neighbour's message it does
 not need yet. A sent activation's buffer and values are released as soon as its batch is seen
