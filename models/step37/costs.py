@@ -46,3 +46,33 @@ def vision_view_flops(cfg: Step37Config, side: int) -> int:
     flops += v.num_layers * per_layer
     flops += 2 * g1 * g1 * 9 * D * 2 * D + 2 * g2 * g2 * 9 * 2 * D * 4 * D
     return flops + 2 * g2 * g2 * 4 * D * cfg.hidden_size
+
+
+def vision_view_activation_bytes(cfg: Step37Config, side: int, b: int, recompute: str = "none") -> int:
+    """Bytes autograd keeps for backward for one square view of ``side`` pixels through the
+    tower, downsamplers and projector, activations of ``b`` bytes (what core's ViT layer and
+    ``models/step37/vision.py`` save; the unit tests hold it within 25% of a measurement).
+    ``recompute``: ``full`` keeps each layer's input, ``selective`` drops the attention's and
+    the MLP's internals (``core.transformer.vit.ViTLayer.recompute``)."""
+    v = cfg.vision
+    D, I, heads, grid = v.hidden_size, v.intermediate_size, v.num_heads, side // v.patch_size
+    n = grid * grid
+    g1 = (grid + 1) // 2
+    g2 = (g1 + 1) // 2
+    act, stats = n * D * b, 2 * n * 4  # one [n, D] activation; a LayerNorm's mean and rstd (fp32 on GPUs)
+    if recompute == "full":
+        layer = act
+    elif recompute == "selective":
+        # norm inputs and outputs, the two branch outputs the layer scales read
+        layer = 6 * act + 2 * stats
+    else:
+        rot = 2 * n * D * b + (2 * n * D * 4 if b < 4 else 0)  # rotated q, k (+ their fp32 inputs)
+        # residual in, norm1 out, qkv out (v is a view of it), q and k rotated, attention out +
+        # logsumexp, its reshaped copy, proj out, norm2 in / out, fc1 out, sigmoid out,
+        # activation out, fc2 out
+        layer = 2 * act + 3 * act + rot + act + 4 * n * heads + act + act + 2 * act + 3 * n * I * b + act
+        layer += 2 * stats
+    pixels = v.num_channels * side * side * b  # what the patch convolution keeps (cast to its dtype)
+    top = pixels + act + stats                 # pre-norm input and its statistics
+    top += act + g1 * g1 * 2 * D * b + g2 * g2 * 4 * D * b  # the downsamplers' and projector's inputs
+    return top + v.num_layers * layer

@@ -371,3 +371,23 @@ def test_vision_config_reads_the_hub_form_and_refuses_other_designs():
         Step37VisionConfig.from_hf({**hub, "use_cls_token": True})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['frobnicate'\]"):
         Step37VisionConfig.from_hf({**hub, "frobnicate": 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vision_activation_bytes_match_what_autograd_keeps(dtype):
+    """vision_view_activation_bytes within 25% of core.memory.SavedTensorBytes, per recompute
+    mode (the bar core/activations.py's formulas are held to); measured 1.00-1.02 in fp32,
+    1.00-1.11 in bf16 (the CPU's LayerNorm keeps its statistics in bf16, GPUs in fp32)."""
+    from core.memory import SavedTensorBytes
+    from core.transformer.block import apply_recompute
+    from models.step37.costs import vision_view_activation_bytes
+
+    cfg = Step37Config.preset("step37-tiny-vlm")
+    model = Step37Model(cfg).to(dtype)
+    for granularity in ("none", "selective", "full"):
+        apply_recompute(model, granularity)
+        for side in (GLOBAL, CROP):
+            with SavedTensorBytes(model) as saved:
+                model.multi_modal_projector(model.vision_model([torch.randn(1, 3, side, side)])[0])
+            predicted = vision_view_activation_bytes(cfg, side, dtype.itemsize, granularity)
+            assert 0.8 <= predicted / saved.bytes <= 1.25, (granularity, side, predicted, saved.bytes)
