@@ -114,7 +114,8 @@ class Step37Model(DecoderLM):
 
     def param_parts(self) -> dict[str, list[str]]:
         """Parameter names by part, for freezing one: ``vision`` (tower and downsamplers),
-        ``projector``, ``language`` (everything else: embeddings, decoder, heads, MTP)."""
+        ``projector``, ``language`` (everything else: embeddings, decoder, heads, MTP). Each FSDP
+        unit (``fsdp_units``, the root included) holds parameters of one part only."""
         parts = {"vision": [], "projector": [], "language": []}
         for name, _ in self.named_parameters():
             part = "vision" if name.startswith(VISION + ".") else \

@@ -231,6 +231,12 @@ def test_parts_specs_and_units_cover_the_vision_tower():
     assert specs["vision_model.blocks.0.attn.qkv.weight"].role == "weight"
     units = [u.module for u in first.fsdp_units()]
     assert units[:4] == [*first.vision_model.blocks, first.vision_model, first.multi_modal_projector]
+    owner = {}  # each parameter's innermost unit (the chunk itself: the root)
+    for unit in [*units, first][::-1]:
+        owner.update({id(p): id(unit) for p in unit.parameters()})
+    part_of = {id(p): part for part, names in parts.items() for n, p in first.named_parameters() if n in names}
+    for unit in {*owner.values()}:
+        assert len({part_of[p] for p, u in owner.items() if u == unit}) == 1  # one part per unit
     assert Step37Config.from_hf(cfg.to_hf()) == cfg and Step37Config(**cfg.to_dict()) == cfg
 
 
