@@ -15,7 +15,8 @@ chunk of a model implements:
   depth) ``k`` is ``-1 - k``; recompute, ``--compile`` and the planner work block by block;
 - ``forward(tokens, position_ids, packed_seq_params, *, hidden=None, labels=None)``: with
   ``labels`` (the training path) it returns a :class:`StageOutput`. Every stage receives the
-  whole micro-batch and uses what its role needs.
+  whole micro-batch and uses what its role needs. The first stage also gets ``images=``
+  (``core.packed_seq.ImageInputs``) when the micro-batch has images, and only then.
 
 The last stage's heads (final norm, head, extra blocks) read of the trunk only the output of its
 last decoder layer (the first element of that block's output): core hooks its gradient, whole

@@ -6,6 +6,7 @@ starts (as in Megatron), so a caller can inspect them after the update.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -72,7 +73,7 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
         stepped = {id(p) for p in in_backward.params}
         params = [(p, spec) for p, spec in params if id(p) not in stepped]
     device = s.device or local_device()
-    on_device = [b.to(device) for b in batches]
+    on_device = [_without_images(b).to(device) if ps.pp_rank != 0 else b.to(device) for b in batches]
     executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
                                 hidden_size=s.hidden_size, dtype=s.dtype, device=device,
                                 mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff,
@@ -117,6 +118,14 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     masters_of(chunks).finish()  # host masters: the workers' updates done, new bf16 weights on the device
     reshard(chunks)  # FSDP units gathered for the whole step (gather-once, bf16 copies): now stale
     return metrics
+
+
+def _without_images(batch):
+    """The micro-batch without its images: only the first pipeline stage (on pipeline rank 0)
+    reads them, so the other ranks do not copy pixels to the device."""
+    if getattr(batch, "images", None) is None:
+        return batch
+    return dataclasses.replace(batch, images=None)
 
 
 def _global_counts(batches: list, ps: ParallelState, flops_of) -> tuple[int, int, float]:

@@ -183,8 +183,11 @@ class PipelineExecutor:
         inp = None if stage == 0 else self._inbox.pop(("F", a.microbatch, stage))
         if inp is not None and torch.is_grad_enabled():
             inp.requires_grad_()
+        # a micro-batch's images (image + text packs) go to the first stage only, and only when
+        # there are some: a text-only call is the same call as before images existed
+        images = getattr(batch, "images", None) if stage == 0 else None
         out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
-                    labels=batch.labels)
+                    labels=batch.labels, **({"images": images} if images is not None else {}))
         stats.add(a.chunk, out)
         carry, router = self._carry(stage, a.microbatch, out, n_mb)
         aux = None

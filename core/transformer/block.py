@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from core.moe.layer import MoELayer
 from core.transformer.attention_backends import DocLayout
 from core.transformer.chunked import ChunkedRecompute, chunked_recompute
+from core.transformer.vit import ViTLayer
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -116,7 +117,9 @@ def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0, chu
     that follow them (ids < 0, the MTP depths). Under ``full``, ``chunks`` > 1 runs each
     recomputed block a token chunk at a time and ``offload_inputs`` keeps its inputs in host
     memory (``core/transformer/chunked.py``); ``shared``: what the rank's chunked blocks share (its
-    offload stream and pending gradients: one for all of a rank's chunks), made here if not given."""
+    offload stream and pending gradients: one for all of a rank's chunks), made here if not given.
+    Vision-transformer layers (``core/transformer/vit.py``) in the chunk take ``granularity``
+    too, whole views at a time."""
     if granularity not in RECOMPUTE:
         raise ValueError(f"--recompute-granularity {granularity!r}: expected none, selective or full")
     if (chunks > 1 or offload_inputs) and granularity != "full":
@@ -128,6 +131,11 @@ def apply_recompute(chunk: nn.Module, granularity: str, num_layers: int = 0, chu
     shared = shared if shared is not None else ChunkedRecompute()
     for block in chosen + extra:
         _set_recompute(block, granularity, chunks, offload_inputs, shared)
+    # a vision tower's layers (the first stage of a vision-language model): the same granularity,
+    # whole views at a time (token chunks and input offload are the decoder blocks')
+    for m in chunk.modules():
+        if isinstance(m, ViTLayer):
+            m.recompute = granularity
 
 
 def recomputes_extra_blocks(num_layers: int, chunk_layers: int) -> bool:

@@ -8,7 +8,7 @@ that run after the last layer (multi-token prediction), tied embeddings, and its
 form. Layers live in a ``ModuleDict`` keyed by global index, so a pipeline stage that owns
 layers ``a..b`` has the same parameter names as the whole model.
 
-Forward: ``model(tokens, position_ids, packed_seq_params)`` -> logits ``[T, vocab]`` (or the
+Forward: ``model(tokens, position_ids, packed_seq_params, images=None)`` -> logits ``[T, vocab]`` (or the
 hidden state ``[T, hidden]`` on a stage without the head). With ``labels`` (training) it returns
 core's :class:`~core.model_api.StageOutput`: the hidden state to send on, or on the last stage
 sums of token cross-entropies and target counts (the caller normalises once per step by the
@@ -85,6 +85,14 @@ class DecoderLM(nn.Module):
         """Blocks after the last layer, on the last stage: multi-token prediction is a
         ``core.transformer.mtp.MultiTokenPrediction`` held as ``self.mtp`` (the family builds its
         depths' decoder blocks; the methods below run them)."""
+
+    def embed(self, tokens: torch.Tensor, images=None) -> torch.Tensor:
+        """The first stage's input embeddings ``[T, hidden]``; a family with a vision tower
+        writes image features into them (``images``: ``core.packed_seq.ImageInputs``)."""
+        if images is not None:
+            raise ValueError(f"{type(self).__name__} has no vision tower: this micro-batch carries images "
+                             "(image + text data needs a model whose config has a vision tower)")
+        return self.embed_tokens(tokens)
 
     def extra_blocks(self) -> list[tuple[int, nn.Module]]:
         mtp = getattr(self, "mtp", None)
@@ -165,8 +173,8 @@ class DecoderLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens=None, position_ids=None, packed_seq_params: PackedSeqParams = None,
-                *, hidden=None, labels=None):
-        x, ropes, layout, valid, stats = self._trunk(tokens, position_ids, packed_seq_params, hidden)
+                *, hidden=None, labels=None, images=None):
+        x, ropes, layout, valid, stats = self._trunk(tokens, position_ids, packed_seq_params, hidden, images)
         if labels is None:
             return self.logits(self.norm(x)) if self.last else x
         if not self.last:
@@ -187,14 +195,14 @@ class DecoderLM(nn.Module):
         logits; the training loss never forms them)."""
         return F.linear(h_TH, self.head_weight)
 
-    def final_hidden(self, tokens, position_ids, packed_seq_params) -> torch.Tensor:
+    def final_hidden(self, tokens, position_ids, packed_seq_params, images=None) -> torch.Tensor:
         """The normalised last hidden state ``[T, hidden]`` (what the head reads)."""
-        return self.norm(self._trunk(tokens, position_ids, packed_seq_params, None)[0])
+        return self.norm(self._trunk(tokens, position_ids, packed_seq_params, None, images)[0])
 
-    def _trunk(self, tokens, position_ids, packed_seq_params, hidden):
+    def _trunk(self, tokens, position_ids, packed_seq_params, hidden, images=None):
         layout = DocLayout.from_params(packed_seq_params)
         valid = layout.valid_mask(position_ids.device)
-        x = self.embed_tokens(tokens) if self.first else hidden
+        x = self.embed(tokens, images) if self.first else hidden
         ropes = {t: rope(position_ids, x.dtype) for t, rope in self.rotary.items()}
         stats = []
         for layer in self.layers.values():

@@ -5,7 +5,14 @@ Step-3.7's ``text_config``; legacy keys ``moe_layers_enum``, ``attention_other_s
 per-layer ``rope_theta`` / ``partial_rotary_factors`` lists padded with MTP entries,
 ``rope_scaling``) and as transformers' ``save_pretrained`` writes it (``rope_parameters``,
 ``mlp_layer_types``, ``per_layer_config``, ``num_sliding_attention_heads``). Fields it does not
-know raise an error instead of being dropped. ``Step37Config.preset("step37-flash" | "tiny")``.
+know raise an error instead of being dropped. ``Step37Config.preset("step37-flash" | "tiny" |
+"step37-flash-vlm" | "step37-tiny-vlm")``.
+
+A Step-3.7 config with a ``vision_config`` (top level, beside ``text_config``) also gives the
+vision tower (``vision``: ``models/step37/vision_config.py``), the placeholder token
+(``image_token_id``) and whether the projector has a bias (``projector_bias``); ``to_hf`` then
+writes transformers' ``Step3p7Config`` form. ``from_hf(path, vision=None)`` reads such a
+checkpoint as the text decoder alone (the tower's weights then pass through an export untouched).
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from core.transformer.attention_backends import ATTENTION_BACKENDS
+from models.step37.vision_config import Step37VisionConfig
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 MLP_TYPES = ("dense", "sparse")
@@ -79,8 +87,13 @@ class Step37Config:
     attention_backend: str = "auto"
     init_std: float = 0.02
     need_fp32_gate: bool = True             # the router computes in fp32 under --bf16
+    vision: Step37VisionConfig | None = None  # the vision tower (Step-3.7 VLM); None: text only
+    image_token_id: int | None = None        # the placeholder token image features replace
+    projector_bias: bool = False             # multi_modal_projector has a bias
 
     def __post_init__(self):
+        if isinstance(self.vision, dict):  # from to_dict() (run checkpoints' metadata)
+            self.vision = Step37VisionConfig(**self.vision)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -152,7 +165,12 @@ class Step37Config:
         if unknown:
             raise ValueError(f"config.json: unknown field(s) {unknown}; this reader knows the "
                              "Step-3.5/3.7 text decoder fields (see models/step37/config.py)")
-        return cls(**{**_fields_from_hf(cfg), **overrides})
+        vision = {}
+        if raw.get("vision_config"):
+            vision = dict(vision=Step37VisionConfig.from_hf(raw["vision_config"]),
+                          image_token_id=raw.get("image_token_id"),
+                          projector_bias=bool(raw.get("projector_bias", False)))
+        return cls(**{**_fields_from_hf(cfg), **vision, **overrides})
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict in the form transformers' Step3p7TextConfig writes and reads."""
@@ -185,7 +203,14 @@ class Step37Config:
             # MTP clamps ride as trailing entries, the way the hub publishes per-layer lists
             out["swiglu_limits"] += [0 if v is None else v for v in self.mtp_swiglu_limits]
             out["swiglu_limits_shared"] += [0 if v is None else v for v in self.mtp_swiglu_limits_shared]
-        return out
+        if self.vision is None:
+            return out
+        vlm = {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7",
+               "text_config": {k: v for k, v in out.items() if k != "architectures"},
+               "vision_config": self.vision.to_hf(), "projector_bias": self.projector_bias}
+        if self.image_token_id is not None:  # else the tokenizer's <im_patch> (transformers' default)
+            vlm["image_token_id"] = self.image_token_id
+        return vlm
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -328,4 +353,24 @@ def _tiny_config() -> dict:
     }
 
 
-PRESETS = {"step37-flash": _flash_config(), "tiny": _tiny_config()}
+def _tiny_vlm_config() -> dict:
+    """The tiny decoder with a 2-layer vision tower: 112-pixel global views (8 x 8 patches of
+    14, 4 features after the downsamplers), any multiple of 14 for crops; token 319 is the
+    image placeholder."""
+    return {"model_type": "step3p7", "text_config": _tiny_config(), "image_token_id": 319,
+            "projector_bias": False,
+            "vision_config": {"width": 32, "layers": 2, "heads": 2, "image_size": 112, "patch_size": 14,
+                              "hidden_act": "quick_gelu", "ls_init_value": 0.1}}
+
+
+def _flash_vlm_config() -> dict:
+    """Step-3.7-Flash whole: the text decoder above with its vision tower (transformers'
+    Step3p7VisionConfig defaults: 47 layers of 1536, 16 heads, 728-pixel views, patches of 14).
+    The placeholder token id is the tokenizer's ``<im_patch>`` (not part of this preset)."""
+    return {"model_type": "step3p7", "text_config": _flash_config(), "projector_bias": False,
+            "vision_config": {"width": 1536, "layers": 47, "heads": 16, "image_size": 728, "patch_size": 14,
+                              "mlp_ratio": 8960 / 1536, "hidden_act": "quick_gelu", "ls_init_value": 0.1}}
+
+
+PRESETS = {"step37-flash": _flash_config(), "tiny": _tiny_config(), "step37-tiny-vlm": _tiny_vlm_config(),
+           "step37-flash-vlm": _flash_vlm_config()}

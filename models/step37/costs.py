@@ -39,6 +39,12 @@ def vision_settings(cfg) -> dict:
     """The tower's settings: ``cfg.vision_config`` (HF keys; ``width`` / ``layers`` / ``heads``
     accepted as transformers does) over the published defaults; ``intermediate_size`` as
     transformers derives it, ``int(hidden x mlp_ratio)``, unless given."""
+    parsed = getattr(cfg, "vision", None)  # the model's own reading of a VLM config (vision_config.py)
+    if parsed is not None:
+        return {"hidden_size": parsed.hidden_size, "num_hidden_layers": parsed.num_layers,
+                "num_attention_heads": parsed.num_heads, "patch_size": parsed.patch_size,
+                "image_size": parsed.image_size, "num_channels": parsed.num_channels,
+                "intermediate_size": parsed.intermediate_size, "mlp_ratio": parsed.mlp_ratio}
     vc = getattr(cfg, "vision_config", None)
     given = dict(vc) if isinstance(vc, dict) else dict(vars(vc)) if vc is not None else {}
     for old, new in (("width", "hidden_size"), ("layers", "num_hidden_layers"), ("heads", "num_attention_heads")):

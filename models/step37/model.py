@@ -2,20 +2,36 @@
 GQA with per-head ``(1 + w)`` q/k norms, sliding and full layers with their own RoPE, dense
 SwiGLU or sigmoid-routed MoE with a shared expert, SwiGLU clamps, multi-token prediction
 (``core/transformer/mtp.py``; each depth's decoder block has its own layer type, FFN and clamps).
+
+With a vision tower in the config (Step-3.7 VLM), the first stage (the chunk with the input
+embedding) also holds ``vision_model`` and ``multi_modal_projector`` (``models/step37/vision.py``)
+and, given a micro-batch's ``images``, writes their projected features over the embeddings of
+the image placeholders. A first-stage micro-batch without images still runs the tower once on a
+zero 5 x 5-patch image whose features are written nowhere (``vision.idle_pass``): its logits are
+unchanged bit for bit, and every data-parallel rank runs the same FSDP collectives for the
+tower's units whether its micro-batch has images or not.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from core.model_api import FSDPUnit, ParamSpec
 from core.moe.layer import MoELayer
 from core.transformer.attention import Attention
 from core.transformer.block import DecoderBlock
 from core.transformer.mlp import SwiGLUMLP
 from core.transformer.mtp import MTPDepth, MultiTokenPrediction
 from core.transformer.norm import RMSNorm
+from core.transformer.vit import BiasedLinear
 from models.common.decoder import DecoderLM
 from models.step37.config import Step37Config
+from models.step37.vision import VisionTower, idle_pass, image_features, write_features
 from models.step37.weights import Step37Weights
+
+VISION, PROJECTOR = "vision_model", "multi_modal_projector"
+# AdamW, not a matrix optimizer: the patch and position embeddings and the 4-D convolution kernels
+_VISION_ADAMW = ("patch_embed.weight", "pos_embed", "downsample1.weight", "downsample2.weight")
 
 
 def decoder_layer(cfg: Step37Config, layer_type: str, mlp_type: str, limit: float | None,
@@ -60,6 +76,52 @@ class Step37Model(DecoderLM):
     @property
     def embedding_on_last(self) -> bool:
         return self.config.num_mtp_layers > 0  # MTP feeds shifted token embeddings
+
+    # ------------------------------------------------------------------ vision (first stage)
+    def _build(self, own: list, first: bool, last: bool, experts: range | None) -> None:
+        super()._build(own, first, last, experts)
+        cfg = self.config
+        self.vision_model = VisionTower(cfg.vision) if first and cfg.vision is not None else None
+        self.multi_modal_projector = BiasedLinear(cfg.vision.out_size, cfg.hidden_size, bias=cfg.projector_bias) \
+            if self.vision_model is not None else None
+
+    def embed(self, tokens: torch.Tensor, images=None) -> torch.Tensor:
+        if self.vision_model is None:
+            return super().embed(tokens, images)
+        x = self.embed_tokens(tokens)
+        if images is None:
+            return idle_pass(self.vision_model, self.multi_modal_projector, x)
+        feats = image_features(self.vision_model, self.multi_modal_projector, images)
+        return write_features(x, feats, images.feature_positions)
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        specs = super().param_specs()
+        for name in specs:
+            if name.startswith(VISION + ".") and name.endswith(_VISION_ADAMW) and specs[name].role == "weight":
+                specs[name] = ParamSpec(role="embedding")
+        return specs
+
+    def fsdp_units(self) -> list[FSDPUnit]:
+        """Each vision layer a unit, then the tower (patch and position embeddings, downsamplers),
+        the projector, then the decoder's units. The projector is not left to the root: the root
+        is released once the heads' backward is done (``core/model_api.py``), and the projector's
+        backward, which reads its weight, comes after the whole trunk's."""
+        units = []
+        if self.vision_model is not None:
+            units = [FSDPUnit(b, "dp") for b in self.vision_model.blocks] + [
+                FSDPUnit(self.vision_model, "dp"), FSDPUnit(self.multi_modal_projector, "dp")]
+        return units + super().fsdp_units()
+
+    def param_parts(self) -> dict[str, list[str]]:
+        """Parameter names by part, for freezing one: ``vision`` (tower and downsamplers),
+        ``projector``, ``language`` (everything else: embeddings, decoder, heads, MTP). Each FSDP
+        unit (``fsdp_units``, the root included) holds parameters of one part only."""
+        parts = {"vision": [], "projector": [], "language": []}
+        for name, _ in self.named_parameters():
+            part = "vision" if name.startswith(VISION + ".") else \
+                "projector" if name.startswith(PROJECTOR + ".") else "language"
+            parts[part].append(name)
+        return parts
 
     def build_extra(self, experts: range | None) -> None:
         cfg = self.config  # each depth's own decoder block (layer type, FFN, clamps)

@@ -19,6 +19,25 @@ prefix, as transformers writes them from memory):
 plus ``model.embed_tokens``, ``model.norm``, ``lm_head``; an MTP depth without its own output
 head takes the main ``lm_head`` (checkpoints that share it).
 
+The vision tower and projector (a model whose config has a vision tower), by the names the
+release and ``Step3p7ForConditionalGeneration.save_pretrained`` both write (``V`` =
+``vision_model.``, ``B`` = ``V transformer.resblocks.N.``):
+
+| ours (``vision_model.`` ...)        | published                         |
+| ---                                | ---                               |
+| ``patch_embed.weight``, ``pos_embed`` | ``V conv1.weight``, ``V positional_embedding`` |
+| ``pre_norm.*``                     | ``V ln_pre.*``                    |
+| ``blocks.N.norm1.*`` / ``norm2.*``  | ``B ln_1.*`` / ``B ln_2.*``        |
+| ``blocks.N.attn.qkv.{weight,bias}`` | ``B attn.in_proj_{weight,bias}`` (rows q, k, v; RoPE pairs interleaved) |
+| ``blocks.N.attn.proj.*``            | ``B attn.out_proj.*``              |
+| ``blocks.N.mlp.fc1.*`` / ``fc2.*``  | ``B mlp.c_fc.*`` / ``B mlp.c_proj.*`` |
+| ``blocks.N.scale1.gamma`` / ``scale2`` | ``B ls_1.gamma`` / ``B ls_2.gamma`` |
+| ``downsample1.*`` / ``downsample2.*`` | ``V vit_downsampler1.*`` / ``V vit_downsampler2.*`` |
+| ``multi_modal_projector.*`` (top level) | ``vit_large_projector.*``     |
+
+A text-only model (no vision tower in its config) keeps these tensors aside on import and copies
+them byte for byte into a published export.
+
 Export writes the published layout when the source checkpoint had it (the Step-3.7 release and
 what ``Step3p7ForConditionalGeneration.save_pretrained`` writes; the vision tower is copied byte
 for byte), else transformers' ``Step3p7TextModel`` layout, which has no output head: the head
@@ -42,6 +61,35 @@ TOP = {"embed_tokens.weight": ("model.embed_tokens.weight", "model.language_mode
 EXTRA_FILE = "step37_extra.safetensors"
 VISION_PREFIXES = ("vision_model.", "vit_large_projector.", "model.vision_model.",
                    "model.multi_modal_projector.")
+
+
+_VISION_TOP = {"patch_embed.weight": "conv1.weight", "pos_embed": "positional_embedding"}
+_VISION_RENAMES = (("pre_norm.", "ln_pre."), ("downsample1.", "vit_downsampler1."),
+                   ("downsample2.", "vit_downsampler2."))
+_VISION_BLOCK = (("norm1.", "ln_1."), ("norm2.", "ln_2."), ("attn.qkv.weight", "attn.in_proj_weight"),
+                 ("attn.qkv.bias", "attn.in_proj_bias"), ("attn.proj.", "attn.out_proj."),
+                 ("mlp.fc1.", "mlp.c_fc."), ("mlp.fc2.", "mlp.c_proj."), ("scale1.gamma", "ls_1.gamma"),
+                 ("scale2.gamma", "ls_2.gamma"))
+
+
+def vision_published(name: str) -> str | None:
+    """The published name of a vision tower or projector parameter (None: not one)."""
+    if name.startswith("multi_modal_projector."):
+        return "vit_large_projector." + name[len("multi_modal_projector."):]
+    if not name.startswith("vision_model."):
+        return None
+    rest = name[len("vision_model."):]
+    if rest in _VISION_TOP:
+        return "vision_model." + _VISION_TOP[rest]
+    for ours, theirs in _VISION_RENAMES:
+        if rest.startswith(ours):
+            return "vision_model." + theirs + rest[len(ours):]
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", rest)
+    if m:
+        for ours, theirs in _VISION_BLOCK:
+            if m.group(2).startswith(ours):
+                return f"vision_model.transformer.resblocks.{m.group(1)}.{theirs}{m.group(2)[len(ours):]}"
+    raise KeyError(f"no Hugging Face name is known for vision parameter {name!r}")
 
 
 def _layer_candidates(rest: str) -> list[tuple[str, str | None]]:
@@ -68,6 +116,9 @@ def candidates(name: str, num_layers: int) -> list[tuple[str, str | None]]:
     ``name`` (first match wins)."""
     if name in TOP:
         return [(c, None) for c in TOP[name]]
+    vision = vision_published(name)
+    if vision is not None:
+        return [(vision, None)]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m:
         return [(p + m.group(1) + "." + c, s) for p in PREFIXES for c, s in _layer_candidates(m.group(2))]
@@ -92,6 +143,9 @@ def published_name(name: str, num_layers: int) -> str:
     """Our parameter name -> the published (hub release) name."""
     if name in TOP:
         return TOP[name][0]
+    vision = vision_published(name)
+    if vision is not None:
+        return vision
     m = re.fullmatch(r"mtp\.(\d+)\.(.+)", name)
     if m:
         prefix, rest = f"model.layers.{num_layers + int(m.group(1))}.", m.group(2)
@@ -130,11 +184,12 @@ class Step37Weights:
     """The adapter of one config: sources per parameter, published names, export layouts."""
 
     side_files = (EXTRA_FILE,)
-    kept_prefixes = VISION_PREFIXES          # the vision tower: not the text decoder's
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
     def __init__(self, config):
         self.config = config
+        # a text-only model sets the vision tower aside; a VLM reads it (nothing is hidden then)
+        self.kept_prefixes = VISION_PREFIXES if config.vision is None else ()
 
     def sources(self, name: str) -> list[Source]:
         return [Source(c, s) for c, s in candidates(name, self.config.num_layers)]
@@ -147,6 +202,9 @@ class Step37Weights:
         L = config.num_layers
         published = src is not None and any(".moe.gate_proj.weight" in k or ".share_expert." in k
                                             for k in src.file_of)
+        if config.vision is not None:  # the whole VLM, in the published layout
+            tensors = {published_name(n, L): t for n, t in state.items()}
+            return Exported(tensors, config.to_hf(), "published")
         if not published:
             tensors, extra = _transformers_text_tensors(state, L)
             return Exported(tensors, config.to_hf(), "transformers-text", {EXTRA_FILE: extra} if extra else {})

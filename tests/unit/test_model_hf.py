@@ -59,9 +59,11 @@ def test_text_model_hidden_states_match(tmp_path, name):
 
 
 def test_full_model_logits_match_and_export_round_trips(tmp_path):
+    """The text decoder alone read from a whole Step-3.7 checkpoint (``vision=None``): the
+    vision tower is set aside and copied byte for byte (tests/unit/test_vlm_model.py: with it)."""
     src, out = tmp_path / "src", tmp_path / "out"
     hf = save_full_model(str(src), seed=5)
-    model = Step37Model(Step37Config.from_hf(str(src)))
+    model = Step37Model(Step37Config.from_hf(str(src), vision=None))
     report = model.load_hf(str(src), strict=False)
     assert report["kept_aside"] > 0 and report["unexpected"] == []
     tokens, pos, psp = thd(LENGTHS, seed=1)
@@ -83,7 +85,7 @@ def test_full_model_logits_match_and_export_round_trips(tmp_path):
     vision = [k for k in a.keys() if k.startswith(("vision_model.", "vit_large_projector."))]
     assert vision and all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in vision)
     # our own reload of the export restores every tensor, MTP depths included
-    again = Step37Model(Step37Config.from_hf(str(out)))
+    again = Step37Model(Step37Config.from_hf(str(out), vision=None))
     assert again.load_hf(str(out))["missing"] == []
     for (n, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
         assert torch.equal(p, q), n

@@ -254,3 +254,17 @@ def test_mfu_counts_the_encoders_forward_and_backward_and_rows_print_the_layout(
     piped = replace(img, pp=2)
     assert evaluate(TINY, piped, a, 989.5, 2, 0.0).flags().endswith("--pipeline-layout 1,3")
     assert "--pipeline-layout" not in evaluate(TINY, replace(base, pp=2), a, 989.5, 2, 0.0).flags()
+
+
+def test_a_vlm_config_books_the_tower_its_model_holds_once():
+    """For a config whose model builds the tower (step37-tiny-vlm), the planner's stage-0
+    parameter count is the built model's, with or without images in the plan: the shares leave
+    the chunk's own tower out and the planner books it from its shape, once."""
+    from models.step37 import Step37Model
+
+    cfg = Step37Config.preset("step37-tiny-vlm")
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in Step37Model(cfg).parameters())
+    for share in (0.0, 0.25):
+        (r,) = plan(cfg, PlanInputs(seq_length=256, num_microbatches=1, optimizer="adamw", image_token_share=share))
+        assert r.parameters == whole, (share, r.parameters, whole)

@@ -61,8 +61,11 @@ def _summarise(chunk, stage: int) -> ChunkShare:
         block_of.update({id(p): i for p in block.parameters()})
     fp32 = {id(p) for u in chunk.fsdp_units() if u.fp32 for p in u.module.parameters()}
     specs = chunk.param_specs()
+    # an image encoder the chunk holds is booked from its shape by the planner (planner/vision.py)
+    parts = chunk.param_parts() if hasattr(chunk, "param_parts") else {}
+    encoder = set(parts.get("vision", ())) | set(parts.get("projector", ()))
     tensors = tuple(TensorShare(p, specs[name], block_of.get(id(p), ROOT), id(p) in fp32, not p.requires_grad)
-                    for name, p in chunk.named_parameters())
+                    for name, p in chunk.named_parameters() if name not in encoder)
     return ChunkShare(stage, chunk.first, chunk.last, tuple(i for i, _ in chunk.blocks() if i >= 0), tensors)
 
 

@@ -194,7 +194,8 @@ def planned_shares(cfg, inp) -> list:
     layout = layout_for(cfg, inp)
     shares = rank_shares(cfg, inp.pp, inp.vpp, inp.ep, layout, inp.seq_length, inp.lora)
     v = shapes_of(cfg).vision
-    if not has_images(inp) or v is None:
+    built = getattr(cfg, "vision", None) is not None  # the model holds its tower (left out of the shares)
+    if v is None or not (has_images(inp) or built):
         return shares
     part = trained_part(inp)
     key = (id(shares), part)
