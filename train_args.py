@@ -68,12 +68,24 @@ class ModelArgs:
                                               "(0 in SFT)")
     moe_dispatcher: str = option("alltoall", "expert-parallel token dispatch",
                                  choices=("alltoall", "allgather"))
+    freeze_vision: bool = option(False, "a vision-language model: keep the vision tower (and its "
+                                        "downsamplers) as loaded: no gradient, optimizer state or "
+                                        "reduction; bf16 under --bf16 (the projector still learns)")
+    freeze_projector: bool = option(False, "a vision-language model: keep the projector from vision "
+                                           "features to the decoder as loaded")
+    freeze_language: bool = option(False, "keep the language model (embeddings, decoder, heads, MTP) as "
+                                          "loaded: with a vision tower, train the vision side only")
     compile: bool = option(False, "torch.compile each decoder layer and MTP depth (fullgraph: a host "
                                   "read inside a layer is an error); under expert parallelism the "
                                   "all-to-all and the token permutation stay outside the graphs")
     compile_backend: str = option("inductor", "torch.compile backend for --compile (aot_eager: trace "
                                               "without code generation, for checks)",
                                   choices=COMPILE_BACKENDS)
+
+    @property
+    def frozen_parts(self) -> tuple:
+        """The parts ``--freeze-*`` names (``core/freeze.py``)."""
+        return tuple(p for p in ("vision", "projector", "language") if getattr(self, f"freeze_{p}"))
 
     def __post_init__(self):
         require(self, mtp_loss_scale=NON_NEGATIVE, moe_aux_loss_coeff=NON_NEGATIVE,
@@ -400,6 +412,7 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
     args.memory.check(run_facts(args, sizes, M))
     _check_lora_targets(args, spec, cfg)
+    _check_freeze(args, spec, cfg)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
@@ -471,6 +484,21 @@ def _check_lora_targets(args, spec, cfg) -> None:
     if absent and (lora.lora_targets != DEFAULT_TARGETS or len(absent) == len(found)):
         raise ValueError(f"--lora-targets {','.join(absent)}: the model has no such module "
                          f"(it has {', '.join(t for t, n in found.items() if n) or 'none of them'})")
+
+
+def _check_freeze(args, spec, cfg) -> None:
+    """--freeze-* names parts the model has, leaves something to train, and is not LoRA's job."""
+    from core.freeze import check_freeze
+
+    parts = args.model.frozen_parts
+    if not parts:
+        return
+    if _lora(args).enabled:
+        raise ValueError(f"--freeze-{parts[0]} with --lora-rank: LoRA freezes every base weight already "
+                         "(its adapters are the only trained parameters)")
+    import torch
+    with torch.device("meta"):
+        check_freeze(spec.build(cfg), parts)
 
 
 def _check_run_files(args, cfg) -> None:

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from core.checkpoint_dir import CheckpointError, discard, iter_name, prepare, publish, resolve
 from core.checkpoint_reader import SafeReader, read_extra, read_meta, reading
+from core.lora import adapter_params
 from core.model_api import iter_params, persistent_tensors
 from core.optim.masters import masters_of
 
@@ -67,19 +68,21 @@ def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
 
 
 def model_state(chunks, masters_filled: list | None = None) -> dict:
-    """Parameters and persistent buffers under their global names (experts split), frozen
-    parameters (a LoRA base, ``requires_grad`` False) left out. A parameter
+    """Parameters and persistent buffers under their global names (experts split), a LoRA run's
+    frozen base (``requires_grad`` False beside adapters) left out (frozen parts of another run,
+    ``--freeze-*``, are saved). A parameter
     stored as bf16 plus a remainder (``core/optim/masters.py``) appears as its fp32 master (a
     copy, in host memory when the parameter is on a GPU), so checkpoints hold fp32 masters in
     every storage mode; ``masters_filled`` collects ``(masters, parameter, copy)`` for a load to
     split the loaded values back."""
     out = {}
+    lora = any(adapter_params(c) for c in chunks)
     for chunk in chunks:
         specs, masters = chunk.param_specs(), masters_of([chunk])
         params = dict(chunk.named_parameters())
         for name, t in persistent_tensors(chunk):
             p = params.get(name)
-            if p is not None and not p.requires_grad:
+            if lora and p is not None and not p.requires_grad:
                 continue  # a frozen base (LoRA): never changes, recorded by its identity in meta.json
             if p is not None and p in masters:
                 t = _master_copy(masters, p)

@@ -7,7 +7,7 @@
 # tokens are a quarter image features (--image-token-share 0.25) from images of about
 # 1024 x 1024 (the processor cuts 4 crops of 504 beside the 728 global view:
 # --image-crops-per-image 4, 169 + 4 x 81 = 493 features an image, about 4 images a pack):
-#   python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \
+#   python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash-vlm \
 #       --seq-length 8192 --global-batch-size 32 --bf16 --optimizer muon --muon-momentum 0 \
 #       --image-token-share 0.25 --image-crops-per-image 4
 # Why a quarter: chat SFT mixes with most documents text only and a few with one or two images;

@@ -74,6 +74,10 @@ def main(argv=None) -> int:
             raise ValueError(f"--host-gb must be a finite number >= 0 (0: no limit), got {ns.host_gb:g}")
         assumptions = getattr(args, "time", None) or from_namespace(TimeAssumptions, ns)
         args.images = image_mix(ns)
+        for part in ("projector", "language"):
+            if getattr(args.model, f"freeze_{part}", False):
+                raise ValueError(f"--freeze-{part} is not planned (the planner books a frozen vision tower "
+                                 "only, --freeze-vision); plan without it for an upper bound")
         if ns.search:
             if ns.top < 1:
                 raise ValueError(f"--top must be >= 1, got {ns.top}")

@@ -14,7 +14,8 @@ place that does it, in this order (each step needs the one before it):
 4. LoRA (``core.lora.apply_lora``, with ``--lora-rank``): the chosen projections get adapters
    (routed experts grouped ones, in the expert module, so they hold this EP rank's experts only)
    and every other parameter is frozen, before FSDP wraps them; under ``--bf16`` the frozen base
-   is stored in bf16 (``frozen_to_bf16``: no fp32 master, it is never updated);
+   is stored in bf16 (``frozen_to_bf16``: no fp32 master, it is never updated); ``--freeze-*``
+   freezes whole parts the same way (``core/freeze.py``);
 5. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
    by their forward;
 6. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``) as the memory mode's placement
@@ -43,6 +44,7 @@ import torch
 from core.compile import apply_compile
 from core.context_parallel.apply import apply_context_parallel, cp_comm
 from core.distributed.fsdp import apply_fsdp
+from core.freeze import freeze_parts
 from core.lora import LoraSettings, apply_lora, frozen_to_bf16
 from core.flops import balanced_layout
 from core.moe.parallel import apply_expert_parallel
@@ -80,8 +82,9 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         if comm is not None:
             apply_context_parallel(chunk, comm)
-        if apply_lora(chunk, lora) and mem.bf16:
-            frozen_to_bf16(chunk)  # the frozen base's one copy is its bf16 compute weight
+        frozen = apply_lora(chunk, lora) + freeze_parts(chunk, m.frozen_parts)
+        if frozen and mem.bf16:
+            frozen_to_bf16(chunk)  # a frozen parameter's one copy is its bf16 compute weight
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
                         mem.offload_recompute_inputs, shared=chunked)
         apply_fsdp(chunk, ps, placement, device.type)

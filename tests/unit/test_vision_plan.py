@@ -172,7 +172,7 @@ def test_recipe_runs_the_image_search_top_row(tmp_path):
 
     hf = tmp_path / "flash"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(FLASH.to_hf()))
+    (hf / "config.json").write_text(json.dumps(Step37Config.preset("step37-flash-vlm").to_hf()))
     script = os.path.join(ROOT, "examples", "step37_flash_8xh200_vlm_sft.sh")
     text = open(script).read()
     assert "--image-token-share 0.25 --image-crops-per-image 4" in text
