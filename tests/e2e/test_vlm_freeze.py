@@ -5,37 +5,15 @@ tests' tiny processor): a frozen part is bit-identical after training while the 
 checkpoint still holds it (a whole model, unlike a LoRA base); bad combinations are refused."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.e2e.conftest import PROCESSOR
 from tests.e2e.test_training import COMMON, run_in_process, train
 
-ROOT = __file__.rsplit("/tests/", 1)[0]
-PROCESSOR = os.path.join(ROOT, "tests", "fixtures", "step3p7_processor")
 VLM = ["--model-preset", "step37-tiny-vlm", "--vocab-size", "400", "--tokenizer-type", "huggingface",
        "--tokenizer-model", PROCESSOR, "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2",
        "--optimizer", "adamw", "--lr", "1e-2", "--weight-decay", "0.1", "--lr-warmup-iters", "0"]
-
-
-@pytest.fixture(scope="module")
-def shapes_data(tmp_path_factory) -> str:
-    import importlib.util
-
-    from tools.preprocess_data import main as preprocess
-
-    spec = importlib.util.spec_from_file_location("make_shapes_vlm", os.path.join(ROOT, "examples", "data",
-                                                                                 "make_shapes_vlm.py"))
-    make_shapes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_shapes)
-
-    d = tmp_path_factory.mktemp("shapes")
-    make_shapes.make_rows(str(d), 12, seed=1)
-    assert preprocess(["--input", str(d / "rows.jsonl"), "--output-prefix", str(d / "out" / "shapes"), "--chat",
-                       "--tokenizer-type", "huggingface", "--tokenizer-model", PROCESSOR,
-                       "--append-eod"]) == 0
-    return str(d / "out" / "shapes_text_document")
 
 
 def _params(path: str) -> dict:
