@@ -1,7 +1,10 @@
 """LoRA adapters out of this project: merged into the base weights (``merge_lora``: the model is a
 plain model again, for a Hugging Face export), or as a PEFT adapter folder (``write_peft``:
 ``adapter_config.json`` + ``adapter_model.safetensors`` under PEFT's names for transformers'
-modules, which the family's weight adapter gives: ``published(name)`` of each adapted weight).
+modules, which the family's weight adapter gives: ``peft_module(name)`` when it has one (the
+module path in the model transformers builds from the export; None for a module transformers
+does not have, whose adapter is left out), else the name among its published ones that the base
+checkpoint holds).
 
 PEFT's keys: ``base_model.model.<transformers module>.lora_A.weight`` ``[r, in]`` and
 ``...lora_B.weight`` ``[out, r]``, scale ``lora_alpha / r``: ours exactly. Routed experts' grouped
@@ -90,6 +93,12 @@ def peft_entries(model, keys: set | None = None) -> list[tuple[str, str, torch.T
                     entries.append((module, "experts", m.lora_A[n].detach()[i], m.lora_B[n].detach()[i]))
                 expert_leaves.add(src.rsplit(".", 2)[-2])
         elif isinstance(m, LoRALinear):
+            peft_module = getattr(model.hf_weights, "peft_module", None)
+            if peft_module is not None:  # the family names transformers' modules itself
+                module = peft_module(f"{name}.weight")
+                if module is not None:  # None: transformers has no such module (e.g. an MTP depth)
+                    entries.append((module, m.lora_target, m.lora_A.detach(), m.lora_B.detach()))
+                continue
             published = _source(model, f"{name}.weight", keys)
             if not published.endswith(".weight"):
                 raise ValueError(f"{name}.weight is published as {published!r}: not a linear module's weight, "

@@ -197,6 +197,20 @@ class Step37Weights:
     def published(self, name: str) -> str:
         return published_name(name, self.config.num_layers)
 
+    def peft_module(self, name: str) -> str | None:
+        """transformers' module path (for PEFT) of our linear weight ``name`` in the model
+        transformers builds from this config: ``Step3p7ForConditionalGeneration`` with a vision
+        tower (``model.language_model.layers.N...``), else ``Step3p7TextModel`` (``layers.N...``);
+        None for an MTP depth's (transformers has no MTP modules)."""
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+        if m is None:
+            return None
+        rest = m.group(2)
+        if rest.startswith("moe.shared_expert."):
+            rest = "mlp.shared_experts." + rest[len("moe.shared_expert."):]
+        prefix = "model.language_model.layers." if self.config.vision is not None else "layers."
+        return f"{prefix}{m.group(1)}.{rest}"
+
     def export(self, state: dict, src) -> Exported:
         config = self.config
         L = config.num_layers

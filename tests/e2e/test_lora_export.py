@@ -160,3 +160,44 @@ def test_step37_peft_export_loads_onto_transformers_text_model(dataset, tmp_path
         got = model(input_ids=tokens[None]).last_hidden_state[0]
     assert_close_rel(got, want, rel=HF_REL)
     assert (plain - want).abs().max() > 100 * HF_REL * want.abs().max()  # the adapters matter
+
+
+def test_step37_vlm_peft_and_merged_exports_give_our_logits(dataset, tmp_path):
+    """The issue's check on logits for Step-3.7: a tiny VLM base (vision tower included, so
+    transformers' Step3p7ForConditionalGeneration, head and all, loads it), 3 LoRA steps on
+    attention, the dense MLP and the shared experts; PeftModel.from_pretrained on transformers'
+    model and the --merge-lora export loaded by transformers alone both give our logits (HF_REL)."""
+    from peft import PeftModel
+    from transformers import Step3p7ForConditionalGeneration
+
+    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from models.step37 import Step37Config, Step37Model
+    from training.checkpoints import checkpoint_model, lora_model
+
+    base_dir = tmp_path / "base"
+    Step37Model(Step37Config.preset("step37-tiny-vlm"), seed=5).save_hf(str(base_dir))
+    train(["--data-path", dataset, "--hf-config", str(base_dir), "--load-hf", str(base_dir), "--optimizer", "adamw",
+           "--lr", "2e-2", "--train-iters", "3", "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "8",
+           "--lora-targets", "attention,mlp,shared_expert", "--save", str(tmp_path / "ck")], tmp_path / "log")
+    path = resolve(str(tmp_path / "ck"))
+    meta = read_meta(path)
+    spec, cfg = checkpoint_model(path, meta)
+    ours = lora_model(spec, cfg, meta["lora"], None, path)
+    load_checkpoint(path, [ours])
+    tokens, pos, psp = thd([17], vocab=cfg.vocab_size)
+    with torch.no_grad():
+        want = ours.eval()(tokens, pos, psp)
+
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft")]) == 0
+    hf = Step3p7ForConditionalGeneration.from_pretrained(str(base_dir)).eval()
+    with torch.no_grad():
+        plain = hf(input_ids=tokens[None]).logits[0]
+    model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        assert_close_rel(model(input_ids=tokens[None]).logits[0], want, rel=HF_REL)
+    assert (plain - want).abs().max() > 100 * HF_REL * want.abs().max()  # the adapters matter
+
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged = Step3p7ForConditionalGeneration.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert_close_rel(merged(input_ids=tokens[None]).logits[0], want, rel=HF_REL)

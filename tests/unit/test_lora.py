@@ -303,12 +303,15 @@ def test_merge_folds_the_adapters_into_a_plain_model():
 def test_peft_export_refuses_experts_published_stacked():
     """Step-3.7 publishes its experts stacked: no per-expert module for PEFT, so the export
     refuses (naming --merge-lora) instead of writing a partial adapter; without expert
-    adapters it writes PEFT's names for transformers' modules."""
+    adapters it writes PEFT's names for transformers' modules (a text config: Step3p7TextModel's;
+    the MTP depths' adapters left out, transformers has no MTP module)."""
     from core.lora_export import peft_tensors
 
     cfg = tiny_config("step37")
     with pytest.raises(ValueError, match="published stacked .* export the merged weights with --merge-lora"):
         peft_tensors(_lora_model(cfg)[0])
     tensors, modules = peft_tensors(_lora_model(cfg, targets="attention,shared_expert")[0])
-    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+    assert "base_model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+    assert "base_model.model.layers.1.mlp.shared_experts.up_proj.lora_B.weight" in tensors
+    assert not any("mtp" in k or f"layers.{cfg.num_layers}." in k for k in tensors)
     assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tensors)
