@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""The blind baseline of a preprocessed make_shapes_vlm dataset, per target token: the loss a
+model that cannot see the images would reach at best.
+
+    python examples/data/shapes_vlm_baseline.py DATA_PREFIX TOKENIZER_DIR [--split 90,10,0]
+
+Why this number: every answer is fixed text around a few unknowns (shape, colour, digit, and for
+"What is in the picture?" whether there is a digit), drawn uniformly and independently of the
+question, which the model sees. A model without the image can at best learn the fixed text
+exactly (0 nats) and guess each unknown from its prior, so its expected loss over a document is
+the entropy of the unknowns given the question (``make_shapes_vlm.BLIND``), and over a set of
+documents the sum of those entropies divided by the number of target tokens (the loss mask's
+1s: the answer's tokens and the end-of-turn token), which is what the trainer averages over. A
+loss below it on held-out documents can only come from reading the pictures (the text part of a
+document says nothing about them). The answer kind of each document is read from its decoded
+targets, so the count holds for whichever documents preprocessing kept.
+
+Prints one line per part of ``--split`` that has documents (train, valid).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+from make_shapes_vlm import BLIND, SHAPES  # noqa: E402
+
+
+def answer_kind(text: str) -> str:
+    """Which question an answer answers (the answer forms of make_shapes_vlm)."""
+    if text.startswith("The digit "):
+        return "digit"
+    if text.startswith("It is "):
+        return "colour"
+    if any(text.startswith(f"A {s}.") for s in SHAPES):
+        return "shape"
+    if text.startswith("A "):
+        return "all"
+    raise ValueError(f"not a make_shapes_vlm answer: {text!r}")
+
+
+def per_document(prefix: str, tokenizer_dir: str) -> tuple[np.ndarray, np.ndarray]:
+    """(blind nats, target tokens) of every document of the dataset."""
+    from data.indexed_dataset import IndexedDataset
+    from data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer("huggingface", tokenizer_dir)
+    text = IndexedDataset(prefix)
+    mask = IndexedDataset(prefix.replace("_text_document", "_loss_mask_document"))
+    nats, targets = np.zeros(len(text)), np.zeros(len(text), np.int64)
+    for d in range(len(text)):
+        ids, m = np.asarray(text.get(d)), np.array(mask.get(d))
+        m[0] = 0  # the first token is nobody's label
+        nats[d] = BLIND[answer_kind(tok.decode(ids[m == 1].tolist()))]
+        targets[d] = int(m.sum())
+    return nats, targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data.splits import split_bounds
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("data_prefix", help="PREFIX_text_document of a make_shapes_vlm dataset")
+    ap.add_argument("tokenizer_dir", help="the tokenizer it was preprocessed with")
+    ap.add_argument("--split", default="100,0,0", help="as the trainer's --split")
+    args = ap.parse_args(argv)
+    nats, targets = per_document(args.data_prefix, args.tokenizer_dir)
+    train_end, valid_end = split_bounds(len(nats), args.split)
+    for name, lo, hi in (("train", 0, train_end), ("valid", train_end, valid_end)):
+        if hi > lo:
+            t = int(targets[lo:hi].sum())
+            print(f"blind baseline ({name}: documents {lo}..{hi - 1}, {t} target tokens): "
+                  f"{nats[lo:hi].sum() / t:.4f} nats per target token "
+                  f"({nats[lo:hi].mean():.3f} per answer)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
