@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("data_prefix", help="PREFIX_text_document of a make_shapes_vlm dataset")
     ap.add_argument("tokenizer_dir", help="the tokenizer it was preprocessed with")
     ap.add_argument("--split", default="100,0,0", help="as the trainer's --split")
-    ap.add_argument("--log", help="a pretrain_step37.py log: compare its last logged training loss "
-                                  "and its last validation loss with the baselines")
+    ap.add_argument("--log", help="a pretrain_step37.py log: compare the mean of its last five logged "
+                                  "training losses, and its last validation loss, with the baselines")
     args = ap.parse_args(argv)
     nats, targets = per_document(args.data_prefix, args.tokenizer_dir)
     train_end, valid_end = split_bounds(len(nats), args.split)
@@ -81,26 +81,30 @@ def main(argv: list[str] | None = None) -> int:
             base = nats[lo:hi].sum() / t
             print(f"blind baseline ({name}: documents {lo}..{hi - 1}, {t} target tokens): "
                   f"{base:.4f} nats per target token ({nats[lo:hi].mean():.3f} per answer)")
-            if name in losses:
-                it, loss = losses[name]
+            if losses.get(name):
+                # one step's training loss is noisy: the mean of the last five logged; the
+                # validation loss is over the same held-out batches every time: the last
+                seen = losses[name][-5:] if name == "train" else losses[name][-1:]
+                loss = sum(v for _, v in seen) / len(seen)
                 verdict = "below: the model reads the images" if loss < base else "NOT below the baseline"
-                print(f"  {name} loss at iteration {it}: {loss:.4f} ({verdict})")
+                its = f"iteration {seen[0][0]}" if len(seen) == 1 else f"iterations {seen[0][0]}-{seen[-1][0]} (mean of {len(seen)})"
+                print(f"  {name} loss at {its}: {loss:.4f}, last {seen[-1][1]:.4f} ({verdict})")
     return 0
 
 
 def last_losses(log: str) -> dict:
-    """{"train": (iteration, lm loss), "valid": (...)}: the last of each in a trainer's log."""
+    """{"train": [(iteration, lm loss), ...], "valid": [...]}: every one logged, in order."""
     import re
 
-    out = {}
+    out = {"train": [], "valid": []}
     with open(log, encoding="utf-8", errors="replace") as f:
         for line in f:
             m = re.search(r"iteration +(\d+)/\d+ +\| lm loss: ([0-9.eE+-]+)", line)
             if m:
-                out["train"] = (int(m.group(1)), float(m.group(2)))
+                out["train"].append((int(m.group(1)), float(m.group(2))))
             m = re.search(r"validation loss at iteration (\d+) \| lm loss: ([0-9.eE+-]+)", line)
             if m:
-                out["valid"] = (int(m.group(1)), float(m.group(2)))
+                out["valid"].append((int(m.group(1)), float(m.group(2))))
     return out
 
 
