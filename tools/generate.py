@@ -246,7 +246,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"generate: error: {e}", file=sys.stderr)
             return 2 if str(e).startswith("--image: the model") else 1
         images, stops = chat.images, stops | chat.stops
-        prompts = [(p, *chat.prompt_ids(p, context, args.max_new_tokens)) for p in args.prompt or ["The"]]
+        try:
+            prompts = [(p, *chat.prompt_ids(p, context, args.max_new_tokens)) for p in args.prompt or ["The"]]
+        except ValueError as e:  # the text itself holds the image token
+            print(f"generate: error: --prompt with --image: {e}", file=sys.stderr)
+            return 2
     else:
         prompts = [(p, *prompt_ids(tok, p, context, args.max_new_tokens)) for p in args.prompt or ["The"]]
     gen = torch.Generator().manual_seed(args.seed)

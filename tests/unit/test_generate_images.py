@@ -103,6 +103,15 @@ def test_image_errors_are_one_line(tmp_path, capsys):
         assert last.startswith(f"generate: error: {message}") and captured.out == "", captured.err
 
 
+def test_a_prompt_that_types_the_image_token_is_refused(tmp_path, capsys):
+    _, ck = _checkpoint(tmp_path)
+    img = _image(tmp_path, "ok.png", (60, 60), (0, 0, 0))
+    assert main(["--load", ck, "--image", img, "--prompt", "look <im_patch>", "--max-new-tokens", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("generate: error: --prompt with --image: the text holds 2 <im_patch> token(s) "
+                            "but 1 image(s) came with it\n") and captured.out == ""
+
+
 def test_a_text_model_refuses_image(tmp_path, capsys):
     spec, cfg = registry.resolve("tiny")
     torch.manual_seed(0)
