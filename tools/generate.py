@@ -74,8 +74,8 @@ def next_token_logits(model, ids: list[int], images=None) -> torch.Tensor:
     n = len(ids)
     cu = torch.tensor([0, n], dtype=torch.int32)
     tokens = torch.tensor(ids, dtype=torch.long)
-    logits = model(tokens, torch.arange(n), PackedSeqParams(cu, cu.clone(), n), images=images) \
-        if images is not None else model(tokens, torch.arange(n), PackedSeqParams(cu, cu.clone(), n))
+    extra = {} if images is None else {"images": images}  # a text family's forward need not take it
+    logits = model(tokens, torch.arange(n), PackedSeqParams(cu, cu.clone(), n), **extra)
     return logits[-1].float()
 
 
