@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 loss = sum(v for _, v in seen) / len(seen)
                 verdict = "below: the model reads the images" if loss < base else "NOT below the baseline"
                 its = f"iteration {seen[0][0]}" if len(seen) == 1 else f"iterations {seen[0][0]}-{seen[-1][0]} (mean of {len(seen)})"
-                print(f"  {name} loss at {its}: {loss:.4f}, last {seen[-1][1]:.4f} ({verdict})")
+                last = f", last {seen[-1][1]:.4f}" if len(seen) > 1 else ""
+                print(f"  {name} loss at {its}: {loss:.4f}{last} ({verdict})")
     return 0
 
 
