@@ -13,6 +13,14 @@ context for one new token, and --max-new-tokens is capped at what the context le
 before it starts). Bad flags exit 2 with a one-line reason. A LoRA run's checkpoint samples
 with its adapters beside its frozen base: the base is the --load-hf folder the run recorded, or
 --base DIR (its weights' fingerprint must be the recorded one).
+With ``--image FILE`` (repeatable) a vision-language model answers about images: each prompt
+is rendered as one user turn, the images (in the order given) then the text, through the
+tokenizer's chat template with its generation prompt; every image token the template writes is
+expanded into the image processor's placeholder run for the image's size, and the model gets
+the pixels with the positions of those placeholders (``core.packed_seq.ImageInputs``), as
+training does. The processor is the one the tokenizer folder holds (the folder the run recorded,
+as ``tools/preprocess_data.py --chat`` read it); generation stops at the template's end of turn.
+A model without a vision tower, or a tokenizer folder without a processor, refuses --image.
 Single process on CPU (or the current GPU), fp32, no KV cache: every new token runs the whole
 sequence again, which is fine at this size (the tiny model: milliseconds per token).
 """
@@ -31,6 +39,7 @@ import torch  # noqa: E402
 
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from models import registry  # noqa: E402
+from tools.image_prompt import ImagePrompts  # noqa: E402
 
 
 def load_model(load_dir: str, model_module: str | None = None, base: str | None = None):
@@ -57,28 +66,32 @@ def load_model(load_dir: str, model_module: str | None = None, base: str | None 
     return model.eval(), meta, path
 
 
-def next_token_logits(model, ids: list[int]) -> torch.Tensor:
-    """The logits after the last of ``ids``: one document, positions 0..n-1."""
+def next_token_logits(model, ids: list[int], images=None) -> torch.Tensor:
+    """The logits after the last of ``ids``: one document, positions 0..n-1; ``images``
+    (``ImageInputs``) write their features at their placeholders, which lie in the prompt."""
     from core.packed_seq import PackedSeqParams
 
     n = len(ids)
     cu = torch.tensor([0, n], dtype=torch.int32)
     tokens = torch.tensor(ids, dtype=torch.long)
-    logits = model(tokens, torch.arange(n), PackedSeqParams(cu, cu.clone(), n))
+    extra = {} if images is None else {"images": images}  # a text family's forward need not take it
+    logits = model(tokens, torch.arange(n), PackedSeqParams(cu, cu.clone(), n), **extra)
     return logits[-1].float()
 
 
 @torch.no_grad()
-def generate(model, ids: list[int], max_new: int, temperature: float, top_k: int, stop: int,
-             generator: torch.Generator, max_len: int, vocab: int) -> list[int]:
+def generate(model, ids: list[int], max_new: int, temperature: float, top_k: int, stop,
+             generator: torch.Generator, max_len: int, vocab: int, images=None) -> list[int]:
     """Greedy (``temperature`` 0) or sampled continuation of ``ids``, up to ``max_new`` tokens or
-    the ``stop`` token (not included); only the tokenizer's ``vocab`` ids are chosen (a model's
-    embedding rows past them are padding)."""
+    a ``stop`` token (an id or a collection of ids; not included); only the tokenizer's
+    ``vocab`` ids are chosen (a model's embedding rows past them are padding). ``images``: the
+    prompt's ``ImageInputs`` (their positions index ``ids``, so stay valid as tokens are added)."""
+    stops = {stop} if isinstance(stop, int) else set(stop)
     out = list(ids)
     for _ in range(max_new):
         if len(out) >= max_len:
             break
-        logits = next_token_logits(model, out)[:vocab]
+        logits = next_token_logits(model, out, images)[:vocab]
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
@@ -87,7 +100,7 @@ def generate(model, ids: list[int], max_new: int, temperature: float, top_k: int
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = int(torch.multinomial(probs, 1, generator=generator))
-        if nxt == stop:
+        if nxt in stops:
             break
         out.append(nxt)
     return out[len(ids):]
@@ -114,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "Hugging Face, which records none); another than the recorded one is warned of")
     ap.add_argument("--tokenizer-model", help="its file or directory (needs --tokenizer-type; default: "
                                               "the one the run recorded)")
+    ap.add_argument("--image", action="append", metavar="FILE",
+                    help="an image for a vision-language model (repeat for several, used in this "
+                         "order before each prompt's text in one user turn, through the chat "
+                         "template; the tokenizer folder must hold the image processor)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a small model runs fastest on "
                                                           "one; 0: torch's default)")
     ap.add_argument("--model-module", help="import this module first (it registers another model family)")
@@ -221,13 +238,29 @@ def _main(argv: list[str] | None) -> int:
               file=sys.stderr)
         return 1
     context = model.config.max_position_embeddings
-    prompts = [(p, *prompt_ids(tok, p, context, args.max_new_tokens)) for p in args.prompt or ["The"]]
+    images, stops = None, {tok.eod_id}
+    if args.image:
+        try:
+            chat = ImagePrompts(model, tok, meta, args)
+        except ValueError as e:
+            print(f"generate: error: {e}", file=sys.stderr)
+            return 2 if str(e).startswith("--image: the model") else 1
+        images, stops = chat.images, stops | chat.stops
+        try:
+            prompts = [(p, *chat.prompt_ids(p, context, args.max_new_tokens)) for p in args.prompt or ["The"]]
+        except ValueError as e:  # the text itself holds the image token
+            print(f"generate: error: --prompt with --image: {e}", file=sys.stderr)
+            return 2
+    else:
+        prompts = [(p, *prompt_ids(tok, p, context, args.max_new_tokens)) for p in args.prompt or ["The"]]
     gen = torch.Generator().manual_seed(args.seed)
     t0, made = time.perf_counter(), 0
-    print(f"generate: {path} (iteration {meta.get('iteration')}, {meta.get('family')}), tokenizer {kind}")
+    print(f"generate: {path} (iteration {meta.get('iteration')}, {meta.get('family')}), tokenizer {kind}"
+          + (f", images {', '.join(args.image)}" if args.image else ""))
     for prompt, ids, max_new in prompts:
         for t in args.temperature:
-            new = generate(model, ids, max_new, t, args.top_k, tok.eod_id, gen, context, tok.vocab_size)
+            new = generate(model, ids, max_new, t, args.top_k, stops, gen, context, tok.vocab_size,
+                           images=None if images is None else images(ids))
             made += len(new)
             label = "greedy" if t == 0 else f"T={t:g}"
             print(f"[{label:>6}] {prompt!r} -> {tok.decode(new)!r}")

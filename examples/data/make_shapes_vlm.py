@@ -35,6 +35,11 @@ QUESTIONS = {
     "digit": "Which digit is written on the shape?",
 }
 
+# what a model that cannot see does best, in nats per answer: guess each unknown among its equally
+# likely values (digit presence is part of "all": 1/2 with, 1/2 without)
+BLIND = {"all": math.log(len(SHAPES)) + math.log(len(COLOURS)) + math.log(2) + 0.5 * math.log(10),
+         "shape": math.log(len(SHAPES)), "colour": math.log(len(COLOURS)), "digit": math.log(10)}
+
 
 def draw(shape: str, colour: str, digit: int | None, width: int, height: int, rng: random.Random):
     """One picture: a light background, the shape in ``colour`` filling about half of the short
@@ -83,11 +88,7 @@ def make_rows(out_dir: str, rows: int, seed: int) -> dict:
                 {"role": "assistant", "content": answer}]}
             f.write(json.dumps(row) + "\n")
             kinds[kind] += 1
-    # what a model that cannot see does best: guess each unknown among its equally likely values
-    # (digit presence is part of "all": 1/2 with, 1/2 without)
-    blind = {"all": math.log(len(SHAPES)) + math.log(len(COLOURS)) + math.log(2) + 0.5 * math.log(10),
-             "shape": math.log(len(SHAPES)), "colour": math.log(len(COLOURS)), "digit": math.log(10)}
-    nats = sum(blind[k] * n for k, n in kinds.items()) / max(rows, 1)
+    nats = sum(BLIND[k] * n for k, n in kinds.items()) / max(rows, 1)
     return {"rows": rows, "kinds": kinds, "blind_nats_per_answer": nats}
 
 
