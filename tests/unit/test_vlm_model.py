@@ -20,7 +20,7 @@ from tests.unit.hf_reference import randomize
 from tests.unit.numerics import assert_close_rel
 
 HF_REL = 4e-5
-IMG = 319                      # the preset's image placeholder token
+IMG = 3                        # the preset's image placeholder token (the test processor's <im_patch>)
 GLOBAL, CROP = 112, 84         # view sizes (pixels): 4 features each after the downsamplers
 SEQ = 64                       # one pack; its documents fill 53 tokens, the rest is padding
 
@@ -44,7 +44,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _text(g, n):
-    return torch.randint(0, 300, (n,), generator=g)
+    return torch.randint(9, 300, (n,), generator=g)  # no special token (0..8: the processor's)
 
 
 def documents(seed=0):

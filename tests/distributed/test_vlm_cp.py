@@ -1,0 +1,16 @@
+"""The Step-3.7 VLM under context parallelism 2 (plain, and FSDP2 with full recompute) equals one
+unsharded process over three steps: loss, grad norm and every gradient, with an image cut by the
+CP chunk boundary and a shard holding no image token (fp32, gloo; tests/distributed/vlm_cp_cases.py)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.vlm_cp_cases import check_vlm_cp
+
+CASES = {"cp2_images": (2, check_vlm_cp, (False,)),
+         "cp2_fsdp_images": (2, check_vlm_cp, (True,))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_vlm_cp_matches_one_process(shared_ranks, case):
+    shared_ranks.check((__name__, case))
