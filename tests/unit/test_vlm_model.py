@@ -246,6 +246,14 @@ def test_feature_count_mismatch_is_a_clear_error(checkpoint):
     images.feature_positions = images.feature_positions[:-1]
     with pytest.raises(ValueError, match="give 24 features but the micro-batch has 23 image placeholder"):
         model(tokens, pos, psp, images=images)
+    # a CP shard's images: checked against the pack's feature count (a host int), not the shard's
+    cp = ImageInputs(images.pixel_values, images.pixel_values_local, images.num_local_patches,
+                     torch.tensor([0, 1]), torch.tensor([5, 6]), num_features=25)
+    with pytest.raises(ValueError, match="give 24 features but the micro-batch has 25 image placeholder"):
+        model(tokens, pos, psp, images=cp)
+    with pytest.raises(ValueError, match="num_features"):
+        ImageInputs(images.pixel_values, images.pixel_values_local, images.num_local_patches,
+                    torch.tensor([0, 1]), torch.tensor([5, 6]))
 
 
 def test_train_step_takes_images_from_the_micro_batch(checkpoint):
