@@ -7,6 +7,8 @@ The tests that share a run are put in one xdist group (``--dist loadgroup``, the
 so that one worker starts it."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -85,3 +87,28 @@ def pytest_collection_modifyitems(config, items):
         for name in SHARED_RUNS:
             if name in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(f"e2e-{name}"))
+
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+PROCESSOR = os.path.join(ROOT, "tests", "fixtures", "step3p7_processor")
+
+
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory) -> str:
+    """Image + text chat rows (examples/data/make_shapes_vlm.py, 12 rows, one image each)
+    preprocessed with the tests' tiny Step-3.7 processor (tests/fixtures/step3p7_processor)."""
+    import importlib.util
+
+    from tools.preprocess_data import main as preprocess
+
+    spec = importlib.util.spec_from_file_location("make_shapes_vlm", os.path.join(ROOT, "examples", "data",
+                                                                                 "make_shapes_vlm.py"))
+    make_shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_shapes)
+
+    d = tmp_path_factory.mktemp("shapes")
+    make_shapes.make_rows(str(d), 12, seed=1)
+    assert preprocess(["--input", str(d / "rows.jsonl"), "--output-prefix", str(d / "out" / "shapes"), "--chat",
+                       "--tokenizer-type", "huggingface", "--tokenizer-model", PROCESSOR,
+                       "--append-eod"]) == 0
+    return str(d / "out" / "shapes_text_document")
