@@ -6,7 +6,8 @@ Each CP rank encodes all its micro-batch's images and writes the features of the
 its shard holds (``data/cp_shard.py``). The packs make both cases the design must get right:
 
 * a document whose image run is cut by the CP chunk boundary (the load-balanced 2 x cp chunks
-  put parts of one image on both ranks: its crops' features on one, its global view's on both);
+  put parts of one image on both ranks: of its 12 placeholders, at pack positions 5..16, rank 0
+  holds the first, in its chunk 0..5, and rank 1 the other 11, in its chunks 6..17);
 * a pack whose image tokens all lie in CP rank 0's chunks: rank 1's shard holds none, gets no
   images and runs the idle pass, which under FSDP must issue the same gathers and
   reduce-scatters as rank 0's real pass (else the step hangs)."""
