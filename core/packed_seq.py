@@ -71,14 +71,22 @@ class ImageInputs:
     ``feature_positions``: int64 ``[F]``, indices into the micro-batch's ``T`` tokens of every
     image placeholder, ascending, made on the host by the loader (so writing them needs no
     device sync). ``F`` equals the tower's feature count, which is checked on the host.
-    Under context parallelism a shard keeps its whole micro-batch's images, and
-    ``feature_positions`` index the whole pack (``PackedSeqParams.cp.index`` maps local tokens
-    to pack positions; ``data/cp_shard.py``).
+
+    Under context parallelism a micro-batch is one CP rank's shard of a pack, yet its
+    ``ImageInputs`` hold every image of the pack (each CP rank encodes them all: no
+    communication). ``feature_positions`` then index the shard's ``T / cp`` tokens and hold only
+    the placeholders the shard holds, and ``feature_index`` (int64 ``[F_local]``, made on the
+    host by ``data/cp_shard.py``) says which of the tower's ``num_features`` features (a host
+    int) goes to each: ``feats.index_select(0, feature_index)`` is written at
+    ``feature_positions``. ``feature_index`` None (the default; always without CP) means all the
+    tower's features, in order.
     """
     pixel_values: torch.Tensor                # float32 [N, 3, S, S]
     pixel_values_local: torch.Tensor | None   # float32 [M, 3, P, P], M == sum(num_local_patches)
     num_local_patches: tuple                  # N host ints
-    feature_positions: torch.Tensor           # int64 [F]
+    feature_positions: torch.Tensor           # int64 [F] (under CP: [F_local], shard indices)
+    feature_index: torch.Tensor | None = None  # int64 [F_local]: the tower's features kept (CP)
+    num_features: int | None = None           # host int: the tower's feature count, with feature_index
 
     def __post_init__(self) -> None:
         n = self.pixel_values.shape[0]
@@ -91,10 +99,20 @@ class ImageInputs:
                              f"{sum(self.num_local_patches)}")
         if self.feature_positions.dtype != torch.int64 or self.feature_positions.dim() != 1:
             raise ValueError("ImageInputs.feature_positions must be a 1-D int64 tensor")
+        if self.feature_index is not None:
+            if self.feature_index.dtype != torch.int64 or self.feature_index.dim() != 1 or \
+                    self.feature_index.shape[0] != self.feature_positions.shape[0]:
+                raise ValueError("ImageInputs.feature_index must be a 1-D int64 tensor as long as "
+                                 f"feature_positions ({self.feature_positions.shape[0]})")
+            if not isinstance(self.num_features, int):
+                raise ValueError("ImageInputs.num_features (a host int) must come with feature_index")
+
+    @property
+    def tower_features(self) -> int:
+        """How many features the tower must give for these images (host int: no device read)."""
+        return self.feature_positions.shape[0] if self.feature_index is None else self.num_features
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "ImageInputs":
-        local = self.pixel_values_local
-        return ImageInputs(self.pixel_values.to(device, non_blocking=non_blocking),
-                           None if local is None else local.to(device, non_blocking=non_blocking),
-                           self.num_local_patches,
-                           self.feature_positions.to(device, non_blocking=non_blocking))
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
+        return ImageInputs(move(self.pixel_values), move(self.pixel_values_local), self.num_local_patches,
+                           move(self.feature_positions), move(self.feature_index), self.num_features)

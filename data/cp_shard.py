@@ -6,11 +6,14 @@ targets on the whole pack, and keeps its two chunks of every document. The pack 
 with each document padded to a multiple of ``2 x cp`` (``pad_multiple``), so the cut needs no
 data from other ranks and T / cp is the same on every rank and step.
 
-Images (image + text packs): every CP rank keeps the whole micro-batch's ``ImageInputs``
-unchanged, its ``feature_positions`` indexing the whole pack's ``T`` tokens (not the shard's).
-Each rank encodes every image of the pack (redundant vision work, no communication, exact) and
-keeps the features whose positions it holds: ``packed_seq_params.cp.index`` gives the pack
-position of each local token (host ints), so the local placement is a host computation."""
+Images (image + text packs): every CP rank keeps all the micro-batch's images and encodes them
+(duplicated vision work, no communication, exact); the tower's gradients are summed over the CP
+ranks by the dense gradient reduction (dp x cp), and each rank's loss reaches only the features
+it writes. On the host, the whole pack's ``feature_positions`` become this shard's local
+positions of the placeholders it holds, with ``feature_index``: which of the tower's features
+goes to each (``shard_images``). A shard holding no placeholder gets no images: its model runs
+the idle pass (``models/step37/vision.py``), so it still issues the tower's collectives (FSDP)
+as the other CP ranks do, at the cost of one 5 x 5-patch image."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +21,7 @@ import torch
 
 from core.context_parallel.shard import (CPShard, check_divisible, local_boundaries, mtp_shifts,
                                          real_end, shard_positions)
-from core.packed_seq import PackedSeqParams
+from core.packed_seq import ImageInputs, PackedSeqParams
 from data.loader import THDLoader
 from data.thd import THDBatch
 
@@ -42,7 +45,26 @@ def shard_batch(batch: THDBatch, size: int, rank: int, mtp_depths: int = 0) -> T
     params = PackedSeqParams(torch.tensor(local_cu, dtype=torch.int32), torch.tensor(local_pad, dtype=torch.int32),
                              p.max_seqlen, cp=shard)
     return THDBatch(batch.tokens[pick], batch.labels[pick], batch.position_ids[pick], params,
-                    batch.images)  # whole-pack images and positions (module docstring)
+                    shard_images(batch.images, index))
+
+
+def shard_images(images: ImageInputs | None, index: np.ndarray) -> ImageInputs | None:
+    """The images of a CP shard whose local tokens sit at pack positions ``index`` (ascending):
+    all the pack's images, the local positions of the placeholders the shard holds and which of
+    the tower's features each takes; None when the shard holds no placeholder (module docstring)."""
+    if images is None:
+        return None
+    if images.feature_index is not None:
+        raise ValueError("shard_images: these images are already a CP shard's")
+    whole = images.feature_positions.numpy()
+    local = np.searchsorted(index, whole)
+    held = local < len(index)
+    held[held] = index[local[held]] == whole[held]
+    if not held.any():
+        return None
+    keep = np.flatnonzero(held)
+    return ImageInputs(images.pixel_values, images.pixel_values_local, images.num_local_patches,
+                       torch.from_numpy(local[keep]), torch.from_numpy(keep), len(whole))
 
 
 class CPShardLoader(THDLoader):

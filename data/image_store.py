@@ -159,6 +159,8 @@ def pack_image_counts(index: IndexedDataset, segments: np.ndarray) -> tuple[np.n
 def concat_images(parts: list, offsets: list[int]) -> ImageInputs | None:
     """The images of several batches laid end to end (``offsets``: where each starts in T)."""
     have = [(p, o) for p, o in zip(parts, offsets) if p is not None]
+    if any(p.feature_index is not None for p, _ in have):
+        raise ValueError("concat_images: whole micro-batches only (a CP shard's images are cut last)")
     if not have:
         return None
     local = [p.pixel_values_local for p, _ in have if p.pixel_values_local is not None]

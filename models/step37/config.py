@@ -355,9 +355,11 @@ def _tiny_config() -> dict:
 
 def _tiny_vlm_config() -> dict:
     """The tiny decoder with a 2-layer vision tower: 112-pixel global views (8 x 8 patches of
-    14, 4 features after the downsamplers), any multiple of 14 for crops; token 319 is the
-    image placeholder."""
-    return {"model_type": "step3p7", "text_config": _tiny_config(), "image_token_id": 319,
+    14, 4 features after the downsamplers), any multiple of 14 for crops. Its vocabulary (400)
+    and image placeholder (3, ``<im_patch>``) are the test processor's
+    (``tests/fixtures/step3p7_processor``, whose 112-pixel global views and 56-pixel crops give
+    4 and 1 features here), so that folder's datasets train this preset as they are."""
+    return {"model_type": "step3p7", "text_config": {**_tiny_config(), "vocab_size": 400}, "image_token_id": 3,
             "projector_bias": False,
             "vision_config": {"width": 32, "layers": 2, "heads": 2, "image_size": 112, "patch_size": 14,
                               "hidden_act": "quick_gelu", "ls_init_value": 0.1}}

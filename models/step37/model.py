@@ -92,7 +92,7 @@ class Step37Model(DecoderLM):
         if images is None:
             return idle_pass(self.vision_model, self.multi_modal_projector, x)
         feats = image_features(self.vision_model, self.multi_modal_projector, images)
-        return write_features(x, feats, images.feature_positions)
+        return write_features(x, feats, images)
 
     def param_specs(self) -> dict[str, ParamSpec]:
         specs = super().param_specs()

@@ -15,7 +15,10 @@ One micro-batch's images (``core.packed_seq.ImageInputs``): the global views are
 crops another, both through the tower in one call (each of its FSDP units gathers once per
 micro-batch, with images or without: ``idle_pass``); each image contributes its crops'
 features, then its global view's, in image order, and these replace the token embeddings at
-``feature_positions`` (an ``index_copy`` with host-made indices: no device sync).
+``feature_positions`` (an ``index_copy`` with host-made indices: no device sync). Under context
+parallelism every CP rank encodes all its micro-batch's images and keeps the features its shard
+holds (``ImageInputs.feature_index``); the tower's gradients are then summed over the CP ranks by
+the dense gradient reduction (dp x cp), each rank's loss reaching only the features it wrote.
 """
 from __future__ import annotations
 
@@ -104,13 +107,17 @@ def image_features(tower: VisionTower, projector: nn.Module, images: ImageInputs
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def write_features(x_TH: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``x_TH`` with rows ``positions`` replaced by ``feats`` (counts checked on the host)."""
-    if feats.shape[0] != positions.shape[0]:
+def write_features(x_TH: torch.Tensor, feats: torch.Tensor, images: ImageInputs) -> torch.Tensor:
+    """``x_TH`` with rows ``images.feature_positions`` replaced by ``feats`` (counts checked on
+    the host), or under context parallelism by the features ``images.feature_index`` selects
+    (this shard's placeholders; an ``index_select`` with host-made indices: no device sync)."""
+    if feats.shape[0] != images.tower_features:
         raise ValueError(f"the images give {feats.shape[0]} features but the micro-batch has "
-                         f"{positions.shape[0]} image placeholder positions (ImageInputs.feature_positions): "
+                         f"{images.tower_features} image placeholder positions (ImageInputs.feature_positions): "
                          "the placeholder expansion does not match the vision tower's image size")
-    return x_TH.index_copy(0, positions, feats.to(x_TH.dtype))
+    if images.feature_index is not None:
+        feats = feats.index_select(0, images.feature_index)
+    return x_TH.index_copy(0, images.feature_positions, feats.to(x_TH.dtype))
 
 
 def idle_pass(tower: VisionTower, projector: nn.Module, x_TH: torch.Tensor) -> torch.Tensor:

@@ -139,7 +139,7 @@ def test_the_validation_loader_gives_each_cp_rank_its_shard_of_the_same_batches(
                   "--document-pad-multiple", "4", "--data-cache-path", str(tmp_path)])
 
     def loader(cp, rank):
-        ps = SimpleNamespace(sizes=ParallelSizes(cp, cp=cp), cp_rank=rank, dp_rank=0)
+        ps = SimpleNamespace(sizes=ParallelSizes(cp, cp=cp), cp_rank=rank, dp_rank=0, is_first_stage=True)
         return validation_loader(args, PAD, ps, mtp_depths=1)
 
     whole, shards = loader(1, 0), [loader(2, r) for r in range(2)]

@@ -114,6 +114,28 @@ def test_stage0_forward_grows_by_share_x_tokens_over_features_x_view_flops():
     assert vision_flops(TINY, base).useful == 0 and vision_bytes(TINY, base) == 0
 
 
+def test_under_cp_every_rank_encodes_the_whole_packs_images():
+    """Every CP rank encodes all its pack's images (data/cp_shard.py): at CP2 a stage-0 rank's
+    encoder compute and activations are the whole pack's, the same as at CP1, while its decoder
+    work halves."""
+    from training.planner.memory import placement
+    from training.planner.timing import TimeAssumptions, rank_work
+    from training.planner.vision import planned_shares
+
+    a, peak = TimeAssumptions(), 989.5
+    one = PlanInputs(seq_length=1024, num_microbatches=2, optimizer="adamw", bf16=True)
+    two = replace(one, cp=2, dp=1)
+
+    def encoder_seconds(inp):
+        f, b = (rank_work(TINY, planned_shares(TINY, x)[0], x, a, placement(x), peak, 0)[0][0]
+                for x in (replace(inp, image_token_share=0.25), inp))
+        return f[0].seconds["compute"] - b[0].seconds["compute"]
+
+    assert vision_bytes(TINY, replace(two, image_token_share=0.25)) == \
+        vision_bytes(TINY, replace(one, image_token_share=0.25)) > 0
+    assert encoder_seconds(two) == pytest.approx(encoder_seconds(one), rel=1e-12) and encoder_seconds(one) > 0
+
+
 def test_frozen_tower_runs_its_forward_only():
     inp = PlanInputs(seq_length=1024, image_token_share=0.5)
     trained, frozen = vision_flops(TINY, inp), vision_flops(TINY, replace(inp, freeze_vision=True))

@@ -298,7 +298,8 @@ def mixed(tmp_path_factory):
 def test_positions_are_the_image_tokens_in_any_blend(mixed, proc, seq, mbs, seed, pad, m):
     """Whatever the packing, blend and micro-batch: feature_positions == where tokens are
     <im_patch>, one global view per image run, crops as the runs' sizes say; a text-only
-    dataset's micro-batches have no images; a CP shard keeps the whole pack's images."""
+    dataset's micro-batches have no images; a CP shard keeps the whole pack's images and the
+    placeholders it holds."""
     with_images, text_only = mixed
     srcs = [(0.5, open_source(with_images, seq, "split", seed, pad_multiple=pad,
                               image_processor=image_processor_from_settings)),
@@ -316,6 +317,16 @@ def test_positions_are_the_image_tokens_in_any_blend(mixed, proc, seq, mbs, seed
         assert not np.isin(b.labels.numpy(), list(proc.token_ids.values())).any()
     text_b = THDLoader([srcs[1]], seq_length=seq, micro_batch_size=mbs, pad_id=0).micro_batch(0)
     assert text_b.images is None
-    if pad % 4 == 0 and b.images is not None:
-        shard = shard_batch(b, 2, 1)
-        assert shard.images is b.images
+    if pad % 4 == 0 and b.images is not None:  # each CP shard: all the pack's images, its own placeholders
+        for r in range(2):
+            shard = shard_batch(b, 2, r)
+            here = np.flatnonzero(shard.tokens.numpy() == proc.image_token_id)
+            if shard.images is None:
+                assert len(here) == 0
+                continue
+            im = shard.images
+            assert im.pixel_values is b.images.pixel_values and im.num_features == len(where)
+            assert im.feature_positions.tolist() == here.tolist()
+            # the tower's feature k goes where the whole pack's feature k went
+            assert b.images.feature_positions[im.feature_index].tolist() == \
+                shard.packed_seq_params.cp.index[here].tolist()

@@ -20,7 +20,7 @@ from tests.unit.hf_reference import randomize
 from tests.unit.numerics import assert_close_rel
 
 HF_REL = 4e-5
-IMG = 319                      # the preset's image placeholder token
+IMG = 3                        # the preset's image placeholder token (the test processor's <im_patch>)
 GLOBAL, CROP = 112, 84         # view sizes (pixels): 4 features each after the downsamplers
 SEQ = 64                       # one pack; its documents fill 53 tokens, the rest is padding
 
@@ -44,7 +44,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _text(g, n):
-    return torch.randint(0, 300, (n,), generator=g)
+    return torch.randint(9, 300, (n,), generator=g)  # no special token (0..8: the processor's)
 
 
 def documents(seed=0):
@@ -246,6 +246,14 @@ def test_feature_count_mismatch_is_a_clear_error(checkpoint):
     images.feature_positions = images.feature_positions[:-1]
     with pytest.raises(ValueError, match="give 24 features but the micro-batch has 23 image placeholder"):
         model(tokens, pos, psp, images=images)
+    # a CP shard's images: checked against the pack's feature count (a host int), not the shard's
+    cp = ImageInputs(images.pixel_values, images.pixel_values_local, images.num_local_patches,
+                     torch.tensor([0, 1]), torch.tensor([5, 6]), num_features=25)
+    with pytest.raises(ValueError, match="give 24 features but the micro-batch has 25 image placeholder"):
+        model(tokens, pos, psp, images=cp)
+    with pytest.raises(ValueError, match="num_features"):
+        ImageInputs(images.pixel_values, images.pixel_values_local, images.num_local_patches,
+                    torch.tensor([0, 1]), torch.tensor([5, 6]))
 
 
 def test_train_step_takes_images_from_the_micro_batch(checkpoint):

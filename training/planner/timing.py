@@ -360,10 +360,10 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
     skipped, adapters = lora_flops(cfg, chunk, inp)  # LoRA: no weight gradients of the frozen base
     f.seconds["compute"] = (fwd_f + adapters) * T / eff  # T: this rank's CP shard
     bk.seconds["compute"] = (2 * fwd_f + redo_f - skipped + 2 * adapters) * T / eff
-    if chunk.stage == 0:  # the image encoder (nothing without images)
-        vf = vision_flops(cfg, inp)
-        f.seconds["compute"] += vf.forward * T / eff
-        bk.seconds["compute"] += (vf.backward + vf.redo) * T / eff
+    if chunk.stage == 0:  # the image encoder (nothing without images): every CP rank encodes the
+        vf = vision_flops(cfg, inp)  # whole pack's images (data/cp_shard.py), so T x cp tokens' worth
+        f.seconds["compute"] += vf.forward * inp.tokens / eff
+        bk.seconds["compute"] += (vf.backward + vf.redo) * inp.tokens / eff
     n_moe, n_redo = _moe_layers(cfg, chunk, inp)
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep  # dispatch or combine
     if a2a:

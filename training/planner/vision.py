@@ -9,8 +9,10 @@ How many images a pack holds comes from the planner's inputs, not from data:
 view count as text), and ``image_crops_per_image`` (C) the average local crops per image, each
 image a global view plus C crops. One image then yields ``f = f_global + C f_crop`` features and
 costs ``V = V_global + C V_crop`` forward FLOPs; a micro-batch of T tokens holds ``F T / f``
-images, so stage 0 runs ``F x V / f`` more forward FLOPs per token. Under context parallelism each
-rank encodes the images its own chunks hold (``T / cp`` tokens' worth). With F = 0 (the default)
+images, so stage 0 runs ``F x V / f`` more forward FLOPs per token. Under context parallelism
+every CP rank encodes all its pack's images (``data/cp_shard.py``: duplicated work, no
+communication), so its encoder FLOPs and activations are the whole pack's ``T`` tokens' worth,
+not its shard's ``T / cp``; MFU counts them once per pack. With F = 0 (the default)
 nothing here changes a plan: text-only plans are those of a text model.
 
 What learns: everything, or (``freeze_vision``) the projector only, or under LoRA nothing of it
@@ -144,14 +146,14 @@ def vision_flops(cfg, inp) -> VisionFlops:
 
 
 def vision_bytes(cfg, inp) -> int:
-    """Bytes the encoder keeps for one micro-batch on a stage-0 rank (its ``T / cp`` tokens'
-    ``F T / (cp f)`` images, an expected count: a pack's images vary)."""
+    """Bytes the encoder keeps for one micro-batch on a stage-0 rank (the whole pack's ``F T / f``
+    images, on every CP rank; an expected count: a pack's images vary)."""
     v = shapes_of(cfg).vision
     if not has_images(inp) or v is None:
         return 0
     per_image = sum(n * vision_view_bytes(v, size, inp.act_bytes, inp.recompute, trained_part(inp))
                     for size, n in _views(v, inp))
-    return round(images_per_token(v, inp) * inp.local_tokens * per_image)
+    return round(images_per_token(v, inp) * inp.tokens * per_image)  # every CP rank: the whole pack's
 
 
 def vision_working_set(cfg, inp) -> int:
@@ -160,7 +162,7 @@ def vision_working_set(cfg, inp) -> int:
     v = shapes_of(cfg).vision
     if not has_images(inp) or v is None or inp.recompute == "none" or trained_part(inp) != "all":
         return 0
-    b, k = inp.act_bytes, images_per_token(v, inp) * inp.local_tokens
+    b, k = inp.act_bytes, images_per_token(v, inp) * inp.tokens
     return round(k * sum(n * (vit_layer_bytes(v, v.patches(size), b) - vit_layer_bytes(v, v.patches(size), b,
                                                                                           inp.recompute))
                          for size, n in _views(v, inp)))
