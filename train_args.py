@@ -522,6 +522,27 @@ def _check_run_files(args, cfg) -> None:
         validation_ranges(parse_data_path(d.data_path), d.split)  # raises when a part is empty
 
 
+def _check_images(prefix: str, cfg, cache_path: str | None) -> None:
+    """A dataset with images needs a model with a vision tower whose image token is the one the
+    dataset's placeholders carry (the features go to the loader's positions either way, but an
+    export would tell transformers another token)."""
+    from data.dataset_stats import recorded_facts
+    from data.image_store import has_images
+
+    if not has_images(prefix):
+        return
+    if getattr(cfg, "vision", None) is None:
+        raise ValueError(f"--data-path {prefix} holds images, but the model has no vision tower (a "
+                         "text-only config or preset): train a vision-language config (e.g. --hf-config "
+                         "of a Step-3.7 VLM, --model-preset step37-tiny-vlm), or preprocess text-only rows")
+    recorded = (recorded_facts(prefix, cache_path).get("images") or {}).get("image_token_id")
+    ours = getattr(cfg, "image_token_id", None)
+    if recorded is not None and ours is not None and int(recorded) != int(ours):
+        raise ValueError(f"--data-path {prefix}: its image placeholders are token {recorded}, the model's "
+                         f"image_token_id is {ours}: preprocess with the model's tokenizer and processor, "
+                         "or use a config whose image_token_id matches")
+
+
 def _check_files(args, cfg) -> None:
     """The files a run reads, and the data against the model: the whole index, token ids below
     cfg.vocab_size, some training targets (data/checks.py)."""
@@ -534,6 +555,7 @@ def _check_files(args, cfg) -> None:
         if not os.path.exists(prefix + ".idx"):
             raise ValueError(f"--data-path {prefix}: no {prefix}.idx (write it with tools/preprocess_data.py)")
         check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
+        _check_images(prefix, cfg, d.data_cache_path)
     tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's {cfg.vocab_size}")

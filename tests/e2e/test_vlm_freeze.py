@@ -55,3 +55,20 @@ def test_freeze_flags_are_refused_where_they_cannot_serve(dataset, shapes_data, 
                                        "--log-dir", str(tmp_path / "c")])
     why += capfd.readouterr().err
     assert rc != 0 and "--freeze-vision with --lora-rank: LoRA freezes every base weight already" in why
+    # an image dataset needs a model with a vision tower
+    rc, why = run_in_process(COMMON + ["--data-path", shapes_data, "--vocab-size", "400", "--log-dir",
+                                       str(tmp_path / "d")])
+    why += capfd.readouterr().err
+    assert rc != 0 and "holds images, but the model has no vision tower" in why
+    import dataclasses
+    import json
+
+    from models.step37 import Step37Config
+
+    (tmp_path / "other").mkdir()
+    other = dataclasses.replace(Step37Config.preset("step37-tiny-vlm"), image_token_id=7)
+    (tmp_path / "other" / "config.json").write_text(json.dumps(other.to_hf()))
+    rc, why = run_in_process(COMMON + ["--data-path", shapes_data, "--hf-config", str(tmp_path / "other"),
+                                       "--log-dir", str(tmp_path / "e")])
+    why += capfd.readouterr().err
+    assert rc != 0 and "its image placeholders are token 3, the model's image_token_id is 7" in why

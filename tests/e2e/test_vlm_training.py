@@ -11,8 +11,6 @@ over many tokens is tighter). The images matter at this scale: blank pixels move
 loss by 1.2e-3 relative (measured once), over a hundred times the tolerance."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -20,10 +18,11 @@ from tests.e2e.conftest import PROCESSOR
 from tests.e2e.test_training import train
 
 
-def _hf_vlm(path, vocab: int, image_token_id: int) -> None:
+def _hf_vlm(path) -> None:
     from models.step37 import Step37Config, Step37Model
 
-    cfg = dataclasses.replace(Step37Config.preset("step37-tiny-vlm"), vocab_size=vocab, image_token_id=image_token_id)
+    cfg = Step37Config.preset("step37-tiny-vlm")  # the tiny processor's vocabulary and <im_patch>
+    assert (cfg.vocab_size, cfg.image_token_id) == (400, 3)
     Step37Model(cfg, seed=3).save_hf(str(path))
 
 
@@ -67,7 +66,7 @@ def test_first_logged_loss_equals_transformers_over_the_same_documents(shapes_da
     from models.registry import image_processor_from_settings
 
     hf = tmp_path / "hf"
-    _hf_vlm(hf, vocab=400, image_token_id=3)  # the tiny processor's <im_patch>
+    _hf_vlm(hf)
     seq = 512
     packs = open_source(shapes_data, seq, "truncate", 0, image_processor=image_processor_from_settings).plan.num_packs
     rows = train(["--data-path", shapes_data, "--hf-config", str(hf), "--load-hf", str(hf),
