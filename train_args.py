@@ -533,8 +533,8 @@ def _check_images(prefix: str, cfg, cache_path: str | None) -> None:
         return
     if getattr(cfg, "vision", None) is None:
         raise ValueError(f"--data-path {prefix} holds images, but the model has no vision tower (a "
-                         "text-only config or preset): train a vision-language config (e.g. --hf-config "
-                         "of a Step-3.7 VLM, --model-preset step37-tiny-vlm), or preprocess text-only rows")
+                         "text-only config or preset): train a vision-language config (--hf-config of a "
+                         "checkpoint with a vision_config, or a VLM preset), or preprocess text-only rows")
     recorded = (recorded_facts(prefix, cache_path).get("images") or {}).get("image_token_id")
     ours = getattr(cfg, "image_token_id", None)
     if recorded is not None and ours is not None and int(recorded) != int(ours):
