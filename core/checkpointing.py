@@ -41,7 +41,6 @@ from torch.distributed.tensor import DTensor
 
 from core.checkpoint_dir import CheckpointError, discard, iter_name, prepare, publish, resolve
 from core.checkpoint_reader import SafeReader, read_extra, read_meta, reading
-from core.lora import adapter_params
 from core.model_api import iter_params, persistent_tensors
 from core.optim.masters import masters_of
 
@@ -67,16 +66,16 @@ def _split(name: str, t: torch.Tensor, offset: int | None) -> dict:
     return {f"{name}#e{offset + e}": t[e] for e in range(t.shape[0])}
 
 
-def model_state(chunks, masters_filled: list | None = None) -> dict:
-    """Parameters and persistent buffers under their global names (experts split), a LoRA run's
-    frozen base (``requires_grad`` False beside adapters) left out (frozen parts of another run,
-    ``--freeze-*``, are saved). A parameter
+def model_state(chunks, masters_filled: list | None = None, lora: bool = False) -> dict:
+    """Parameters and persistent buffers under their global names (experts split); with ``lora``
+    (the checkpoint's ``meta.json`` has a ``lora`` entry: a LoRA run's, decided for the whole run,
+    not from what one pipeline rank happens to hold) its frozen base (``requires_grad`` False) left
+    out (frozen parts of another run, ``--freeze-*``, are saved). A parameter
     stored as bf16 plus a remainder (``core/optim/masters.py``) appears as its fp32 master (a
     copy, in host memory when the parameter is on a GPU), so checkpoints hold fp32 masters in
     every storage mode; ``masters_filled`` collects ``(masters, parameter, copy)`` for a load to
     split the loaded values back."""
     out = {}
-    lora = any(adapter_params(c) for c in chunks)
     for chunk in chunks:
         specs, masters = chunk.param_specs(), masters_of([chunk])
         params = dict(chunk.named_parameters())
@@ -169,7 +168,7 @@ def begin_save(save_dir: str, iteration: int, chunks, optimizer, extra: dict, me
     _agree(error, f"{tmp}: cannot create the checkpoint directory")
     pending = PendingSave(save_dir, iteration, tmp, dict(meta), keep_last)
     try:
-        state = model_state(chunks)
+        state = model_state(chunks, lora=bool(meta.get("lora")))
         if optimizer is not None:
             state.update(optimizer_state(chunks, optimizer))
         torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
@@ -234,7 +233,7 @@ def load_checkpoint(load_dir: str, chunks, optimizer=None) -> tuple[dict, dict]:
             reader = SafeReader(path)
             saved = reader.read_metadata().state_dict_metadata
             masters_filled = []
-            state = model_state(chunks, masters_filled)
+            state = model_state(chunks, masters_filled, lora=bool(meta.get("lora")))
             if optimizer is not None:
                 state.update(optimizer_state(chunks, optimizer, allocate_from=saved))
             missing = sorted(k for k in state if k not in saved)

@@ -82,8 +82,9 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
         if comm is not None:
             apply_context_parallel(chunk, comm)
-        frozen = apply_lora(chunk, lora) + freeze_parts(chunk, m.frozen_parts)
-        if frozen and mem.bf16:
+        apply_lora(chunk, lora)
+        freeze_parts(chunk, m.frozen_parts)
+        if (lora.enabled or m.frozen_parts) and mem.bf16:  # a stage may hold no adapter: still frozen
             frozen_to_bf16(chunk)  # a frozen parameter's one copy is its bf16 compute weight
         apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
                         mem.offload_recompute_inputs, shared=chunked)

@@ -37,6 +37,22 @@ def grid_coordinates(height: int, width: int, device=None) -> torch.Tensor:
     return torch.stack([cols, rows], dim=-1)
 
 
+class Angles:
+    """A rotary embedding's ``cos`` and ``sin``, unpacked as ``cos, sin = angles``. FSDP2's mixed
+    precision casts the floating tensors among a unit's forward inputs to the compute dtype
+    (``MixedPrecisionPolicy.cast_forward_inputs``, walking lists, tuples, dicts and registered
+    dataclasses); an object of this plain class is not walked, so fp32 angles reach the rotation
+    in fp32 under ``--bf16``, as transformers rotates a vision tower's q and k."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def __iter__(self):
+        return iter((self.cos, self.sin))
+
+
 class AxialRotaryEmbedding(KeepFP32Buffers):
     """cos/sin ``[N, head_dim / 2]`` (one angle per channel pair) of ``N`` patches from their
     coordinates ``[N, axes]``; computed in fp32, cast to the requested dtype."""
@@ -52,11 +68,11 @@ class AxialRotaryEmbedding(KeepFP32Buffers):
         """Recompute the frequencies in fp32 (after ``to_empty``; ``core/init.py``)."""
         self.inv_freq = axial_inverse_frequencies(self.head_dim, self.axes, self.theta).to(device=device)
 
-    def forward(self, coords: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, coords: torch.Tensor, dtype: torch.dtype) -> Angles:
         if coords.shape[-1] != self.axes:
             raise ValueError(f"axial RoPE over {self.axes} axes got coordinates of shape {tuple(coords.shape)}")
         angles = (coords.float()[..., None] * self.inv_freq.float()).flatten(-2)  # axis by axis
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return Angles(angles.cos().to(dtype), angles.sin().to(dtype))
 
 
 def apply_pair_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,

@@ -315,3 +315,21 @@ def test_peft_export_refuses_experts_published_stacked():
     assert "base_model.model.layers.1.mlp.shared_experts.up_proj.lora_B.weight" in tensors
     assert not any("mtp" in k or f"layers.{cfg.num_layers}." in k for k in tensors)
     assert all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tensors)
+
+
+def test_a_lora_checkpoint_leaves_the_frozen_base_out_on_a_stage_without_adapters():
+    """Whether a checkpoint leaves frozen parameters out is the run's (meta.json's ``lora``), not
+    what one pipeline rank holds: a first stage with only a dense layer and ``--lora-targets
+    experts`` has no adapter, yet saves none of its frozen base; a run that froze parts with
+    ``--freeze-*`` (no ``lora``) saves them."""
+    from core.checkpointing import model_state
+    from core.lora import adapter_params
+
+    cfg = tiny_config("step37")
+    assert cfg.mlp_layer_types[0] == "dense"
+    stage = registry.spec_of(cfg).build(cfg, layers=[0], first=True, last=False)
+    apply_lora(stage, LoraSettings(lora_rank=4, lora_targets="experts"))
+    assert not adapter_params(stage) and not any(p.requires_grad for p in stage.parameters())
+    params = {f"model/{n}" for n, _ in stage.named_parameters()}
+    assert not params & set(model_state([stage], lora=True))
+    assert params <= set(model_state([stage], lora=False))

@@ -409,3 +409,35 @@ def test_vision_activation_bytes_match_what_autograd_keeps(dtype):
                 model.multi_modal_projector(model.vision_model([torch.randn(1, 3, side, side)])[0])
             predicted = vision_view_bytes(vision_shape(cfg), side, dtype.itemsize, granularity)
             assert 0.8 <= predicted / saved.bytes <= 1.25, (granularity, side, predicted, saved.bytes)
+
+
+def test_vision_rope_angles_reach_the_rotation_in_fp32_under_fsdp_bf16(monkeypatch):
+    """FSDP2's bf16 mixed precision casts a unit's floating forward inputs to bf16; the vision
+    tower's cos / sin travel in ``Angles``, which it leaves alone, so q and k rotate with fp32
+    angles as transformers' do (a plain tuple arrives in bf16: the check can fail)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import core.transformer.vit as vit
+    from core.transformer.axial_rotary import AxialRotaryEmbedding, grid_coordinates
+
+    seen = []
+    rotate = vit.apply_pair_rotary
+    monkeypatch.setattr(vit, "apply_pair_rotary", lambda x, cos, sin, **kw: (seen.append(cos.dtype), rotate(x, cos, sin, **kw))[1])
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layer = vit.ViTLayer(16, 2, 32)
+        fully_shard(layer, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        angles = AxialRotaryEmbedding(8, 1e4)(grid_coordinates(2, 2), torch.float32)
+        layer(torch.randn(1, 4, 16, dtype=torch.bfloat16), angles)
+        assert seen == [torch.float32, torch.float32]
+        seen.clear()
+        layer(torch.randn(1, 4, 16, dtype=torch.bfloat16), tuple(angles))
+        assert seen == [torch.bfloat16, torch.bfloat16]  # what a tuple would have given
+    finally:
+        if own:
+            dist.destroy_process_group()
