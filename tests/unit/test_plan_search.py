@@ -20,7 +20,7 @@ RECIPE = ["--model-preset", "step37-flash", "--seq-length", "8192", "--global-ba
           "--bf16", "--optimizer", "muon", "--muon-momentum", "0"]
 
 
-def test_recipe_search_prints_a_ranked_table_whose_top_row_fits_without_per_microbatch_copies():
+def test_recipe_search_prints_a_ranked_table_whose_top_row_fits_without_per_microbatch_copies(capsys):
     out = subprocess.run([sys.executable, "tools/plan_memory.py", "--search", "--world-size", "8", *RECIPE,
                           "--top", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -39,13 +39,22 @@ def test_recipe_search_prints_a_ranked_table_whose_top_row_fits_without_per_micr
     assert float(top["GB/GPU"]) <= 141 and (top["weights/mb"] == "no" or top["M"] == "1")
     flags = lines[-1].split()
     assert lines[-2].startswith("plan_memory: fastest layout: ") and "tokens/s per GPU" in lines[-2]
+    # the recipe (examples/step37_flash_8xh200_thd_sft.sh: these model, sequence, batch and
+    # precision flags) runs this fastest fitting layout
+    from tests.unit.test_plan_cli import recipe_flags
+
+    recipe = recipe_flags("/unused/Step-3.7-Flash")
+    assert flags and all(f in recipe for f in flags if f.startswith("--")), (flags, recipe)
+    pairs = {f: v for f, v in zip(flags, flags[1:] + [""]) if f.startswith("--") and not v.startswith("--")}
+    assert all(recipe[recipe.index(k) + 1] == v for k, v in pairs.items() if v), (pairs, recipe)
     assert flags[flags.index("--micro-batch-size") + 1] == top["mbs"]
     assert flags[flags.index("--pipeline-model-parallel-size") + 1] == top["pp"]
     # the printed flags pasted after the recipe's plan that layout: it fits, as fast as ranked
-    pasted = subprocess.run([sys.executable, "tools/plan_memory.py", "--world-size", "8", *RECIPE, *flags,
-                             "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert pasted.returncode == 0, pasted.stderr
-    plan = json.loads(pasted.stdout)
+    # (in this process: the script itself just ran)
+    from tools.plan_memory import main
+
+    assert main(["--world-size", "8", *RECIPE, *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
     assert all(r["fits"] for r in plan["ranks"])
     assert round(plan["time"]["tokens_per_s_per_gpu"]) == float(top["tokens/s/GPU"].replace(",", ""))
 
