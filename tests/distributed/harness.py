@@ -69,7 +69,7 @@ def _redirect_output(path: str):
     return log
 
 
-def _entry(rank, world, port, fn, args, outdir, deadline, timeout, backend="gloo", environ=None):
+def _entry(rank, world, port, fn, args, outdir, deadline, timeout, backend="gloo", environ=None, init=True):
     if environ is not None:  # the test process's environment now, not the fork server's at its start
         os.environ.clear()
         os.environ.update(environ)
@@ -87,15 +87,19 @@ def _entry(rank, world, port, fn, args, outdir, deadline, timeout, backend="gloo
                                       file=log)
     print(f"[harness] rank {rank}/{world} pid {os.getpid()} ({time.process_time():.1f} CPU-s to start)", flush=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not init:  # fn starts the process group itself, from torchrun's variables
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     pg_timeout = datetime.timedelta(seconds=timeout)
     # Subgroups made by dist.new_group() without a timeout take this module default (30 min),
     # not the world group's: lower it in this process so their collectives time out too.
     dist.distributed_c10d.default_pg_timeout = pg_timeout
     try:
-        if torch.cuda.is_available() and "nccl" in backend:
+        if init and torch.cuda.is_available() and "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=pg_timeout)
+        if init:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=pg_timeout)
         fn(rank, world, *args)
     except BaseException:
         # Report, then exit non-zero without destroying the group (a peer may be blocked in a
@@ -109,7 +113,8 @@ def _entry(rank, world, port, fn, args, outdir, deadline, timeout, backend="gloo
     faulthandler.cancel_dump_traceback_later()
     with open(_result_path(outdir, rank), "w") as f:
         f.write("ok")
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _terminate(processes) -> None:
@@ -149,9 +154,12 @@ def _exit_status(code, killed_by_us: bool) -> str:
     return f"exit code {code}"
 
 
-def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0, backend: str = "gloo") -> None:
+def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0, backend: str = "gloo",
+              init: bool = True) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks (``backend``, default gloo); AssertionError
-    unless all return.
+    unless all return. ``init=False``: no process group is started for ``fn``; the ranks get
+    torchrun's variables instead (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; ``OMP_NUM_THREADS=1``), as a script launched by torchrun.
 
     ``fn`` must be importable (module level): it reaches the ranks pickled. Fails after ``timeout``
     seconds in all, with every rank's log tail (including its stack dumped before the deadline)."""
@@ -164,7 +172,7 @@ def run_ranks(world: int, fn, *args, tmpdir: str, timeout: float = 240.0, backen
     deadline = start + timeout
     mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # no effect once it runs
     ctx = mp.start_processes(_entry, args=(world, _free_port(), fn, args, tmpdir,
-                                           time.time() + timeout, timeout, backend, dict(os.environ)),
+                                           time.time() + timeout, timeout, backend, dict(os.environ), init),
                              nprocs=world, join=False, start_method="forkserver")
     timed_out = False
     failed_rank = None  # the rank whose non-zero exit stopped the run

@@ -84,7 +84,7 @@ def test_async_save_publishes_complete_checkpoints_that_resume(dataset, tmp_path
     onto the same losses (1e-6 relative: DP 2 sums the gradients in another order)."""
     args = ["--data-path", dataset, *MUON, "--train-iters", "6"]
     full = train(args + ["--save", str(tmp_path / "ck"), "--save-interval", "2", "--async-save"],
-                 tmp_path / "full", world=2)
+                 tmp_path / "full", world=2, torchrun=True)  # the background save under torchrun
     assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
     assert (tmp_path / "ck" / "latest").read_text() == "iter_0000006"
     resumed = train(args + ["--load", str(tmp_path / "ck" / "iter_0000004")], tmp_path / "resumed")

@@ -24,12 +24,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(args: list[str], log_dir, world: int = 1, check: bool = True) -> list[dict]:
+def train(args: list[str], log_dir, world: int = 1, check: bool = True, torchrun: bool = False) -> list[dict]:
     """The run's metrics.jsonl rows. One process runs in this one (``run_in_process``) unless it
-    compiles (dynamo's caches would outlive it); several ranks under torchrun, one thread each."""
+    compiles (dynamo's caches would outlive it); several ranks run ``pretrain_step37.main`` on
+    ranks forked from the test harness's fork server with torchrun's variables (``run_forked``),
+    or, ``torchrun=True``, under torchrun itself; one thread each."""
     argv = COMMON + args + ["--log-dir", str(log_dir)]
     if world == 1 and "--compile" not in args:
         rc, why = run_in_process(argv)
+    elif world > 1 and not torchrun:
+        rc, why = run_forked(argv, world, str(log_dir) + "_ranks")
     else:
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
         env["OMP_NUM_THREADS"] = "1"
@@ -42,6 +46,32 @@ def train(args: list[str], log_dir, world: int = 1, check: bool = True) -> list[
         assert rc == 0, why
     path = os.path.join(str(log_dir), "metrics.jsonl")
     return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+
+
+def main_on_rank(rank: int, world: int, argv: list[str]) -> None:
+    """A rank of ``run_forked``: the entry script's ``main``, as ``python pretrain_step37.py``."""
+    import pretrain_step37
+
+    os.chdir(ROOT)
+    rc = pretrain_step37.main(argv)
+    if rc:
+        raise SystemExit(f"pretrain_step37.main returned {rc}")
+
+
+def run_forked(argv: list[str], world: int, rank_dir: str) -> tuple[int, str]:
+    """``pretrain_step37.main(argv)`` on ``world`` ranks forked from tests/distributed/harness.py's
+    fork server, each given torchrun's variables (the trainer starts its own process group from
+    them): a torchrun launch costs torchrun's imports and ~3 CPU-s of imports per rank, which on
+    two cores made most of a short multi-rank run. Launching under torchrun itself is what
+    ``train(..., torchrun=True)`` does (test_pp2_ep2_... and tests/e2e/test_run_control.py).
+    Returns (0, "") or (1, each rank's error and log tail)."""
+    from tests.distributed.harness import run_ranks
+
+    try:
+        run_ranks(world, main_on_rank, argv, tmpdir=rank_dir, timeout=600, init=False)
+    except AssertionError as e:
+        return 1, str(e)[-8000:]
+    return 0, ""
 
 
 def run_in_process(argv: list[str]) -> tuple[int, str]:
@@ -132,7 +162,8 @@ def test_pp2_ep2_logs_the_losses_of_one_process_and_its_checkpoint_loads_at_pp1(
     args = ["--data-path", dataset, "--optimizer", "adamw", "--lr", "1e-3", "--train-iters", "6"]
     one = train(args, tmp_path / "one")
     four = train(args + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                         "--save", str(tmp_path / "ck"), "--save-interval", "3"], tmp_path / "four", world=4)
+                         "--save", str(tmp_path / "ck"), "--save-interval", "3"], tmp_path / "four", world=4,
+                 torchrun=True)  # the launch as the README runs it
     assert len(one) == len(four) == 6
     for a, b in zip(one, four):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
@@ -143,18 +174,20 @@ def test_pp2_ep2_logs_the_losses_of_one_process_and_its_checkpoint_loads_at_pp1(
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
 
 
-def test_flag_errors_name_the_flag(dataset, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    bad = subprocess.run([sys.executable, "pretrain_step37.py", "--data-path", dataset,
-                          "--global-batch-size", "3", "--micro-batch-size", "2"], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "--global-batch-size 3 must be a multiple" in bad.stderr
-    missing = subprocess.run([sys.executable, "pretrain_step37.py", "--data-path", str(tmp_path / "x")],
-                             cwd=ROOT, env=env, capture_output=True, text=True)
-    assert missing.returncode == 2 and "no " in missing.stderr and "preprocess_data.py" in missing.stderr
-    mom = subprocess.run([sys.executable, "pretrain_step37.py", "--data-path", dataset,
-                          "--muon-momentum", "1.5"], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert mom.returncode == 2 and "--muon-momentum must be in [0, 1)" in mom.stderr
+def test_flag_errors_name_the_flag(dataset, tmp_path, capfd):
+    # the entry script's main in this process (run_in_process: what `python pretrain_step37.py`
+    # runs; the script itself is launched by the --compile and torchrun tests): an interpreter
+    # per error would cost ~3 CPU-s of imports each
+    def stderr_of(*argv) -> tuple[int, str]:
+        rc, _ = run_in_process(list(argv))
+        return rc, capfd.readouterr().err
+
+    rc, err = stderr_of("--data-path", dataset, "--global-batch-size", "3", "--micro-batch-size", "2")
+    assert rc == 2 and "--global-batch-size 3 must be a multiple" in err
+    rc, err = stderr_of("--data-path", str(tmp_path / "x"))
+    assert rc == 2 and "no " in err and "preprocess_data.py" in err
+    rc, err = stderr_of("--data-path", dataset, "--muon-momentum", "1.5")
+    assert rc == 2 and "--muon-momentum must be in [0, 1)" in err
 
 
 def test_export_to_hf_and_import_back(adamw4, tmp_path):
