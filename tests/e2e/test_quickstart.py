@@ -1,4 +1,6 @@
-"""A new user's path: the quickstart script and the inspector, as subprocesses."""
+"""A new user's path: the quickstart script and the inspector, as subprocesses (each tool once
+as a script; its further cases call its ``main`` in this process: an interpreter costs ~2.5 CPU-s
+of imports)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,16 @@ import torch
 from data.indexed_dataset import IndexedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def in_process(main, capfd, *argv) -> tuple[int, str, str]:
+    """A tool's ``main(argv)`` here: (exit code, stdout, stderr), as its script would give them."""
+    try:
+        rc = main(list(map(str, argv)))
+    except SystemExit as e:  # argparse's errors
+        rc = e.code
+    out = capfd.readouterr()
+    return rc, out.out, out.err
 
 
 def test_quickstart_trains_on_real_text_and_shows_its_loss_and_samples(tmp_path):
@@ -57,7 +69,9 @@ def test_quickstart_trains_on_real_text_and_shows_its_loss_and_samples(tmp_path)
     assert len(text) == 1000 and (text.lengths == mask.lengths).all()
 
 
-def test_inspect_packs_cli(tmp_path):
+def test_inspect_packs_cli(tmp_path, capfd):
+    from tools.inspect_packs import main
+
     subprocess.run([sys.executable, "tools/preprocess_data.py", "--input",
                     "examples/data/sample_text.jsonl", "--output-prefix", str(tmp_path / "s")],
                    cwd=ROOT, check=True, capture_output=True)
@@ -66,23 +80,20 @@ def test_inspect_packs_cli(tmp_path):
                           "--long-docs", "truncate"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "--long-docs truncate" in out.stdout and "tokens lost" in out.stdout and "cp padding" not in out.stdout
-    cp = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path", str(tmp_path / "s_text_document"),
-                         "--seq-length", "1024", "--long-docs", "truncate", "--context-parallel-size", "4"],
-                        cwd=ROOT, capture_output=True, text=True)
-    assert cp.returncode == 0, cp.stderr
-    assert "cp padding   documents padded to a multiple of 8: +" in cp.stdout, cp.stdout
-    odd = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path", str(tmp_path / "s_text_document"),
-                          "--seq-length", "1020", "--context-parallel-size", "4"], cwd=ROOT, capture_output=True,
-                         text=True)
-    assert odd.returncode == 2 and "--seq-length 1020 must be a multiple of the document pad multiple 8" in odd.stderr
-    bad = subprocess.run([sys.executable, "tools/inspect_packs.py", "--data-path",
-                          str(tmp_path / "nope"), "--seq-length", "8"], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert bad.returncode == 1 and "nope.idx: no such file" in bad.stderr
+    rc, cp, err = in_process(main, capfd, "--data-path", tmp_path / "s_text_document", "--seq-length", "1024",
+                             "--long-docs", "truncate", "--context-parallel-size", "4")
+    assert rc == 0, err
+    assert "cp padding   documents padded to a multiple of 8: +" in cp, cp
+    rc, _, err = in_process(main, capfd, "--data-path", tmp_path / "s_text_document", "--seq-length", "1020",
+                            "--context-parallel-size", "4")
+    assert rc == 2 and "--seq-length 1020 must be a multiple of the document pad multiple 8" in err
+    rc, _, err = in_process(main, capfd, "--data-path", tmp_path / "nope", "--seq-length", "8")
+    assert rc == 1 and "nope.idx: no such file" in err
 
 
-def test_convert_checkpoint_check(tmp_path):
+def test_convert_checkpoint_check(tmp_path, capfd):
     from tests.unit.hf_reference import save_full_model
+    from tools.convert_checkpoint import main
 
     save_full_model(str(tmp_path), seed=0)
     ok = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "check", str(tmp_path)],
@@ -90,29 +101,30 @@ def test_convert_checkpoint_check(tmp_path):
     # transformers does not save MTP depths: the tiny config has 2, so they are reported missing
     assert ok.returncode == 1 and "model.layers.4.enorm.weight (mtp.0.enorm.weight)" in ok.stdout
     assert "0 unexpected, 0 mis-shaped" in ok.stdout
-    flash = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "check", str(tmp_path),
-                            "--model-preset", "step37-flash"], cwd=ROOT, capture_output=True, text=True)
-    assert flash.returncode == 1 and "196,956,118,272 without MTP" in flash.stdout
-    assert "model.embed_tokens.weight: checkpoint [320, 64], model [128896, 4096]" in flash.stdout
+    rc, flash, _ = in_process(main, capfd, "check", tmp_path, "--model-preset", "step37-flash")
+    assert rc == 1 and "196,956,118,272 without MTP" in flash
+    assert "model.embed_tokens.weight: checkpoint [320, 64], model [128896, 4096]" in flash
 
 
-def test_pipeline_sim_cli(tmp_path):
+def test_pipeline_sim_cli(tmp_path, capfd):
+    from tools.pipeline_sim import main
+
     out = subprocess.run([sys.executable, "tools/pipeline_sim.py", "--pp", "8", "--vpp", "3",
                           "--microbatches", "32", "--plot", str(tmp_path / "s.png")],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "no deadlock, NCCL-safe, bubble 6.80%" in out.stdout and (tmp_path / "s.png").stat().st_size > 0
-    model = subprocess.run([sys.executable, "tools/pipeline_sim.py", "--pp", "4", "--microbatches", "32",
-                            "--model-preset", "step37-flash", "--seq-length", "8192"],
-                           cwd=ROOT, capture_output=True, text=True)
-    assert model.returncode == 0, model.stderr
-    assert "default layout 14,14,14,3: slowest stage 7.61 vs 11.93 GFLOP/token (even 11,12,11,11)" in model.stdout
-    bad = subprocess.run([sys.executable, "tools/pipeline_sim.py", "--pp", "4", "--vpp", "2",
-                          "--microbatches", "6"], cwd=ROOT, capture_output=True, text=True)
-    assert bad.returncode == 1 and "multiple of --pipeline-model-parallel-size" in bad.stderr
+    rc, model, err = in_process(main, capfd, "--pp", "4", "--microbatches", "32", "--model-preset", "step37-flash",
+                                "--seq-length", "8192")
+    assert rc == 0, err
+    assert "default layout 14,14,14,3: slowest stage 7.61 vs 11.93 GFLOP/token (even 11,12,11,11)" in model
+    rc, _, err = in_process(main, capfd, "--pp", "4", "--vpp", "2", "--microbatches", "6")
+    assert rc == 1 and "multiple of --pipeline-model-parallel-size" in err
 
 
-def test_dry_run_and_plan_memory_for_the_full_model():
+def test_dry_run_and_plan_memory_for_the_full_model(capfd):
+    from tools.plan_memory import main
+
     out = subprocess.run([sys.executable, "pretrain_step37.py", "--model-preset", "step37-flash",
                           "--dry-run", "8", "--pipeline-model-parallel-size", "4",
                           "--expert-model-parallel-size", "2", "--data-path", "unused",
@@ -124,15 +136,13 @@ def test_dry_run_and_plan_memory_for_the_full_model():
     assert "32 micro-batches per pipeline; nothing allocated" in out.stdout
     assert out.stdout.count("\npp") == 8 + 4 and "does NOT fit 141 GB" in out.stdout  # memory, time rows
     assert "tokens/s per GPU" in out.stdout
-    js = subprocess.run([sys.executable, "tools/plan_memory.py", "--world-size", "8", "--model-preset",
-                         "step37-flash", "--pipeline-model-parallel-size", "4",
-                         "--expert-model-parallel-size", "2", "--seq-length", "8192", "--global-batch-size",
-                         "64", "--optimizer", "muon", "--muon-momentum", "0", "--bf16",
-                         "--recompute-granularity", "full", "--data-parallel-sharding", "fsdp",
-                         "--cpu-offload", "optimizer", "--json"], cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
-    assert js.returncode == 0, js.stderr
-    ranks = json.loads(js.stdout)["ranks"]
+    rc, js, err = in_process(main, capfd, "--world-size", "8", "--model-preset", "step37-flash",
+                             "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "2",
+                             "--seq-length", "8192", "--global-batch-size", "64", "--optimizer", "muon",
+                             "--muon-momentum", "0", "--bf16", "--recompute-granularity", "full",
+                             "--data-parallel-sharding", "fsdp", "--cpu-offload", "optimizer", "--json")
+    assert rc == 0, err
+    ranks = json.loads(js)["ranks"]
     assert len(ranks) == 8 and all(r["fits"] for r in ranks) and all(r["host_total"] > 0 for r in ranks)
 
 
