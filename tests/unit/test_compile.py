@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+import torch._inductor.config
 
 from core.compile import apply_compile
 from tests.unit.numerics import assert_close_rel
@@ -37,7 +38,10 @@ def test_inductor_trains_like_eager_without_recompiling():
     model = tiny("sdpa")
     assert apply_compile(model, "inductor") == 6  # 4 layers + 2 MTP depths, each one graph
     counters = torch._dynamo.utils.counters
-    losses, _ = _train(model, PACKS[:1])
+    # gcc in this process: a pool of compile workers (the default on two or more cores) first
+    # starts an interpreter that imports torch, ~5 CPU-s of a cold ~60 (the same generated code)
+    with torch._inductor.config.patch(compile_threads=1):
+        losses, _ = _train(model, PACKS[:1])
     graphs = dict(counters["stats"])
     assert graphs["unique_graphs"] >= 3  # dense, MoE and MTP blocks differ
     more_losses, params = _train(model, PACKS[1:], first_seed=1)
