@@ -60,7 +60,9 @@ def all_reduce_sum(rank, world, outdir):
 
 
 def test_deadlock_times_out_with_each_rank_stack(tmp_path):
-    timeout = 15
+    # forked ranks reach the blocking recv within a second; their stacks are dumped 2 s before the
+    # deadline (spawned ranks, which took seconds to import, needed 15)
+    timeout = 8
     start = time.monotonic()
     with pytest.raises(AssertionError) as err:
         run_ranks(2, blocked_in_recv_from_peer, str(tmp_path), tmpdir=str(tmp_path),
