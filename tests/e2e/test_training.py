@@ -26,13 +26,13 @@ def free_port() -> int:
 
 def train(args: list[str], log_dir, world: int = 1, check: bool = True, torchrun: bool = False) -> list[dict]:
     """The run's metrics.jsonl rows. One process runs in this one (``run_in_process``) unless it
-    compiles (dynamo's caches would outlive it); several ranks run ``pretrain_step37.main`` on
-    ranks forked from the test harness's fork server with torchrun's variables (``run_forked``),
-    or, ``torchrun=True``, under torchrun itself; one thread each."""
+    compiles (dynamo's caches would outlive it); a compiling one and several ranks run
+    ``pretrain_step37.main`` on ranks forked from the test harness's fork server with torchrun's
+    variables (``run_forked``), or, ``torchrun=True``, under torchrun itself; one thread each."""
     argv = COMMON + args + ["--log-dir", str(log_dir)]
     if world == 1 and "--compile" not in args:
         rc, why = run_in_process(argv)
-    elif world > 1 and not torchrun:
+    elif not torchrun:
         rc, why = run_forked(argv, world, str(log_dir) + "_ranks")
     else:
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
