@@ -84,9 +84,11 @@ def cmd_check(args) -> int:
                 print(f"    {theirs}: checkpoint {shape}, model {want} ({ours})")
             elif key == "wrong_dtype":
                 ours, theirs, dtype, scales = item
+                why = report["fp8_problems"].get(theirs)  # a float8 weight that cannot be dequantized
                 quantized = f", quantized: scales beside it ({', '.join(scales[:2])})" if scales else ""
-                print(f"    {theirs}: {dtype}, this tool reads F32 / BF16 / F16 ({ours}{quantized}); "
-                      "dequantize or convert it to bf16 first")
+                print(f"    {why} ({ours})" if why else
+                      f"    {theirs}: {dtype}, this tool reads F32 / BF16 / F16 and block-scaled F8_E4M3 "
+                      f"({ours}{quantized}); dequantize or convert it to bf16 first")
             elif key == "missing":
                 print(f"    {model.hf_weights.published(item)} ({item})")
             else:
