@@ -124,6 +124,28 @@ def test_export_reloads_in_transformers_with_the_same_logits(tmp_path):
         assert torch.equal(b, c), n  # the routers' correction biases travel too
 
 
+def test_the_mtp_layer_of_a_release_is_set_aside(tmp_path):
+    """DeepSeek-V3 publishes its MTP layer as ``model.layers.{L}`` (``num_nextn_predict_layers``
+    1): not built, so its tensors are kept aside on import, as transformers skips them; without
+    that count they are tensors the model has no place for."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model(str(tmp_path), seed=0)
+    f = str(tmp_path / "model.safetensors")
+    tensors = load_file(f)
+    mtp = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+           "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(32, 64)}
+    save_file({**tensors, **mtp}, f, metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for n, unexpected in ((1, []), (0, sorted(mtp))):
+        (tmp_path / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": n}))
+        model = DeepseekV3Model(DeepseekV3Config.from_hf(str(tmp_path)))
+        report = model.load_hf(str(tmp_path), strict=False)
+        assert report["unexpected"] == unexpected and report["kept_aside"] == (3 if n else 0)
+
+
 @pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2", "moonlight-16b-a3b"])
 def test_parameter_counts_on_meta_equal_transformers(preset):
     from transformers import DeepseekV3Config as HFConfig
