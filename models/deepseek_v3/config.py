@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
+from core.moe.router import check_groups
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from core.transformer.rotary import ROPE_TYPES
 from models.registry import read_hf_config
@@ -82,8 +83,6 @@ class DeepseekV3Config:
         self.validate()
 
     def validate(self) -> None:
-        from core.moe.router import check_groups
-
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} must be in [0, {self.num_layers}]")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
