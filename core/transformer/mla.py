@@ -62,10 +62,6 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden, bias=bias)
 
-    @property
-    def q_lora_rank(self) -> int | None:
-        return self.q_a_proj.out_features if hasattr(self, "q_a_proj") else None
-
     def _query(self, x_TH: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
             return self.q_proj(x_TH)

@@ -177,3 +177,14 @@ def test_config_reads_the_hub_form_and_errors_are_clear():
         DeepseekV3Config.from_hf({**hub, "scoring_func": "softmax"})
     with pytest.raises(ValueError, match="topk_group 9 must be in"):
         DeepseekV3Config.from_hf({**hub, "topk_group": 9})
+
+
+def test_context_parallel_is_refused_by_name():
+    """MLA has no CP exchange yet (docs/deepseek-v3.md): refused, not run shard-local."""
+    from types import SimpleNamespace
+
+    from core.context_parallel.apply import apply_context_parallel
+
+    model = DeepseekV3Model(DeepseekV3Config.preset("deepseek-v3-tiny"))
+    with pytest.raises(ValueError, match="--context-parallel-size 2: block 0 of DeepseekV3Model has no"):
+        apply_context_parallel(model, SimpleNamespace(size=2, group=None))
