@@ -5,12 +5,12 @@ group exists. ``tools/plan_memory.py`` parses the same flags."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from dataclasses import dataclass
 
-from core.cli import add_to_parser, flag_name, from_namespace, option
+from core.cli import (AT_LEAST_0, AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_OPEN,  # noqa: F401
+                      add_to_parser, flag_name, from_namespace, option)
 from core.optim.lr_schedule import DECAY_STYLES
 from core.parallel_state import ParallelSizes
 from data.loader import parse_data_path
@@ -26,17 +26,10 @@ from training.parallelize import stage_layers
 from training.run_layout import (RunLayout, aux_loss_coeff, evaluates, model_config,  # noqa: F401
                                  model_spec_and_config, validation_weights)
 
-# numeric rules for flags: (what the message says, test); None values (unset flags) pass
-POSITIVE = ("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
-NON_NEGATIVE = ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
-AT_LEAST_1 = (">= 1", lambda v: v >= 1)
-AT_LEAST_0 = (">= 0", lambda v: v >= 0)
-UNIT_OPEN = ("in [0, 1)", lambda v: 0 <= v < 1)
-FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
-
 
 def require(section, **rules) -> None:
-    """``ValueError`` naming the first flag of ``section`` that breaks its rule."""
+    """``ValueError`` naming the first flag of ``section`` that breaks its rule (a rule of
+    core/cli.py: what the message says, the test); None values (unset flags) pass."""
     for name, (want, ok) in rules.items():
         v = getattr(section, name)
         if v is not None and not ok(v):

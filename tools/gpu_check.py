@@ -37,6 +37,10 @@ import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: core/ (stdlib only here, nothing built yet)
+    sys.path.insert(0, ROOT)
+
+from core.cli import POSITIVE, checked  # noqa: E402
 BUDGET = 540.0     # the whole check, seconds of wall clock: 9 of the lease's 15 minutes
 KILL_GRACE = 5.0   # seconds between SIGTERM and SIGKILL of a timed-out part's process group
 FINISH = 10.0      # seconds kept for the archive, results.json, summary.txt and the table
@@ -312,8 +316,9 @@ def main(argv=None) -> int:
                     help=f"the three files {', '.join(FILES)} go here (default runs/gpu_check)")
     ap.add_argument("--model-preset", help="a registered full-width preset for the model-specific parts (default: "
                     "the parts' own, benchmarks/gpu_parts/common.py)")
-    ap.add_argument("--budget", type=float, default=BUDGET,
-                    help=f"seconds of wall clock for the whole check, from gpu_check.sh's start ({BUDGET:g})")
+    ap.add_argument("--budget", type=checked(float, POSITIVE), default=BUDGET,
+                    help=f"seconds of wall clock for the whole check, from gpu_check.sh's start, a finite "
+                         f"number > 0 ({BUDGET:g})")
     ap.add_argument("--only", help="comma-separated part keys to run (default: all)")
     ap.add_argument("--bench-args", default="", help="extra flags for bench_gpu.py, e.g. '--compile'")
     args = ap.parse_args(argv)
