@@ -23,6 +23,7 @@ from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from models import registry
 from training.parallelize import stage_layers
+from training.profiling import check_profile
 from training.run_layout import (RunLayout, aux_loss_coeff, evaluates, model_config,  # noqa: F401
                                  model_spec_and_config, validation_weights)
 
@@ -282,16 +283,22 @@ class LoggingArgs:
                                   "on each of --profile-ranks: --log-dir/profile/trace_rank<R>.json (Chrome / "
                                   "Perfetto), on CUDA also memory_rank<R>.pickle (pytorch.org/memory_viz)")
     profile_step_start: int = option(10, "--profile: start recording when this many iterations are done")
-    profile_step_end: int = option(12, "--profile: stop recording when this many iterations are done")
+    profile_step_end: int = option(None, "--profile: stop recording when this many iterations are done "
+                                         "(default: --profile-step-start + 2)")
     profile_ranks: list = option([0], "--profile: the global ranks that record (default 0)", nargs="+", type=int)
 
     def __post_init__(self):
         require(self, log_interval=AT_LEAST_1, peak_tflops=POSITIVE, profile_step_start=AT_LEAST_0)
         if self.profile and not self.log_dir:
             raise ValueError("--profile needs --log-dir: the traces are written under it")
-        if self.profile_step_end <= self.profile_step_start:
+        if self.profile_step_end is not None and self.profile_step_end <= self.profile_step_start:
             raise ValueError(f"--profile-step-end {self.profile_step_end} must be above --profile-step-start "
                              f"{self.profile_step_start}")
+
+    @property
+    def profile_end(self) -> int:
+        """Iterations done when recording stops: ``--profile-step-end``, else two after the start."""
+        return self.profile_step_start + 2 if self.profile_step_end is None else self.profile_step_end
 
 
 @dataclass
@@ -404,6 +411,7 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
     args.memory.check(run_facts(args, sizes, M))
+    check_profile(args.logging, args.schedule.train_iters, world)
     _check_lora_targets(args, spec, cfg)
     _check_freeze(args, spec, cfg)
     _check_against_model(args, cfg)
