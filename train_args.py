@@ -171,12 +171,15 @@ class MemoryArgs(MemoryMode):
 
     params_dtype: str = option(None, "deprecated: --params-dtype bf16 means --bf16, fp32 is the default",
                                choices=("fp32", "bf16"))
-    dry_run: int = option(0, "plan a run on this many ranks and exit: each rank's share built on the "
-                             "meta device, parameter counts and memory (no data needed; the same "
-                             "plan as tools/plan_memory.py --world-size N)")
+    dry_run: int = option(None, "plan a run on this many ranks (N >= 1) and exit: each rank's share built "
+                                "on the meta device, parameter counts and memory (no data needed; the "
+                                "same checks and plan as tools/plan_memory.py --world-size N). Leave the "
+                                "flag out to train: --dry-run 0 is refused, not a training run")
 
     def __post_init__(self):
-        require(self, dry_run=AT_LEAST_0)
+        if self.dry_run is not None and self.dry_run < 1:
+            raise ValueError(f"--dry-run {self.dry_run}: give the number of ranks to plan (>= 1); leave "
+                             "--dry-run out to train")
         if self.params_dtype is not None:
             print(f"warning: --params-dtype is deprecated; use --bf16 (fp32 master weights). "
                   f"--params-dtype {self.params_dtype} is taken as {'--bf16' if self.params_dtype == 'bf16' else 'the fp32 default'}",
@@ -419,6 +422,17 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
         _check_files(args, cfg)
         _check_run_files(args, cfg)
     return RunLayout(spec, cfg, sizes, M)
+
+
+def validate_plan(args, world: int) -> RunLayout:
+    """What ``--dry-run N`` and ``tools/plan_memory.py --world-size N`` plan, through this one
+    function so both accept and refuse the same flags with the same message: the run's checks
+    without its files, then what the planner cannot book (training/planner/run.check_plannable)."""
+    from training.planner.run import check_plannable
+
+    layout = validate(args, world, check_files=False)
+    check_plannable(args, layout.config)
+    return layout
 
 
 def run_facts(args, sizes: ParallelSizes, num_microbatches: int) -> RunFacts:
