@@ -71,6 +71,8 @@ def planned(argv=None):
     parser = build_planner_parser()
     ns = parser.parse_args(argv)
     args = sections(ns, parser)
+    if ns.world_size < 1:  # the search would list no layout and call it "no layout fits"
+        raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
     if not (math.isfinite(ns.device_gb) and ns.device_gb > 0):
         raise ValueError(f"--device-gb must be a finite number > 0, got {ns.device_gb:g}")
     if not (math.isfinite(ns.host_gb) and ns.host_gb >= 0):
