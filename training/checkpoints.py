@@ -213,6 +213,12 @@ def lora_model(spec, cfg, lora: dict, base: str | None, path: str):
     from core.lora import LoraSettings, apply_lora
 
     recorded = lora["base"]
+    if base and not os.path.isdir(base):
+        raise ValueError(f"--base {base}: no such directory (the Hugging Face checkpoint {path}'s adapters were "
+                         "trained on)")
+    if not base and recorded["load_hf"] and not os.path.isdir(recorded["load_hf"]):
+        raise ValueError(f"{path}: its recorded LoRA base {recorded['load_hf']} (the --load-hf it trained on, in "
+                         "meta.json) no longer exists: pass --base DIR with that base's Hugging Face checkpoint")
     base = base or recorded["load_hf"]
     model = spec.build(cfg, seed=recorded["seed"] or 0) if not base else spec.build(cfg)
     apply_lora(model, LoraSettings(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
