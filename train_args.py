@@ -413,6 +413,7 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     args.memory.check(run_facts(args, sizes, M))
     _check_lora_targets(args, spec, cfg)
     _check_freeze(args, spec, cfg)
+    _check_router_bias(args, spec, cfg)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
@@ -499,6 +500,29 @@ def _check_freeze(args, spec, cfg) -> None:
     import torch
     with torch.device("meta"):
         check_freeze(spec.build(cfg), parts)
+
+
+def _check_router_bias(args, spec, cfg) -> None:
+    """--moe-bias-update-rate moves the routers' balancing bias, which a frozen router keeps
+    (core.train_step.update_router_biases): refused where no router trains."""
+    from core.freeze import freeze_parts
+
+    rate, parts = args.model.moe_bias_update_rate, args.model.frozen_parts
+    if not rate:
+        return
+    if _lora(args).enabled:
+        raise ValueError(f"--moe-bias-update-rate {rate:g} with --lora-rank: LoRA freezes the routers, and a PEFT "
+                         "export carries no router bias (transformers would route by the base's): set "
+                         "--moe-bias-update-rate 0 for LoRA")
+    if parts:
+        import torch
+        with torch.device("meta"):
+            model = spec.build(cfg)
+        freeze_parts(model, parts)
+        if not any(p.requires_grad for layer in model.moe_layers() for p in layer.router.parameters()):
+            raise ValueError(f"--moe-bias-update-rate {rate:g} with {' '.join('--freeze-' + p for p in parts)}: "
+                             "every router is in a frozen part, whose balancing bias stays as loaded: drop "
+                             "--moe-bias-update-rate")
 
 
 def _check_run_files(args, cfg) -> None:

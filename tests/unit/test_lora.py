@@ -65,6 +65,9 @@ REFUSED = [
       "--global-batch-size", "2"], "--lora-rank with --recompute-chunks is not supported"),
     (["--model-preset", "qwen3-moe-tiny", "--lora-targets", "attention,shared_expert"],
      "--lora-targets shared_expert: the model has no such module (it has attention)"),
+    # the routers' biases would move (a buffer of the frozen base), and the PEFT export has no place for them
+    (["--moe-bias-update-rate", "0.001"], "--moe-bias-update-rate 0.001 with --lora-rank: LoRA freezes the routers, "
+                                          "and a PEFT export carries no router bias"),
 ]
 
 
