@@ -250,11 +250,11 @@ def _record(rank=4, fp="a" * 16, hf="/base"):
     (None, _record(), "--load CK: not a LoRA checkpoint (it holds every weight)"),
     (_record(), None, "--load CK: a LoRA checkpoint (adapters of rank 4 only, on the base /base); resume it with "
                       "--lora-rank 4 --lora-alpha 8 --lora-targets attention and --load-hf of that base"),
-    (_record(rank=8), _record(), "--load CK: the adapters were trained with other LoRA flags (--lora-rank 8 -> 4)"),
     (_record(), _record(fp="b" * 16, hf="/other"), "--load CK: its adapters were trained on another base: the "
      "weights differ (checkpoint aaaaaaaaaaaaaaaa from /base, this run bbbbbbbbbbbbbbbb from /other)"),
 ])
 def test_a_lora_checkpoint_resumes_only_onto_its_base(saved, run, message):
+    """(Its flags: tests/unit/test_resume_flags.py, generated from RESUME_MUST_MATCH.)"""
     from training.checkpoints import CheckpointError, check_lora_base
 
     with pytest.raises(CheckpointError) as e:
