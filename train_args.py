@@ -473,14 +473,16 @@ def _check_against_model(args, cfg) -> None:
 def _check_lora_targets(args, spec, cfg) -> None:
     """Every --lora-targets entry given chooses some module of the whole model (built on meta);
     the default (all of them) adapts what the model has."""
-    from core.lora import DEFAULT_TARGETS, count_targets
+    from core.lora import DEFAULT_TARGETS, check_rank, count_targets
 
     lora = _lora(args)
     if not lora.enabled:
         return
     import torch
     with torch.device("meta"):
-        found = count_targets(spec.build(cfg), lora.targets)
+        model = spec.build(cfg)
+    found = count_targets(model, lora.targets)
+    check_rank(model, lora)  # --lora-rank within every adapted projection's min(in, out)
     absent = [t for t, n in found.items() if not n]
     if absent and (lora.lora_targets != DEFAULT_TARGETS or len(absent) == len(found)):
         raise ValueError(f"--lora-targets {','.join(absent)}: the model has no such module "

@@ -65,6 +65,9 @@ REFUSED = [
       "--global-batch-size", "2"], "--lora-rank with --recompute-chunks is not supported"),
     (["--model-preset", "qwen3-moe-tiny", "--lora-targets", "attention,shared_expert"],
      "--lora-targets shared_expert: the model has no such module (it has attention)"),
+    # refused on the meta model, before any adapter is allocated (r x (in + out) per module)
+    (["--lora-rank", "1000000"], "--lora-rank 1000000 exceeds 4, the smallest min(in, out) of an adapted projection "
+                                 "(layers.0.self_attn.g_proj: out 4, in 64): choose a rank of at most 4"),
     # the routers' biases would move (a buffer of the frozen base), and the PEFT export has no place for them
     (["--moe-bias-update-rate", "0.001"], "--moe-bias-update-rate 0.001 with --lora-rank: LoRA freezes the routers, "
                                           "and a PEFT export carries no router bias"),
