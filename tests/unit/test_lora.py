@@ -221,7 +221,11 @@ def test_training_moves_only_the_adapters(family):
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt_args = parse(["--data-path", "unused", "--lora-rank", "4", "--lr", "1e-2"]).optim
     opt, summary = build_optimizer([model], opt_args)
-    assert "frozen" in summary
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    # the start-up summary lists the adapters as their own group, not among embeddings and heads
+    assert (f"AdamW 0 tensors / 0 params (embeddings, heads, matrices; lr 0.01); LoRA adapters {len(adapters)} "
+            f"tensors / {sum(p.numel() for p in adapters):,} params (AdamW, lr 0.01)") in summary, summary
+    assert f"frozen {sum(t.numel() for t in base.values()):,} params" in summary
     for step, batch in enumerate(micro_batches(1, 3, cfg.vocab_size)[0]):
         opt.zero_grad()
         loss, mtp = _loss(model, batch)
