@@ -505,26 +505,11 @@ def _check_freeze(args, spec, cfg) -> None:
 
 
 def _check_router_bias(args, spec, cfg) -> None:
-    """--moe-bias-update-rate moves the routers' balancing bias, which a frozen router keeps
-    (core.train_step.update_router_biases): refused where no router trains."""
-    from core.freeze import freeze_parts
+    """--moe-bias-update-rate where no router trains (core/freeze.py)."""
+    from core.freeze import check_router_bias
 
-    rate, parts = args.model.moe_bias_update_rate, args.model.frozen_parts
-    if not rate:
-        return
-    if _lora(args).enabled:
-        raise ValueError(f"--moe-bias-update-rate {rate:g} with --lora-rank: LoRA freezes the routers, and a PEFT "
-                         "export carries no router bias (transformers would route by the base's): set "
-                         "--moe-bias-update-rate 0 for LoRA")
-    if parts:
-        import torch
-        with torch.device("meta"):
-            model = spec.build(cfg)
-        freeze_parts(model, parts)
-        if not any(p.requires_grad for layer in model.moe_layers() for p in layer.router.parameters()):
-            raise ValueError(f"--moe-bias-update-rate {rate:g} with {' '.join('--freeze-' + p for p in parts)}: "
-                             "every router is in a frozen part, whose balancing bias stays as loaded: drop "
-                             "--moe-bias-update-rate")
+    check_router_bias(args.model.moe_bias_update_rate, args.model.frozen_parts, _lora(args).enabled,
+                      lambda: spec.build(cfg))
 
 
 def _check_run_files(args, cfg) -> None:
