@@ -33,8 +33,9 @@ class MustMatch:
 
 _LORA_FIX = "resume with the checkpoint's LoRA flags"
 # The one list of what a resume compares (resume_mismatches reads it; the tests are generated from it).
-# Not here: the model family (what the rest means) and a LoRA base's identity (check_lora_base: not
-# a flag's value but the weights it loaded), and the data (the loader's fingerprint, data/loader.py).
+# Not here: the model family (what the rest means), a LoRA base's identity (check_lora_base: not a
+# flag's value but the weights it loaded), the data (the loader's fingerprint, data/loader.py) and the
+# LR schedule (may change on a resume, e.g. a longer run: warned, RunCheckpoints._check_schedule).
 RESUME_MUST_MATCH = (
     MustMatch("--model-preset / --hf-config", ("model",), "resume",
               "resume with the checkpoint's model flags, or start a new run from its weights with --finetune"),
