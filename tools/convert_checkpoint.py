@@ -120,7 +120,7 @@ def _same_folder(a: str | None, b: str) -> bool:
 
 def cmd_export(args) -> int:
     from core.checkpointing import load_checkpoint, read_meta, resolve
-    from core.out_dir import check_out_dir, clear_owned, export_files
+    from core.out_dir import check_out_dir, clear_owned, export_files, split_files
 
     from training.checkpoints import checkpoint_model, lora_model
 
@@ -151,7 +151,9 @@ def cmd_export(args) -> int:
     model = lora_model(spec, cfg, lora, args.base, path) if lora else spec.build(cfg)
     load_checkpoint(path, [model])
     clear_owned(args.out, owned)  # an earlier export's files, of either kind (core/out_dir.py)
-    replaced = f"; removed {len(held)} file(s) of an earlier export first: {', '.join(held)}" if held else ""
+    others = split_files(args.out, owned)[1]
+    replaced = (f"; removed {len(held)} file(s) of an earlier export first: {', '.join(held)}" if held else "") + \
+        (f"; kept {len(others)} other file(s) (--overwrite): {', '.join(others[:5])}" if others else "")
     if lora and not args.merge_lora:
         from core.lora_export import write_peft
 

@@ -99,7 +99,8 @@ def test_export_refuses_other_files_without_overwrite_and_a_base_on_a_full_check
     assert err.count("\n") == 1 and "--overwrite" in err
     assert convert(["export", ck, str(out), "--overwrite"]) == 0
     said = capsys.readouterr().out
-    assert "removed 2 file(s) of an earlier export first: adapter_config.json, adapter_model.safetensors" in said
+    assert ("removed 2 file(s) of an earlier export first: adapter_config.json, adapter_model.safetensors; kept 1 "
+            "other file(s) (--overwrite): README.md)") in said
     assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors", "step37_extra.safetensors"]
     assert json.load(open(out / "config.json"))["pad_token_id"] == 257
     assert convert(["export", ck, str(tmp_path / "again"), "--source", str(out)]) == 0
