@@ -417,6 +417,7 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
     check_profile(args.logging, args.schedule.train_iters, world)
     _check_lora_targets(args, spec, cfg)
     _check_freeze(args, spec, cfg)
+    _check_router_bias(args, spec, cfg)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
@@ -487,14 +488,16 @@ def _check_against_model(args, cfg) -> None:
 def _check_lora_targets(args, spec, cfg) -> None:
     """Every --lora-targets entry given chooses some module of the whole model (built on meta);
     the default (all of them) adapts what the model has."""
-    from core.lora import DEFAULT_TARGETS, count_targets
+    from core.lora import DEFAULT_TARGETS, check_rank, count_targets
 
     lora = _lora(args)
     if not lora.enabled:
         return
     import torch
     with torch.device("meta"):
-        found = count_targets(spec.build(cfg), lora.targets)
+        model = spec.build(cfg)
+    found = count_targets(model, lora.targets)
+    check_rank(model, lora)  # --lora-rank within every adapted projection's min(in, out)
     absent = [t for t, n in found.items() if not n]
     if absent and (lora.lora_targets != DEFAULT_TARGETS or len(absent) == len(found)):
         raise ValueError(f"--lora-targets {','.join(absent)}: the model has no such module "
@@ -514,6 +517,14 @@ def _check_freeze(args, spec, cfg) -> None:
     import torch
     with torch.device("meta"):
         check_freeze(spec.build(cfg), parts)
+
+
+def _check_router_bias(args, spec, cfg) -> None:
+    """--moe-bias-update-rate where no router trains (core/freeze.py)."""
+    from core.freeze import check_router_bias
+
+    check_router_bias(args.model.moe_bias_update_rate, args.model.frozen_parts, _lora(args).enabled,
+                      lambda: spec.build(cfg))
 
 
 def _check_run_files(args, cfg) -> None:

@@ -14,7 +14,9 @@ started) is shared by all parts, which run in the order of what they decide. A p
 when the budget still holds its timeout, the kill grace after it and the finish (archive, table);
 otherwise it is ``not run: budget`` and the next, smaller part may still fit. A part still
 running at its timeout has its process group killed and is ``hung``. Exit: 0 when every part
-passed, 1 otherwise, 2 without CUDA (nothing run).
+passed, 1 otherwise, 2 without CUDA or with an ``--out`` it cannot use (nothing run). ``--out``
+is refused, in one line, when it holds files the check did not write (a rerun replaces only its
+own three) or nothing can be written there.
 
 ``GPU_CHECK_FAKE_PARTS`` (a JSON list of ``{"key", "name", "cmd", "timeout"}``) replaces the
 parts and skips the CUDA check: how the CPU tests exercise the runner, timeouts included.
@@ -310,6 +312,22 @@ def run_all(parts: list[Part], out: str, budget: float) -> list[dict]:
     return rows
 
 
+def out_problem(out: str) -> str:
+    """Why ``--out`` cannot take the three files, in one line ("" when it can): a file in the way,
+    a folder where nothing can be written, or one holding files the check did not write (never
+    deleted: a rerun replaces only its own three; ``core/out_dir.py``)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from core.out_dir import check_out_dir
+
+    try:
+        check_out_dir(out, FILES + (".results.json.tmp", ".logs.tar.gz.tmp"), flag="--out", tool="gpu_check",
+                      overwrite=None)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "gpu_check"),
@@ -322,6 +340,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated part keys to run (default: all)")
     ap.add_argument("--bench-args", default="", help="extra flags for bench_gpu.py, e.g. '--compile'")
     args = ap.parse_args(argv)
+    why = out_problem(args.out)
+    if why:
+        print(f"gpu_check: error: {why}", file=sys.stderr)
+        return 2
     fake = os.environ.get("GPU_CHECK_FAKE_PARTS")
     if not fake:
         import torch
