@@ -21,7 +21,6 @@ without a block size in config.json, is refused by name; the scales are not unex
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 from collections import Counter, defaultdict
@@ -405,24 +404,20 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
     return out
 
 
-def stale_files(path: str, side_files: tuple = ()) -> list[str]:
-    """Checkpoint files an earlier export left in ``path`` (single file, shards, index, side files)."""
-    names = [SINGLE, INDEX, *side_files]
-    found = [os.path.join(path, n) for n in names if os.path.exists(os.path.join(path, n))]
-    return sorted(found + glob.glob(os.path.join(path, "model-*-of-*.safetensors")))
-
-
 def save_weights(model, path: str, *, source: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
     """Write the model as a Hugging Face checkpoint (the adapter's layout); returns the layout.
-    Checkpoint files already in ``path`` (an earlier export) are removed first, so nothing stale
-    sits beside the new files (a loader would prefer an old index)."""
+    Files an earlier export of either kind left in ``path`` (``core.out_dir``: weights, shards,
+    index, side files, a PEFT adapter's two files) are removed first, so nothing stale sits
+    beside the new files (a loader would prefer an old index; transformers would load a stale
+    adapter on top of merged weights); other files are left alone."""
     from safetensors.torch import save_file
+
+    from core.out_dir import clear_owned, export_files
 
     os.makedirs(path, exist_ok=True)
     if source is not None and os.path.abspath(source) == os.path.abspath(path):
         raise ValueError(f"{path}: exporting over --source itself would destroy what it reads from")
-    for old in stale_files(path, tuple(getattr(model.hf_weights, "side_files", ()))):
-        os.remove(old)
+    clear_owned(path, export_files(getattr(model.hf_weights, "side_files", ())))
     state = {n: t.detach().contiguous().cpu() for n, t in persistent_tensors(model)}
     src = open_checkpoint(model, source) if source else None
     ex = model.hf_weights.export(state, src)

@@ -193,6 +193,35 @@ def target_modules(chunk: nn.Module, targets) -> list[tuple[nn.Module, str, str]
     return out
 
 
+def rank_limit(chunk: nn.Module, targets) -> tuple[int, str] | None:
+    """The largest useful rank over the modules ``targets`` chooses: the smallest ``min(in, out)``
+    of an adapted projection (a rank above it adds parameters and no expressiveness), and that
+    projection's name; None when nothing is chosen. Shapes only: works on ``meta``."""
+    names = {id(m): n for n, m in chunk.named_modules()}
+    best = None
+    for parent, attr, _ in target_modules(chunk, targets):
+        base = getattr(parent, attr)
+        prefix = f"{names[id(parent)]}.{attr}".lstrip(".")
+        if isinstance(base, GroupedExperts):
+            shapes = [(f"{prefix}.{n}", getattr(base, n).shape[1:]) for n in base.PROJECTIONS]
+        else:
+            shapes = [(prefix, base.weight.shape)]
+        for name, (out_f, in_f) in shapes:
+            if best is None or min(out_f, in_f) < best[0]:
+                best = (min(out_f, in_f), f"{name}: out {out_f}, in {in_f}")
+    return best
+
+
+def check_rank(chunk: nn.Module, settings: LoraSettings) -> None:
+    """``ValueError`` naming ``--lora-rank`` and the limit when the rank exceeds ``rank_limit``:
+    before any adapter is allocated (an absurd rank would otherwise allocate ``r x (in + out)``
+    per module first)."""
+    limit = rank_limit(chunk, settings.targets) if settings.enabled else None
+    if limit is not None and settings.lora_rank > limit[0]:
+        raise ValueError(f"--lora-rank {settings.lora_rank} exceeds {limit[0]}, the smallest min(in, out) of an "
+                         f"adapted projection ({limit[1]}): choose a rank of at most {limit[0]}")
+
+
 def apply_lora(chunk: nn.Module, settings: LoraSettings) -> int:
     """Adapt ``chunk`` in place as ``settings`` say and freeze every other parameter; returns
     the number of adapted modules (0 when LoRA is off: nothing changes). Built on any device
@@ -200,6 +229,7 @@ def apply_lora(chunk: nn.Module, settings: LoraSettings) -> int:
     like any weight, ``B`` zero by ``constant_init``)."""
     if not settings.enabled:
         return 0
+    check_rank(chunk, settings)
     r, alpha, p = settings.lora_rank, settings.alpha, settings.lora_dropout
     found = target_modules(chunk, settings.targets)
     for parent, name, target in found:

@@ -202,8 +202,13 @@ def task_type(base: str | None) -> str:
 
 
 def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base: str | None) -> dict:
-    """Write ``model``'s adapters as a PEFT LoRA folder ``out``; returns the adapter config."""
+    """Write ``model``'s adapters as a PEFT LoRA folder ``out``; returns the adapter config. Files an
+    earlier export of either kind left there (``core.out_dir``: a full export's weights, shards,
+    index, config.json, side files) are removed first: transformers would load the folder as a
+    model, or the weights beside the adapter."""
     from safetensors.torch import save_file
+
+    from core.out_dir import clear_owned, export_files
 
     tensors, modules = peft_tensors(model, base_keys(base, model))
     config = {"peft_type": "LORA", "task_type": task_type(base), "base_model_name_or_path": base,
@@ -211,6 +216,7 @@ def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "use_rslora": False, "use_dora": False, "modules_to_save": None}
     os.makedirs(out, exist_ok=True)
+    clear_owned(out, export_files(getattr(model.hf_weights, "side_files", ())))
     save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)

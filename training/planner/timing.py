@@ -58,7 +58,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
-from core.cli import option
+from core.cli import POSITIVE, option
 from core.context_parallel.costs import exchange_bytes
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim import registry as optimizers
@@ -99,8 +99,8 @@ class TimeAssumptions:
 
     def __post_init__(self):
         for name in ("assumed_mfu", "pcie_gb_s", "nvlink_gb_s", "network_gb_s", "host_gb_s", "hbm_gb_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+            if not POSITIVE[1](getattr(self, name)):  # inf too: a free transfer is no assumption
+                raise ValueError(f"--{name.replace('_', '-')} must be {POSITIVE[0]}, got {getattr(self, name)}")
         if self.assumed_mfu > 1:
             raise ValueError(f"--assumed-mfu must be in (0, 1], got {self.assumed_mfu}")
         if self.gpus_per_node < 1:
