@@ -14,12 +14,16 @@ the ``topk_group`` best of ``n_group`` groups, weighted by the unbiased scores (
 (one SwiGLU of their summed size). ``num_nextn_predict_layers`` multi-token-prediction layers
 (GLM-4.5: 1, published as ``model.layers.{num_hidden_layers}``) are built with core's MTP block;
 transformers' ``Glm4MoeForCausalLM`` builds none (it ignores those tensors), so a checkpoint
-written by its ``save_pretrained`` has no MTP tensors: read it with ``num_nextn_predict_layers``
-0 (``--hf-config``).
+written by its ``save_pretrained`` says 1 but holds no MTP tensors: read from a checkpoint folder,
+the count is that of the MTP layers its weights hold (``mtp_layers_held``), so such a folder
+loads without one and exports ``num_nextn_predict_layers`` 0; a config without weights beside it
+(a preset, a ``--hf-config`` file) is taken as it says.
 """
 from __future__ import annotations
 
 import copy
+import os
+import re
 from dataclasses import asdict, dataclass, field
 
 from core.moe.router import check_groups
@@ -134,7 +138,11 @@ class Glm4MoeConfig:
                              "(see models/glm4_moe/config.py)")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (silu)")
-        return cls(**{**_fields_from_hf(c), **overrides})
+        fields = _fields_from_hf(c)
+        if isinstance(path_or_dict, str) and os.path.isdir(path_or_dict):
+            fields["num_nextn_predict_layers"] = mtp_layers_held(path_or_dict, fields["num_layers"],
+                                                                 fields["num_nextn_predict_layers"])
+        return cls(**{**fields, **overrides})
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict in the form transformers' Glm4MoeConfig reads."""
@@ -156,6 +164,21 @@ class Glm4MoeConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def mtp_layers_held(folder: str, num_layers: int, declared: int) -> int:
+    """How many of the ``declared`` MTP layers (``model.layers.{num_layers + k}.*``, k from 0) the
+    weights in ``folder`` hold; ``declared`` when the folder has no weights (a config alone)."""
+    from core.hf_checkpoint import INDEX, SINGLE, CheckpointIndex
+
+    if not declared or not any(os.path.exists(os.path.join(folder, f)) for f in (INDEX, SINGLE)):
+        return declared
+    layers = {int(m.group(1)) for m in (re.match(r"(?:model\.)?layers\.(\d+)\.", k)
+                                        for k in CheckpointIndex(folder).file_of) if m}
+    held = 0
+    while held < declared and num_layers + held in layers:
+        held += 1
+    return held
 
 
 def _rope_from_hf(c: dict) -> dict:

@@ -41,12 +41,13 @@ def hf_kwargs(**overrides) -> dict:
 
 
 def save_hf_model(path: str, seed: int = 0, **overrides):
-    """transformers' model saved as its save_pretrained writes it (no MTP tensors: it builds no MTP
-    layer, so the config says 0 unless the caller adds them, see ``add_mtp_layer``)."""
+    """transformers' model saved as its save_pretrained writes it: config.json says
+    ``num_nextn_predict_layers`` 1 (its default) but no MTP tensors are written (it builds no MTP
+    layer); ``add_mtp_layer`` adds them."""
     from transformers import Glm4MoeConfig as HFConfig
     from transformers import Glm4MoeForCausalLM
 
-    model = Glm4MoeForCausalLM(HFConfig(**hf_kwargs(**{"num_nextn_predict_layers": 0, **overrides}))).eval()
+    model = Glm4MoeForCausalLM(HFConfig(**hf_kwargs(**overrides))).eval()
     randomize(model, seed)
     model.save_pretrained(path)
     return model
@@ -88,7 +89,9 @@ def _ours(path) -> Glm4MoeModel:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_logits_match_transformers_per_document(tmp_path, name):
     hf = save_hf_model(str(tmp_path), seed=3, **CONFIGS[name])
-    model = _ours(tmp_path)
+    assert hf.config.num_nextn_predict_layers == 1
+    model = _ours(tmp_path)  # a folder without MTP tensors: no MTP depth built, a strict load
+    assert model.config.num_mtp_layers == 0 and model.mtp is None
     tokens, pos, psp = thd(LENGTHS)
     with torch.no_grad():
         ours = model(tokens, pos, psp)
@@ -108,6 +111,12 @@ def test_mtp_layer_round_trips_byte_for_byte_and_export_reloads_in_transformers(
     assert report["kept_aside"] == 1 and report["unexpected"] == []
     L = model.config.num_layers
     assert torch.equal(model.mtp["0"].head.weight, mtp[f"model.layers.{L}.shared_head.head.weight"])
+    # trained with core's MTP block: its loss beside the main one, its head a head
+    tokens, pos, psp = thd([9, 6], seed=1)
+    with torch.no_grad():
+        losses = model(tokens, pos, psp, labels=labels_for(tokens, [9, 6]))
+    assert len(losses.mtp_loss_sums) == 1 and int(losses.mtp_num_tokens[0]) == (9 - 2) + (6 - 2)
+    assert {n for n, s in model.param_specs().items() if s.role == "head"} == {"lm_head.weight", "mtp.0.head.weight"}
 
     # import -> export with --source: every tensor of the release back byte for byte, MTP's included
     assert model.save_hf(str(out), source=str(src)) == "published"
@@ -131,18 +140,6 @@ def test_mtp_layer_round_trips_byte_for_byte_and_export_reloads_in_transformers(
         assert torch.equal(p, q), n
     for (n, t), (_, u) in zip(model.named_buffers(), again.named_buffers()):
         assert torch.equal(t, u), n  # the routers' correction biases travel too
-
-
-def test_the_mtp_depth_is_trained():
-    """Core's MTP block: one depth's loss beside the main one, and gradients in every MTP tensor."""
-    model = Glm4MoeModel(Glm4MoeConfig.preset("glm4-moe-tiny"), seed=0)
-    tokens, pos, psp = thd([9, 6], seed=1)
-    out = model(tokens, pos, psp, labels=labels_for(tokens, [9, 6]))
-    assert len(out.mtp_loss_sums) == 1 and int(out.mtp_num_tokens[0]) == (9 - 2) + (6 - 2)
-    (out.loss_sum + out.mtp_loss_sums[0]).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.mtp.named_parameters()
-               if "experts" not in n)  # routed experts: only the chosen ones get gradients
-    assert {n.split(".")[0] for n, s in model.param_specs().items() if s.role == "head"} == {"lm_head", "mtp"}
 
 
 COUNTS = {  # transformers' Glm4MoeForCausalLM (no MTP layer), our MTP depth, the release's MTP embedding copy
