@@ -1,7 +1,8 @@
 """Glm4MoeModel against transformers' Glm4MoeForCausalLM on the same weights (fp32, CPU): logits
 per document of a THD pack (q/k norm on and off, q/k/v biases, partial rope, group-limited
 routing), the export (transformers reloads it with the same logits), the MTP layer's tensors
-through import -> export byte for byte, parameter counts of the presets on meta, the config reader.
+through import -> export byte for byte, parameter counts of the presets on meta (and the cost
+model's weights per token), the config reader.
 
 Tolerance HF_REL (tests/unit/test_model_hf.py: 4e-5 of the largest value compared; measured here
 <= 6e-7): the two implementations sum in different orders (per-document SDPA vs a padded causal
@@ -17,7 +18,8 @@ import torch
 from models.common.decoder import count_parameters
 from models.glm4_moe import Glm4MoeConfig, Glm4MoeModel
 from models.glm4_moe.config import PRESETS
-from models.registry import spec_for_hf
+from core.flops import matmul_params_per_token
+from models.registry import shapes_of, spec_for_hf
 from tests.unit.hf_reference import randomize
 from tests.unit.numerics import assert_close_rel
 from tests.unit.test_model_hf import HF_REL, LENGTHS, thd
@@ -163,6 +165,12 @@ def test_parameter_counts_on_meta_equal_transformers(preset):
     counts = count_parameters(ours)
     assert counts["total_without_mtp"] == sum(p.numel() for p in hf.parameters()) == without
     assert counts["mtp"] == mtp and counts["total"] == without + mtp
+    # the cost model's shapes (models/glm4_moe/costs.py, MTP depth included) multiply the same
+    # weights per token as the model holds: every matrix but the embedding, routed experts at top-k
+    cfg, specs = ours.config, ours.param_specs()
+    held = sum(p.numel() * cfg.num_experts_per_tok // cfg.num_experts if specs[n].expert_offset is not None
+               else p.numel() for n, p in ours.named_parameters() if p.dim() >= 2 and specs[n].role != "embedding")
+    assert matmul_params_per_token(shapes_of(cfg)) == held
 
 
 def test_config_reads_the_hub_form_and_errors_are_clear():
