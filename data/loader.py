@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from core.packed_seq import PackedSeqParams
-from data.image_store import ImageStore, concat_images, has_images, open_images
+from data.image_store import ImageStore, check_cut_runs, concat_images, has_images, open_images
 from data.indexed_dataset import IndexedDataset
 from data.packing import PackPlan, cached_plan, permutation
 from data.thd import THDBatch, build_thd_batch
@@ -126,6 +126,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
     if plan.num_packs == 0:
         raise ValueError(f"{prefix}: no packs (no usable documents with --long-docs {long_docs})")
     images = open_images(prefix, text.lengths, image_processor, cache_dir)
+    if images is not None:  # a plan that cuts an image's run fails now, not packs later
+        check_cut_runs(images, plan.segments, long_docs)
     return PackedSource(prefix, text, mask, plan, {k: len(v) for k, v in skipped.items()}, images)
 
 
