@@ -42,7 +42,7 @@ from data.workers import OrderedPool
 
 REJECT_REASONS = ("blank_line", "invalid_utf8", "invalid_unicode", "invalid_json", "too_deep",
                   "not_an_object", "missing_key", "wrong_type", "empty_text", "unknown_role",
-                  "no_assistant_turn", "invalid_tool_call", "tool_calls_unsupported",
+                  "no_assistant_turn", "invalid_tool_call", "tool_calls_unsupported", "system_unsupported",
                   "reasoning_unsupported", "template_error", "tokenizer_error",
                   # image + text rows (data/images.py, data/image_chat.py)
                   "image_unreadable", "image_empty", "image_too_large", "image_url",
