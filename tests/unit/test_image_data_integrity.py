@@ -88,15 +88,20 @@ def test_training_refuses_another_tokenizer_or_processor_folder(images_dir, tmp_
         check_made_with(prefix, build_tokenizer("byte"), "byte", None, load_image_processor)
 
 
-def test_a_missing_images_file_is_one_line_at_start(images_dir, capsys):
+def test_start_up_refusals_are_one_line(images_dir, capsys):
+    """Through pretrain_step37.main's validation (no process group, no model): another tokenizer,
+    then an images file cut short, then one deleted."""
     import pretrain_step37
 
     prefix = preprocess([write_jsonl(images_dir / "rows.jsonl", good_rows()[:1])], images_dir / "o")
     images = image_prefixes(prefix)[0]
-    argv = ["--model-preset", "step37-tiny-vlm", "--vocab-size", "400", "--tokenizer-type", "huggingface",
-            "--tokenizer-model", PROC_DIR, "--data-path", prefix, "--seq-length", "256",
-            "--global-batch-size", "1", "--train-iters", "1"]
+    common = ["--model-preset", "step37-tiny-vlm", "--vocab-size", "400", "--data-path", prefix,
+              "--seq-length", "256", "--global-batch-size", "1", "--train-iters", "1"]
+    argv = common + ["--tokenizer-type", "huggingface", "--tokenizer-model", PROC_DIR]
     capsys.readouterr()
+    assert pretrain_step37.main(common + ["--tokenizer-type", "byte"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--tokenizer-model {PROC_DIR}, but this run has --tokenizer-type byte" in err
     with open(images + ".bin", "r+b") as f:  # damaged: cut short
         f.truncate(10)
     assert pretrain_step37.main(argv) == 2
