@@ -269,6 +269,8 @@ def open_images(text_prefix: str, doc_lengths: np.ndarray, image_processor=None,
                          f"{proc.image_token_id}); use the processor the dataset was made with, or "
                          "preprocess it again")
     images, index = (IndexedDataset(p) for p in names)
+    # the index is small (40 bytes per image) and read whole by check_cut_runs: checked whole now
+    index.verify_with(recorded_facts(index.prefix, cache_path).get("checksums"), now=True)
     return ImageStore(text_prefix, images, index, proc, doc_lengths)
 
 

@@ -1,7 +1,7 @@
-"""An image + text dataset is trusted by its bytes, not by sizes and modification times: a copy
-made with plain ``cp`` trains, one flipped byte of one image (size and modification time kept)
-is refused naming the file, the image and its document, and a dataset of the version without
-checksums is refused with what to do. Training refuses a tokenizer or processor folder other than
+"""A dataset is trusted by its bytes, not by sizes and modification times: a copy made with plain
+``cp`` trains, one flipped byte of one image or of the tokens (size and modification time kept)
+is refused naming the file and the image or documents, and an image dataset of the version
+without checksums is refused with what to do. Training refuses a tokenizer or processor folder other than
 the one the data was made with, and a missing images file is one line at start-up."""
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import shutil
 import numpy as np
 import pytest
 
-from data.checks import check_made_with
+from data import checksums
+from data.checks import check_made_with, check_training_data
 from data.image_store import image_prefixes
 from data.indexed_dataset import DatasetError, IndexedDataset
 from data.loader import THDLoader, open_source
 from data.tokenizers import build_tokenizer
 from models.registry import image_processor_from_settings, load_image_processor
+from tools.preprocess_data import main as preprocess_main
 from tests.unit.test_vlm_data import PROC_DIR, good_rows, images_dir, preprocess, write_jsonl  # noqa: F401
 
 
@@ -111,3 +113,37 @@ def test_start_up_refusals_are_one_line(images_dir, capsys):
     assert pretrain_step37.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{images}.bin: no such file" in err, err
+
+
+def _flip(path: str, at: int) -> None:
+    """One bit of byte ``at`` flipped; size and modification time kept."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_flipped_token_byte_is_refused_naming_the_file_and_documents(tmp_path, monkeypatch):
+    """Blocks of 256 bytes here (1 MiB in use), so a tiny dataset has several."""
+    monkeypatch.setattr(checksums, "BLOCK_BYTES", 256)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 6}) + "\n"
+                                               for i in range(40)))
+    (tmp_path / "a").mkdir()
+    assert preprocess_main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                            str(tmp_path / "a" / "t"), "--workers", "1"]) == 0
+    _copy_without_times(tmp_path / "a", tmp_path / "b")
+    prefix = str(tmp_path / "b" / "t_text_document")
+    check_training_data(prefix, 260)  # recomputes the copy's statistics, keeps its checksums
+
+    def read_all():
+        src = open_source(prefix, 128, "split", 0)
+        THDLoader([(1.0, src)], seq_length=128, micro_batch_size=src.plan.num_packs, pad_id=0).micro_batch(0)
+
+    read_all()
+    _flip(prefix + ".bin", 600)  # in block 2: bytes 512..767
+    with pytest.raises(DatasetError, match=r"t_text_document\.bin: bytes 512\.\.767 \(documents 3\.\.5\) are "
+                                           r"damaged: .* Restore the file from a good copy"):
+        read_all()
