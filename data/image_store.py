@@ -144,9 +144,14 @@ def _cut_message(prefix: str, doc: int, k: int, s: int, length: int, cut: int, d
 def check_cut_runs(store: ImageStore, segments: np.ndarray, long_docs: str | None = None) -> None:
     """Refuse a pack plan (``segments``: ``(doc, start, n)`` rows) in which a segment starts or
     ends strictly inside an image's placeholder run (a split document's next pack, a truncated
-    document's end), naming the first such document and image. One vectorised pass:
-    O((images + segments) log segments), ~0.1 s for a million of each."""
+    document's end), naming the first such document and image. Segments of whole documents
+    (most of them) cannot cut a run and are left out; the rest take one vectorised pass,
+    O((images + segments) log segments): 0.2-1 s for a million images and a million partial
+    segments on the shared 2-core machine, 0.01 s when every document is whole."""
     segments = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
+    lengths = np.asarray(store.doc_lengths, dtype=np.int64)
+    # a whole document's segment ends at 0 and at its length, never strictly inside a run
+    segments = segments[(segments[:, 1] > 0) | (segments[:, 2] < lengths[segments[:, 0]])]
     table = store.table
     if not len(table) or not len(segments):
         return
@@ -154,7 +159,7 @@ def check_cut_runs(store: ImageStore, segments: np.ndarray, long_docs: str | Non
     key = doc_of << 32  # documents and their lengths are < 2^31: (doc, offset) as one int64
     run_lo, run_hi = key + table[:, 0], key + table[:, 0] + table[:, 1]
     seg_key = segments[:, 0] << 32
-    ends = np.unique(np.concatenate([seg_key + segments[:, 1], seg_key + segments[:, 1] + segments[:, 2]]))
+    ends = np.sort(np.concatenate([seg_key + segments[:, 1], seg_key + segments[:, 1] + segments[:, 2]]))
     first_after = np.searchsorted(ends, run_lo, side="right")
     bad = np.flatnonzero(np.searchsorted(ends, run_hi, side="left") > first_after)
     if len(bad):
