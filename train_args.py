@@ -504,7 +504,7 @@ def _check_freeze(args, spec, cfg) -> None:
 def _check_run_files(args, cfg) -> None:
     """--save writable now rather than at the first save; the validation data."""
     from core.checkpoint_dir import check_writable
-    from data.checks import check_training_data
+    from data.checks import check_made_with, check_training_data
     from training.eval_data import validation_ranges
 
     if args.checkpoint.save:
@@ -518,6 +518,8 @@ def _check_run_files(args, cfg) -> None:
                 raise ValueError(f"--valid-data-path {prefix}: no {prefix}.idx (write it with "
                                  "tools/preprocess_data.py)")
             check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
+            check_made_with(prefix, build_tokenizer(d.tokenizer_type, d.tokenizer_model), d.tokenizer_type,
+                            d.tokenizer_model, registry.load_image_processor, d.data_cache_path)
     else:
         validation_ranges(parse_data_path(d.data_path), d.split)  # raises when a part is empty
 
