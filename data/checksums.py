@@ -59,8 +59,8 @@ class VerifiedBlocks:
             from data.indexed_dataset import DatasetError
 
             raise DatasetError(f"{path}: {self.data.size:,} bytes, but its sidecar records checksums "
-                             f"of {len(self.crcs)} blocks of {self.block:,} bytes (a mismatched "
-                             "sidecar); run tools/preprocess_data.py again")
+                               f"of {len(self.crcs)} blocks of {self.block:,} bytes (a mismatched "
+                               "sidecar); run tools/preprocess_data.py again")
         self.checked = np.zeros(len(self.crcs), dtype=bool)
 
     def check(self, start: int, end: int) -> None:

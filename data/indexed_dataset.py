@@ -58,8 +58,9 @@ _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 class DatasetError(ValueError):
     """A dataset that cannot be read as it is (a file missing or damaged, not published with the
-    rest, or not trainable with the run's flags): the message names the file and what to do. ``pretrain_step37.py`` reports it in
-    one line wherever it is found, at start-up or when the loader reads the damage mid-run."""
+    rest, or not trainable with the run's flags): the message names the file and what to do.
+    ``pretrain_step37.py`` reports it in one line wherever it is found, at start-up or when the
+    loader reads the damage mid-run."""
 
 
 class IndexedDatasetError(DatasetError):
