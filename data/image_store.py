@@ -15,8 +15,9 @@ loss mask (all four as one unit, ``data/units.py``):
   which training rebuilds (or checks) the processor from.
 
 The images file can rot (a bad disk, a broken copy) with its size and modification time kept,
-and a JPEG decodes damaged bytes into other pixels without an error: the loader checks each image's CRC-32 against the index before decoding it, on bytes it reads anyway
-(~0.1 ms for a 0.2 MB JPEG, against ~10 ms to decode it), and a mismatch is a
+and a JPEG decodes damaged bytes into other pixels without an error: the loader checks each
+image's CRC-32 against the index before decoding it, on bytes it reads anyway (~0.1 ms for a
+0.2 MB JPEG, against ~10 ms to decode it), and a mismatch is a
 :class:`~data.indexed_dataset.DatasetError` naming the file, the image and its document. A
 dataset of an earlier version (four numbers per image, no checksums) is refused with a message
 to preprocess it again.
