@@ -119,7 +119,7 @@ def peft_entries(model, keys: set | None = None, *,
         raise ValueError(f"{clash[0][0]}: a dense projection named like the routed experts' "
                          f"({', '.join(sorted(expert_leaves))}); PEFT maps such targets onto transformers' fused "
                          "experts, so it would drop this adapter: export the merged weights with --merge-lora, or "
-                         f"train without {clash[0][1]} in --lora-targets")
+                         f"train with --lora-targets without {', '.join(sorted({t for _, t in clash}))}")
     return entries
 
 

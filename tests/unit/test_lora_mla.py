@@ -104,7 +104,7 @@ def test_peft_and_merged_exports_give_our_logits_in_transformers(tmp_path, q_lor
     if "mlp" in targets:
         with pytest.raises(ValueError, match=r"^model.layers.0.mlp.down_proj: a dense projection named like the "
                                              r"routed experts' .* export the merged weights with --merge-lora, or "
-                                             r"train without mlp in --lora-targets$"):
+                                             r"train with --lora-targets without mlp, shared_expert$"):
             write_peft(ours, peft_dir, rank=4, alpha=8.0, dropout=0.0, base=hf_dir)
     else:
         config = write_peft(ours, peft_dir, rank=4, alpha=8.0, dropout=0.0, base=hf_dir)
