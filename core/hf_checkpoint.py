@@ -344,8 +344,8 @@ def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: 
                         and not (ignored and k.endswith(ignored)))
     dtypes = Counter(ckpt.dtype(src.first()) if not src.per_expert else ckpt.dtype(
         next(k for k in ckpt.file_of if _matches(src.name, k))) for src in found.values())
-    return {"missing": missing, "seeded": seeded, "unexpected": unexpected, "misshaped": misshaped, "loaded": len(found),
-            "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
+    return {"missing": missing, "seeded": seeded, "unexpected": unexpected, "misshaped": misshaped,
+            "loaded": len(found), "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
             "fp8_problems": {w[1]: ckpt.fp8_problem(w[1]) for w in wrong_dtype if w[2] in FP8_DTYPES},
             "kept_aside": sum(1 for k in ckpt.file_of if kept and k.startswith(kept))}
 

@@ -15,8 +15,9 @@ Layers ``0 .. first_k_dense_replace - 1`` are dense SwiGLU (``intermediate_size`
 ``routed_scaling_factor``, plus ``n_shared_experts`` always-on experts (one SwiGLU of their summed
 size). ``num_nextn_predict_layers`` multi-token-prediction depths (DeepSeek-V3's one, published
 as layer ``num_hidden_layers``) are built after the last layer with core's MTP block
-(``models/deepseek_v3/model.py``; transformers keeps the count but builds none). Export writes ``model_type`` "deepseek_v3" (Kimi-K2's "kimi_k2" needs remote
-code in transformers; the architecture is the same).
+(``models/deepseek_v3/model.py``; transformers keeps the count but builds none). Export writes
+``model_type`` "deepseek_v3" (Kimi-K2's "kimi_k2" needs remote code in transformers; the
+architecture is the same).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ the shared experts; plain RMSNorm everywhere; numerically transformers'
 last layer (``core/transformer/mtp.py``; transformers builds none): each a decoder layer of index
 ``num_layers + k`` (MoE on the release) between core's ``enorm`` / ``hnorm`` / ``eh_proj`` and its
 own head; the input embedding is the main one (DeepSeek-V3 shares it), the head a tensor of its
-own (``docs/deepseek-v3.md``). They change no main logit. Balancing is aux-loss-free (the router's bias update); an auxiliary loss, when asked
-for, is the per-layer switch form."""
+own (``docs/deepseek-v3.md``). They change no main logit. Balancing is aux-loss-free (the
+router's bias update); an auxiliary loss, when asked for, is the per-layer switch form."""
 from __future__ import annotations
 
 from torch import nn
