@@ -20,9 +20,9 @@ q/k dim for kernels that need equal dims (flash ``varlen``, ``flex``, TE, ``--co
 crops the output, as transformers does for flash. K and V are expanded per head before the kernel
 (no weight absorption: training computes every query against every key anyway).
 
-Not yet: context parallelism (``apply_context_parallel`` refuses a block without core's GQA
-``Attention``; the plan is to exchange the latent, not the expanded K/V), LoRA targets and the
-planner's own MLA shape.
+LoRA's ``attention`` target adapts the projections (``lora_projections``), never the latent norms.
+Not yet: context parallelism (``apply_context_parallel`` refuses it by name; the plan is to
+exchange the latent, not the expanded K/V) and the planner's own MLA shape.
 """
 from __future__ import annotations
 
@@ -38,7 +38,11 @@ LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep RMSN
 
 
 class MLAttention(nn.Module):
-    context_parallel = None  # not set by apply_context_parallel yet (see the module docstring)
+    # the attention protocol (core/transformer/attention.py): q_proj or q_a_proj + q_b_proj, as
+    # q_lora_rank builds; the latent norms are never adapted
+    lora_projections = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    supports_context_parallel = False  # no latent exchange yet (see the module docstring)
+    context_parallel = None
 
     def __init__(self, hidden: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_scale: float,

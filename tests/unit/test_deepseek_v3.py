@@ -172,5 +172,6 @@ def test_context_parallel_is_refused_by_name():
     from core.context_parallel.apply import apply_context_parallel
 
     model = DeepseekV3Model(DeepseekV3Config.preset("deepseek-v3-tiny"))
-    with pytest.raises(ValueError, match="--context-parallel-size 2: block 0 of DeepseekV3Model has no"):
+    with pytest.raises(ValueError, match="--context-parallel-size 2: DeepseekV3Model's layers.0.self_attn is "
+                                         "MLAttention, which has no CP exchange yet"):
         apply_context_parallel(model, SimpleNamespace(size=2, group=None))
