@@ -319,21 +319,9 @@ def _matches(pattern: str, key: str) -> bool:
     return key.startswith(head) and key.endswith(tail) and key[len(head):len(key) - len(tail)].isdigit()
 
 
-def optional_absent(adapter, names: list, present: set) -> list:
-    """Of ``names`` (our tensors without a source), those of an optional group the checkpoint
-    lacks whole: ``adapter.optional_prefixes`` (e.g. DeepSeek-V3's ``mtp.0.``, a layer
-    transformers' ``save_pretrained`` does not write) name groups that a checkpoint may leave out
-    altogether, and that are seeded then; a group it holds in part is still missing. ``present``:
-    our names the checkpoint does supply (matched, mis-shaped or of an unread dtype)."""
-    groups = [p for p in getattr(adapter, "optional_prefixes", ()) if not any(n.startswith(p) for n in present)]
-    return [n for n in names if n.startswith(tuple(groups))] if groups else []
-
-
 def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: list,
            wrong_dtype: list = ()) -> dict:
     adapter = model.hf_weights
-    seeded = optional_absent(adapter, missing, set(found) | {m[0] for m in misshaped} | {w[0] for w in wrong_dtype})
-    missing = [n for n in missing if n not in seeded]
     kept = tuple(getattr(adapter, "kept_prefixes", ()))
     ignored = tuple(getattr(adapter, "ignored_suffixes", ()))
     used = _used(ckpt, found) | {m[1] for m in misshaped} | {w[1] for w in wrong_dtype}
@@ -344,7 +332,7 @@ def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: 
                         and not (ignored and k.endswith(ignored)))
     dtypes = Counter(ckpt.dtype(src.first()) if not src.per_expert else ckpt.dtype(
         next(k for k in ckpt.file_of if _matches(src.name, k))) for src in found.values())
-    return {"missing": missing, "seeded": seeded, "unexpected": unexpected, "misshaped": misshaped,
+    return {"missing": missing, "unexpected": unexpected, "misshaped": misshaped,
             "loaded": len(found), "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
             "fp8_problems": {w[1]: ckpt.fp8_problem(w[1]) for w in wrong_dtype if w[2] in FP8_DTYPES},
             "kept_aside": sum(1 for k in ckpt.file_of if kept and k.startswith(kept))}
@@ -387,8 +375,7 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
     """Copy the checkpoint's tensors into ``model`` (dtype converted), tensor by tensor and only
     the rows this process holds: its experts of a stacked expert tensor, its rows of an FSDP
     shard (also offloaded to host memory). Returns the check report plus ``filled``: the names
-    written; ``seeded``: those of an optional group the checkpoint lacks whole
-    (:func:`optional_absent`), left as they are. With ``strict``, missing or mis-shaped tensors
+    written. With ``strict``, missing or mis-shaped tensors
     raise. ``progress``: a tqdm bar.
     ``masters``: parameters it holds are read in fp32 and stored as bf16 plus remainder, so an
     fp32 checkpoint's values survive exactly."""
@@ -415,9 +402,6 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
         else:
             ckpt.read_source(local, src, first + (offset or 0))
     out["filled"] = sorted(found)
-    if out["seeded"] and progress:  # an optional group (adapter.optional_prefixes) it does not hold
-        groups = sorted({p for p in model.hf_weights.optional_prefixes for n in out["seeded"] if n.startswith(p)})
-        print(f"{path}: holds no tensor of {', '.join(g + '*' for g in groups)} (optional): those start seeded")
     return out
 
 

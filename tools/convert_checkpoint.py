@@ -80,9 +80,6 @@ def cmd_check(args) -> int:
     dtypes = ", ".join(f"{n:,} {d}" for d, n in sorted(report["dtypes"].items()))
     print(f"matched   {report['loaded']:,} tensors ({dtypes or 'none'}); tensors kept aside (not the text "
           f"decoder's, e.g. a vision tower): {report['kept_aside']:,}")
-    if report["seeded"]:  # an optional group (e.g. an MTP layer transformers does not save) held by none
-        print(f"seeded    {len(report['seeded']):,} tensors of a part the checkpoint holds none of "
-              f"({report['seeded'][0]} ...): a load starts them seeded")
     for key, title in (("missing", "missing"), ("unexpected", "unexpected"), ("misshaped", "mis-shaped"),
                        ("wrong_dtype", "dtype")):
         items = report[key]

@@ -22,11 +22,13 @@ architecture is the same).
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import asdict, dataclass, field
 
 from core.moe.router import check_groups
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from core.transformer.rotary import ROPE_TYPES
+from models.common.mtp_layers import mtp_layers_held
 from models.registry import read_hf_config
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -144,7 +146,11 @@ class DeepseekV3Config:
         for key, want in _REQUIRED_VALUES.items():
             if c.get(key, want) != want:
                 raise ValueError(f"{where}: {key} {c[key]!r} is not supported (this model implements {want!r})")
-        return cls(**{**_fields_from_hf(c), **overrides})
+        fields = _fields_from_hf(c)
+        if isinstance(path_or_dict, str) and os.path.isdir(path_or_dict):  # models/common/mtp_layers.py
+            fields["num_nextn_predict_layers"] = mtp_layers_held(path_or_dict, fields["num_layers"],
+                                                                 fields["num_nextn_predict_layers"])
+        return cls(**{**fields, **overrides})
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict in the form transformers' DeepseekV3Config reads."""

@@ -20,10 +20,10 @@ plus ``model.embed_tokens``, ``model.norm`` and ``lm_head``. Names are also acce
 ``num_nextn_predict_layers`` (DeepSeek-V3: layer 61). A depth reads the main input embedding
 (DeepSeek-V3 shares it): the checkpoint's copy, ``model.layers.{L+k}.embed_tokens.weight``, is
 set aside on import, and export writes the main embedding there, as the release holds it. The
-depth's head is a tensor of its own (core's MTP block). A checkpoint without any tensor of a
-depth (transformers' ``save_pretrained`` writes the count but not the layer) loads with that
-depth seeded (``optional_prefixes``); one that holds part of a depth is refused, naming what is
-missing. FP8 weights (``float8_e4m3fn`` + ``weight_scale_inv``) are dequantized by the reader
+depth's head is a tensor of its own (core's MTP block). A checkpoint folder without the
+layer (transformers' ``save_pretrained`` writes the count but not the layer) is read as holding
+none (``models/common/mtp_layers.py``, as GLM-4.5's); one that holds part of a depth is refused,
+naming what is missing. FP8 weights (``float8_e4m3fn`` + ``weight_scale_inv``) are dequantized by the reader
 (``core/hf_checkpoint.py``). Export writes the published layout, which transformers loads as is.
 """
 from __future__ import annotations
@@ -61,8 +61,6 @@ class DeepseekV3Weights:
         self.config = config
         # each MTP depth's copy of the input embedding: the depths read the main one
         self.kept_prefixes = tuple(f"{p}{i}.embed_tokens." for i in self._mtp_layers() for p in PREFIXES)
-        # a depth a checkpoint lacks whole (transformers' save_pretrained writes none) starts seeded
-        self.optional_prefixes = tuple(f"mtp.{k}." for k in range(config.num_mtp_layers))
 
     def _mtp_layers(self) -> range:
         return range(self.config.num_layers, self.config.num_layers + self.config.num_mtp_layers)

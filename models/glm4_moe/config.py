@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from core.moe.router import check_groups
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from core.transformer.rotary import ROPE_TYPES
+from models.common.mtp_layers import mtp_layers_held
 from models.registry import read_hf_config
 
 MODEL_TYPES = ("glm4_moe",)
@@ -164,21 +165,6 @@ class Glm4MoeConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def mtp_layers_held(folder: str, num_layers: int, declared: int) -> int:
-    """How many of the ``declared`` MTP layers (``model.layers.{num_layers + k}.*``, k from 0) the
-    weights in ``folder`` hold; ``declared`` when the folder has no weights (a config alone)."""
-    from core.hf_checkpoint import INDEX, SINGLE, CheckpointIndex
-
-    if not declared or not any(os.path.exists(os.path.join(folder, f)) for f in (INDEX, SINGLE)):
-        return declared
-    layers = {int(m.group(1)) for m in (re.match(r"(?:model\.)?layers\.(\d+)\.", k)
-                                        for k in CheckpointIndex(folder).file_of) if m}
-    held = 0
-    while held < declared and num_layers + held in layers:
-        held += 1
-    return held
 
 
 def _rope_from_hf(c: dict) -> dict:
