@@ -2,23 +2,12 @@
 routers the CP group (``training/parallelize.py``)."""
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 from torch import nn
 
 from core.context_parallel.attention import ContextParallel
 from core.context_parallel.exchange import CPComm
 from core.moe.router import TopKRouter
-
-
-@runtime_checkable
-class CPAttention(Protocol):
-    """An attention module that attends across the CP group: it declares ``context_parallel``
-    (``None`` until :func:`apply_context_parallel` sets a :class:`ContextParallel`) and, on a CP
-    shard, attends through it: ``cp_attention`` with its K/V (core's GQA ``Attention``) or
-    ``cp_latent_attention`` with a per-token latent it expands itself (``core.transformer.mla``)."""
-
-    context_parallel: ContextParallel | None
+from core.transformer.attention import attention_modules, is_attention
 
 
 def cp_comm(ps) -> CPComm:
@@ -28,19 +17,25 @@ def cp_comm(ps) -> CPComm:
 
 
 def apply_context_parallel(chunk: nn.Module, comm: CPComm) -> None:
-    """Attention modules (:class:`CPAttention`) attend across the CP group; routers sum their
-    load statistics over it (the MoE auxiliary loss and the routing load are then the whole
-    pack's). Any family whose blocks attend through core's ``Attention`` or ``MLAttention`` gets
-    it; a block without such a module would attend within its shard only, so it is refused by
-    name."""
+    """Attention modules attend across the CP group; routers sum their load statistics over it
+    (the MoE auxiliary loss and the routing load are then the whole pack's). Any family whose
+    blocks attend through an attention kind of core's that ``supports_context_parallel`` (the
+    protocol of ``core/transformer/attention.py``: GQA ``Attention`` exchanges K/V, ``MLAttention``
+    its compressed latent) gets it; a block without one (no core attention, or a kind with no CP
+    exchange) would attend within its shard only, so it is refused by name."""
+    name = type(chunk).__name__
     for i, block in chunk.blocks() if hasattr(chunk, "blocks") else ():
-        if not any(isinstance(m, CPAttention) for m in block.modules()):
-            raise ValueError(f"--context-parallel-size {comm.size}: block {i} of {type(chunk).__name__} has no "
-                             "attention module that attends across the CP group (a `context_parallel` attribute: "
-                             "core.transformer.attention.Attention or core.transformer.mla.MLAttention); build its "
-                             "attention from core's modules or train without --context-parallel-size")
+        if not attention_modules(block):
+            raise ValueError(f"--context-parallel-size {comm.size}: block {i} of {name} has no attention module "
+                             "of core's (core/transformer/attention.py), so it cannot attend across the CP group; "
+                             "build its attention from core's blocks or train without --context-parallel-size")
+    for path, m in chunk.named_modules():
+        if is_attention(m) and not m.supports_context_parallel:
+            raise ValueError(f"--context-parallel-size {comm.size}: {name}'s {path} is {type(m).__name__}, which "
+                             "has no CP exchange yet, so it cannot attend across the CP group; train without "
+                             "--context-parallel-size")
+    for m in attention_modules(chunk):
+        m.context_parallel = ContextParallel(comm)
     for m in chunk.modules():
-        if isinstance(m, CPAttention):
-            m.context_parallel = ContextParallel(comm)
-        elif isinstance(m, TopKRouter):
+        if isinstance(m, TopKRouter):
             m.stats_group = comm.group

@@ -28,7 +28,8 @@ rank (:meth:`core.context_parallel.attention.ContextParallel.latent`). Per token
 ``kv_lora_rank + rope`` values (576 on DeepSeek-V3) instead of ``heads x (nope + rope + v)``
 (40960), at the cost of running ``kv_b_proj`` on the ``(1 + 1/2N) T`` key rows each rank reads.
 
-Not yet: LoRA targets and the planner's own MLA shape.
+LoRA's ``attention`` target adapts the projections (``lora_projections``), never the latent norms.
+Not yet: the planner's own MLA shape.
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep RMSN
 
 
 class MLAttention(nn.Module):
+    # the attention protocol (core/transformer/attention.py): q_proj or q_a_proj + q_b_proj, as
+    # q_lora_rank builds; the latent norms are never adapted
+    lora_projections = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    supports_context_parallel = True  # the latent exchange (see the module docstring)
     context_parallel = None  # core.context_parallel.ContextParallel, set by apply_context_parallel
 
     def __init__(self, hidden: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
