@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-BUILT_IN = ("models.step37", "models.qwen3_moe", "models.deepseek_v3")
+BUILT_IN = ("models.step37", "models.qwen3_moe", "models.deepseek_v3", "models.glm4_moe")
 LEGACY_FAMILY = "step37"  # what checkpoints hold that were written before families were recorded
 
 

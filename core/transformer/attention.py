@@ -1,6 +1,7 @@
 """GQA self-attention on THD input, with the options families use: per-head RMSNorm on q and k
-before RoPE (``qk_norm``, in either RMSNorm form), an optional sliding window, projection biases,
-and an optional head-wise sigmoid gate on each head's output before ``o_proj`` (Step-3.x's
+before RoPE (``qk_norm``, in either RMSNorm form), an optional sliding window, projection biases
+(``bias`` on q/k/v and, unless ``o_bias`` says otherwise, on ``o_proj``: GLM-4.5 biases q/k/v
+only), and an optional head-wise sigmoid gate on each head's output before ``o_proj`` (Step-3.x's
 ``g_proj``: hidden -> one gate per head).
 
 :func:`attend` is the one kernel call every attention kind makes (this GQA module and
@@ -51,14 +52,15 @@ class Attention(nn.Module):
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  window: int | None, softmax_scale: float, eps: float, backend: str = "auto",
-                 gate: bool = False, qk_norm: bool = True, norm_offset: bool = True, bias: bool = False):
+                 gate: bool = False, qk_norm: bool = True, norm_offset: bool = True, bias: bool = False,
+                 o_bias: bool | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window, self.scale, self.backend = window, softmax_scale, backend
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias if o_bias is None else o_bias)
         self.g_proj = nn.Linear(hidden, num_heads, bias=False) if gate else None  # one gate per head
         self.q_norm = RMSNorm(head_dim, eps, offset=norm_offset) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset) if qk_norm else None
