@@ -20,9 +20,9 @@ def apply_context_parallel(chunk: nn.Module, comm: CPComm) -> None:
     """Attention modules attend across the CP group; routers sum their load statistics over it
     (the MoE auxiliary loss and the routing load are then the whole pack's). Any family whose
     blocks attend through an attention kind of core's that ``supports_context_parallel`` (the
-    protocol of ``core/transformer/attention.py``) gets it; a block without one (no core
-    attention, or one with no CP exchange yet: MLA) would attend within its shard only, so it is
-    refused by name."""
+    protocol of ``core/transformer/attention.py``: GQA ``Attention`` exchanges K/V, ``MLAttention``
+    its compressed latent) gets it; a block without one (no core attention, or a kind with no CP
+    exchange) would attend within its shard only, so it is refused by name."""
     name = type(chunk).__name__
     for i, block in chunk.blocks() if hasattr(chunk, "blocks") else ():
         if not attention_modules(block):
