@@ -1,9 +1,9 @@
 """DeepSeek-V3 and GLM-4.5 through the command lines, against transformers: text documents ->
 ``tools/preprocess_data.py --tokenizer-type huggingface`` -> ``pretrain_step37.py --load-hf DIR``
 with no --hf-config (the family and its shapes come from DIR's config.json; ``train``'s
-``--model-preset tiny``, the default, is not read). The first logged loss equals the transformers model's (``DeepseekV3ForCausalLM``,
-``Glm4MoeForCausalLM``) mean cross-entropy over every target of the same documents, each run
-alone. Both checkpoints are written by transformers; DeepSeek-V3's is then put in the Hub's FP8
+``--model-preset tiny``, the default, is not read). The first logged loss equals the
+transformers model's (``DeepseekV3ForCausalLM``, ``Glm4MoeForCausalLM``) mean cross-entropy over
+every target of the same documents, each run alone. Both checkpoints are written by transformers; DeepSeek-V3's is then put in the Hub's FP8
 layout (its linear weights float8_e4m3fn with a ``weight_scale_inv`` per block of a
 ``quantization_config.weight_block_size`` that divides none of the tiny shapes, as DeepSeek-V3 and
 Kimi-K2 publish theirs): the run trains it as its fp32 dequantization, which is what transformers
