@@ -42,12 +42,14 @@ def frozen_savings(hidden: int, s: BlockShape, T: int, b: int, lora: tuple) -> i
     ``core/lora.py``), and what its adapters keep more. autograd saves a matmul's input only for
     its weight's gradient and a norm's normalised output only for its scale's, so a frozen norm
     drops that fp32 output, and a frozen projection with no adapter drops its input: the
-    attention's (its shape's ``frozen_savings``: GQA's normed input and gated output, all its
-    projections adapted together under ``attention``), the FFN's normed input (a routed expert's copy of it, the permuted tokens,
+    attention's (its shape's ``frozen_savings``: GQA's normed input and gated output, MLA's
+    normed input, normed latents and o's input; all its projections adapted together under
+    ``attention``), the FFN's normed input (a routed expert's copy of it, the permuted tokens,
     too) and each SwiGLU's product (the down projection's input). An adapted projection keeps
     its input (the adapter's A needs it) and ``x A^T`` (``T x rank``, for B's gradient). The
     first layers before any adapter keep even less (nothing there requires a gradient): not
-    counted, an overestimate by at most a layer. Dropout's mask (``--lora-dropout``) is not counted."""
+    counted, an overestimate by at most a layer. Dropout's mask (``--lora-dropout``) is not
+    counted."""
     rank, targets = lora[0], {t.strip() for t in lora[1].split(",")} if isinstance(lora[1], str) else set(lora[1])
     f, H = s.ffn, hidden
     saved = T * H * F32  # the post-attention norm's output

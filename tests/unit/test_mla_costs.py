@@ -104,7 +104,7 @@ def test_deepseek_v3_attention_by_hand():
     attn_train = 61 * 3 * a.score_flops(n * (n + 1) // 2)
     assert training_flops(shapes_of(cfg), [n]) == 6.0 * matmul_params_per_token(shapes_of(cfg)) * n + attn_train
     T, b = 8192, 2
-    assert a.exchange_row_bytes(b) == (512 + 64) * 2  # 64x less than GQA's 2 x 128 x 192 x 2
+    assert a.exchange_row_bytes(b) == (512 + 64) * 2  # 85x less than the expanded K/V's 2 x 128 x 192 x 2
     assert exchange_bytes(a, T, 2, b) == T // 2 * 576 * 2 and exchange_bytes(a, T, 1, b) == 0
     assert gathered_bytes(a, T, 2, b) == T * 576 * 2
     assert key_buffer_bytes(a, T, 2, b) == (T + T // 4) * (576 + 2 * 128 * 192) * 2
