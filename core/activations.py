@@ -167,7 +167,10 @@ def cpu_sdpa_extra_bytes(a, doc_lengths: list, b: int, sharing: int = 1) -> int:
     ``width - 1`` more keys) instead of q, k, v, and its additive mask ``[blocks, block, block +
     width - 1]``, one per micro-batch and window: each of the ``sharing`` layers with this window
     books its share. The kernel's output is saved apart from the ``[T, H, Dv]`` copy the gate
-    multiplies (unless that is a view of it)."""
+    multiplies (unless that is a view of it). A value dim other than the q/k dim (MLA) takes
+    torch's math path on CPU, which keeps every score matrix, unless V is padded to the q/k dim
+    as for a fused GPU kernel: counted here as padded (``tests/unit/test_mla_costs.py`` forces
+    the padding)."""
     from core.transformer.sdpa_blocks import plan_pieces
 
     H, Hkv, D, Dv = a.kernel
