@@ -136,6 +136,24 @@ def test_kept_bytes_match_what_autograd_saves(variant, monkeypatch):
     assert 0.75 <= estimate / saved.bytes <= 1.25, (estimate, saved.bytes)
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_modes_keep_what_the_planner_books(mode, monkeypatch):
+    """Under recompute every attention kind keeps the same (core.activations.block_bytes:
+    selective, the norms and the residual stream; full, each layer's input): on the MLA chunk
+    within 5% of what autograd saves (the head's and loss's share included)."""
+    from core.transformer.block import apply_recompute
+
+    monkeypatch.setattr(attention, "NATIVE_VALUE_DIM", ())
+    cfg = tiny()
+    chunk = build_chunks(cfg, ParallelState.single())[0]
+    apply_recompute(chunk, mode)
+    tokens, pos, psp = thd(DOCS)
+    with SavedTensorBytes(chunk) as saved:
+        chunk(tokens, pos, psp, labels=labels_for(tokens, DOCS))
+    estimate = _chunk_activations(cfg, chunk, sum(DOCS), 4, PlanInputs(recompute=mode))
+    assert 0.95 <= estimate / saved.bytes <= 1.05, (estimate, saved.bytes)
+
+
 def test_lora_adapters_and_frozen_savings_by_hand():
     """LoRA's ``attention`` target adapts q_a, q_b, kv_a, kv_b and o (or q, kv_a, kv_b, o):
     2 r (in + out) FLOPs per token each; frozen, the block drops the normalised outputs of its
