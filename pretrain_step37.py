@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 from core.checkpointing import CheckpointError  # noqa: E402
 from core.parallel_state import ParallelState  # noqa: E402
+from data.indexed_dataset import DatasetError  # noqa: E402
 from train_args import parse, validate, validate_plan  # noqa: E402
 from training.planner.run import report  # noqa: E402
 from training.run_layout import RunLayout  # noqa: E402
@@ -86,6 +87,10 @@ def main(argv=None) -> int:
         ps = ParallelState.build(layout.sizes, layout.config.num_layers, layout.config.num_experts,
                                  timeout=datetime.timedelta(minutes=timeout))
         trainer = Trainer(args, layout, ps, start_time=START_TIME)
+    except DatasetError as e:  # found opening the data (a plan that cuts an image, say)
+        print(f"pretrain_step37.py: error: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 1
     except Exception as e:
         if peer_failure(e):
             _abort(e, timeout)
@@ -98,7 +103,7 @@ def main(argv=None) -> int:
     try:
         trainer.maybe_resume()
         rc = trainer.train()
-    except CheckpointError as e:
+    except (CheckpointError, DatasetError) as e:  # DatasetError: damage the loader read mid-run
         trainer.log.error(str(e))
         rc = 1
     except Exception as e:

@@ -530,7 +530,7 @@ def _check_router_bias(args, spec, cfg) -> None:
 def _check_run_files(args, cfg) -> None:
     """--save writable now rather than at the first save; the validation data."""
     from core.checkpoint_dir import check_writable
-    from data.checks import check_training_data
+    from data.checks import check_made_with, check_training_data
     from training.eval_data import validation_ranges
 
     if args.checkpoint.save:
@@ -544,18 +544,24 @@ def _check_run_files(args, cfg) -> None:
                 raise ValueError(f"--valid-data-path {prefix}: no {prefix}.idx (write it with "
                                  "tools/preprocess_data.py)")
             check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
+            check_made_with(prefix, build_tokenizer(d.tokenizer_type, d.tokenizer_model), d.tokenizer_type,
+                            d.tokenizer_model, registry.load_image_processor, d.data_cache_path)
     else:
         validation_ranges(parse_data_path(d.data_path), d.split)  # raises when a part is empty
 
 
 def _check_images(prefix: str, cfg, cache_path: str | None) -> None:
-    """A dataset with images needs a model with a vision tower whose image token is the one the
-    dataset's placeholders carry (the features go to the loader's positions either way, but an
-    export would tell transformers another token)."""
+    """A dataset with images opens whole (its images and index present, of this publishing
+    unit, of this version: a missing or damaged file is named here, in one line) and needs a
+    model with a vision tower whose image token is the one the dataset's placeholders carry (the
+    features go to the loader's positions either way, but an export would tell transformers
+    another token)."""
     from data.dataset_stats import recorded_facts
-    from data.image_store import has_images
+    from data.image_store import open_images
+    from data.indexed_dataset import IndexedDataset
 
-    if not has_images(prefix):
+    if open_images(prefix, IndexedDataset(prefix).lengths, registry.image_processor_from_settings,
+                   cache_path) is None:
         return
     if getattr(cfg, "vision", None) is None:
         raise ValueError(f"--data-path {prefix} holds images, but the model has no vision tower (a "
@@ -574,15 +580,19 @@ def _check_files(args, cfg) -> None:
     cfg.vocab_size, some training targets (data/checks.py)."""
     from data.checks import check_training_data  # local: keeps this section's edits in one place
 
+    from data.checks import check_made_with
+
     d, ck = args.data, args.checkpoint
     if not d.data_path:
         raise ValueError("--data-path is required")
+    tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
     for _, prefix in parse_data_path(d.data_path):
         if not os.path.exists(prefix + ".idx"):
             raise ValueError(f"--data-path {prefix}: no {prefix}.idx (write it with tools/preprocess_data.py)")
         check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
         _check_images(prefix, cfg, d.data_cache_path)
-    tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
+        check_made_with(prefix, tok, d.tokenizer_type, d.tokenizer_model,
+                        registry.load_image_processor, d.data_cache_path)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's {cfg.vocab_size}")
     if ck.load and not os.path.exists(ck.load):

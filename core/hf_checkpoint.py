@@ -332,8 +332,8 @@ def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: 
                         and not (ignored and k.endswith(ignored)))
     dtypes = Counter(ckpt.dtype(src.first()) if not src.per_expert else ckpt.dtype(
         next(k for k in ckpt.file_of if _matches(src.name, k))) for src in found.values())
-    return {"missing": missing, "unexpected": unexpected, "misshaped": misshaped, "loaded": len(found),
-            "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
+    return {"missing": missing, "unexpected": unexpected, "misshaped": misshaped,
+            "loaded": len(found), "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
             "fp8_problems": {w[1]: ckpt.fp8_problem(w[1]) for w in wrong_dtype if w[2] in FP8_DTYPES},
             "kept_aside": sum(1 for k in ckpt.file_of if kept and k.startswith(kept))}
 
@@ -375,7 +375,8 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
     """Copy the checkpoint's tensors into ``model`` (dtype converted), tensor by tensor and only
     the rows this process holds: its experts of a stacked expert tensor, its rows of an FSDP
     shard (also offloaded to host memory). Returns the check report plus ``filled``: the names
-    written. With ``strict``, missing or mis-shaped tensors raise. ``progress``: a tqdm bar.
+    written. With ``strict``, missing or mis-shaped tensors
+    raise. ``progress``: a tqdm bar.
     ``masters``: parameters it holds are read in fp32 and stored as bf16 plus remainder, so an
     fp32 checkpoint's values survive exactly."""
     from tqdm import tqdm

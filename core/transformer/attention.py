@@ -1,6 +1,7 @@
 """GQA self-attention on THD input, with the options families use: per-head RMSNorm on q and k
-before RoPE (``qk_norm``, in either RMSNorm form), an optional sliding window, projection biases,
-and an optional head-wise sigmoid gate on each head's output before ``o_proj`` (Step-3.x's
+before RoPE (``qk_norm``, in either RMSNorm form), an optional sliding window, projection biases
+(``bias`` on q/k/v and, unless ``o_bias`` says otherwise, on ``o_proj``: GLM-4.5 biases q/k/v
+only), and an optional head-wise sigmoid gate on each head's output before ``o_proj`` (Step-3.x's
 ``g_proj``: hidden -> one gate per head).
 
 :func:`attend` is the one kernel call every attention kind makes (this GQA module and
@@ -9,7 +10,17 @@ It takes a value head dim different from the query/key head dim: ``sdpa`` comput
 is; a kernel that needs equal dims (flash ``varlen``, ``flex``, Transformer Engine, the compiled
 op, the CP exchange) gets V zero-padded to the query/key dim and its output cropped back, as
 transformers does for flash attention. The padding is exact (zero value columns add nothing to
-the columns kept) but costs the padded columns' FLOPs and bytes."""
+the columns kept) but costs the padded columns' FLOPs and bytes.
+
+Every attention kind declares what core's machinery reads from it (:func:`attention_modules`
+finds them), so a new kind needs no edit in ``core/lora.py``, ``core/compile.py`` or
+``core/context_parallel/apply.py``:
+
+- ``lora_projections``: the names of its linears that ``--lora-targets attention`` adapts, in
+  that order (one a configuration leaves out, a gate or a low-rank query, is skipped);
+- ``backend``: the kernel it calls :func:`attend` with (``--compile`` checks it);
+- ``supports_context_parallel``: whether ``apply_context_parallel`` may give it the CP group
+  (its ``context_parallel``, passed on to :func:`attend`); one that cannot is refused by name."""
 from __future__ import annotations
 
 import torch
@@ -23,19 +34,33 @@ from core.transformer.norm import RMSNorm
 from core.transformer.rotary import apply_rotary
 
 
+def is_attention(m: nn.Module) -> bool:
+    """Whether ``m`` is an attention kind of core's: it declares the protocol above
+    (``lora_projections``), whatever its class."""
+    return isinstance(getattr(type(m), "lora_projections", None), tuple)
+
+
+def attention_modules(module: nn.Module) -> list[nn.Module]:
+    """The attention modules inside ``module`` (itself included)."""
+    return [m for m in module.modules() if is_attention(m)]
+
+
 class Attention(nn.Module):
+    lora_projections = ("q_proj", "k_proj", "v_proj", "o_proj", "g_proj")  # the protocol above
+    supports_context_parallel = True
     context_parallel = None  # core.context_parallel.ContextParallel, set by apply_context_parallel
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  window: int | None, softmax_scale: float, eps: float, backend: str = "auto",
-                 gate: bool = False, qk_norm: bool = True, norm_offset: bool = True, bias: bool = False):
+                 gate: bool = False, qk_norm: bool = True, norm_offset: bool = True, bias: bool = False,
+                 o_bias: bool | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window, self.scale, self.backend = window, softmax_scale, backend
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias if o_bias is None else o_bias)
         self.g_proj = nn.Linear(hidden, num_heads, bias=False) if gate else None  # one gate per head
         self.q_norm = RMSNorm(head_dim, eps, offset=norm_offset) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset) if qk_norm else None

@@ -20,15 +20,23 @@ q/k dim for kernels that need equal dims (flash ``varlen``, ``flex``, TE, ``--co
 crops the output, as transformers does for flash. K and V are expanded per head before the kernel
 (no weight absorption: training computes every query against every key anyway).
 
-Not yet: context parallelism (``apply_context_parallel`` refuses a block without core's GQA
-``Attention``; the plan is to exchange the latent, not the expanded K/V), LoRA targets and the
-planner's own MLA shape.
+Context parallelism exchanges the compressed latent, not the expanded K/V: each CP rank computes
+its tokens' normed latent and roped shared key (``[T/N, kv_lora_rank + rope]``, rope at the
+tokens' own positions), the all-gather moves those (its backward reduce-scatters their
+gradients), and ``kv_b_proj`` expands the key buffer's latent rows into per-head K and V on every
+rank (:meth:`core.context_parallel.attention.ContextParallel.latent`). Per token that moves
+``kv_lora_rank + rope`` values (576 on DeepSeek-V3) instead of ``heads x (nope + rope + v)``
+(40960), at the cost of running ``kv_b_proj`` on the ``(1 + 1/2N) T`` key rows each rank reads.
+
+LoRA's ``attention`` target adapts the projections (``lora_projections``), never the latent norms.
+Not yet: the planner's own MLA shape.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from core.context_parallel.attention import cp_latent_attention
 from core.transformer.attention import attend
 from core.transformer.attention_backends import DocLayout
 from core.transformer.norm import RMSNorm
@@ -38,7 +46,11 @@ LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep RMSN
 
 
 class MLAttention(nn.Module):
-    context_parallel = None  # not set by apply_context_parallel yet (see the module docstring)
+    # the attention protocol (core/transformer/attention.py): q_proj or q_a_proj + q_b_proj, as
+    # q_lora_rank builds; the latent norms are never adapted
+    lora_projections = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    supports_context_parallel = True  # the latent exchange (see the module docstring)
+    context_parallel = None  # core.context_parallel.ContextParallel, set by apply_context_parallel
 
     def __init__(self, hidden: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_scale: float,
@@ -72,12 +84,23 @@ class MLAttention(nn.Module):
         T, H = x_TH.shape[0], self.num_heads
         q_nope, q_rot = self._query(x_TH).view(T, H, self.head_dim).split([self.nope, self.rope], -1)
         latent_TC, k_rot = self.kv_a_proj_with_mqa(x_TH).split([self.kv_lora_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent_TC)).view(T, H, self.nope + self.v_head_dim)
-        k_nope, v = kv.split([self.nope, self.v_head_dim], -1)
         cos, sin = rope
         turn = apply_rotary_interleaved if self.interleaved else apply_rotary
-        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot[:, None, :], cos, sin)  # k_rot: one head, shared
-        q = torch.cat([q_nope, q_rot], -1)
-        k = torch.cat([k_nope, k_rot.expand(T, H, self.rope)], -1)
-        o_THV = attend(q, k, v, layout, self.window, self.scale, self.backend, self.context_parallel)
+        q = torch.cat([q_nope, turn(q_rot, cos, sin)], -1)
+        # per token: the normed latent and the roped key shared by every head (what CP moves)
+        kv_TC = torch.cat([self.kv_a_layernorm(latent_TC), turn(k_rot[:, None, :], cos, sin)[:, 0]], -1)
+        if self.context_parallel is not None or layout.params.cp is not None:  # a CP shard
+            o_THV = cp_latent_attention(self.context_parallel, q, kv_TC, self._expand, layout, self.window,
+                                        self.scale, self.backend)
+        else:
+            k, v = self._expand(kv_TC)
+            o_THV = attend(q, k, v, layout, self.window, self.scale, self.backend)
         return self.o_proj(o_THV.reshape(T, H * self.v_head_dim))
+
+    def _expand(self, kv_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows ``[R, kv_lora_rank + rope]`` -> ``k [R, heads, nope + rope]``, ``v [R, heads, v_head_dim]``."""
+        R, H = kv_RC.shape[0], self.num_heads
+        latent_RC, k_rot = kv_RC.split([self.kv_lora_rank, self.rope], -1)
+        kv = self.kv_b_proj(latent_RC).view(R, H, self.nope + self.v_head_dim)
+        k_nope, v = kv.split([self.nope, self.v_head_dim], -1)
+        return torch.cat([k_nope, k_rot[:, None, :].expand(R, H, self.rope)], -1), v

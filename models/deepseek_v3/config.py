@@ -13,19 +13,22 @@ Layers ``0 .. first_k_dense_replace - 1`` are dense SwiGLU (``intermediate_size`
 ``n_routed_experts`` sigmoid-scored experts chosen by group-limited top-k (``n_group``,
 ``topk_group``) with a correction bias, weights renormalised with ``norm_topk_prob``, times
 ``routed_scaling_factor``, plus ``n_shared_experts`` always-on experts (one SwiGLU of their summed
-size). ``num_nextn_predict_layers`` (DeepSeek-V3's multi-token-prediction layer) is recorded but
-not built: its tensors are set aside on import (``models/deepseek_v3/weights.py``), as
-transformers does. Export writes ``model_type`` "deepseek_v3" (Kimi-K2's "kimi_k2" needs remote
-code in transformers; the architecture is the same).
+size). ``num_nextn_predict_layers`` multi-token-prediction depths (DeepSeek-V3's one, published
+as layer ``num_hidden_layers``) are built after the last layer with core's MTP block
+(``models/deepseek_v3/model.py``; transformers keeps the count but builds none). Export writes
+``model_type`` "deepseek_v3" (Kimi-K2's "kimi_k2" needs remote code in transformers; the
+architecture is the same).
 """
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import asdict, dataclass, field
 
 from core.moe.router import check_groups
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from core.transformer.rotary import ROPE_TYPES
+from models.common.mtp_layers import mtp_layers_held
 from models.registry import read_hf_config
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -73,16 +76,16 @@ class DeepseekV3Config:
     rope_interleave: bool = True
     attention_bias: bool = False
     tie_word_embeddings: bool = False
-    num_nextn_predict_layers: int = 0       # recorded, not built (see the module docstring)
+    num_nextn_predict_layers: int = 0       # MTP depths after the last layer (core/transformer/mtp.py)
     attention_backend: str = "auto"
     init_std: float = 0.02
-
-    num_mtp_layers = 0  # no extra blocks after the last layer are built
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers {self.num_nextn_predict_layers} must be >= 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} must be in [0, {self.num_layers}]")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -100,6 +103,11 @@ class DeepseekV3Config:
     # ------------------------------------------------------------------ derived
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Multi-token-prediction depths built after the last layer (core's name for the count)."""
+        return self.num_nextn_predict_layers
 
     @property
     def head_dim(self) -> int:
@@ -138,7 +146,11 @@ class DeepseekV3Config:
         for key, want in _REQUIRED_VALUES.items():
             if c.get(key, want) != want:
                 raise ValueError(f"{where}: {key} {c[key]!r} is not supported (this model implements {want!r})")
-        return cls(**{**_fields_from_hf(c), **overrides})
+        fields = _fields_from_hf(c)
+        if isinstance(path_or_dict, str) and os.path.isdir(path_or_dict):  # models/common/mtp_layers.py
+            fields["num_nextn_predict_layers"] = mtp_layers_held(path_or_dict, fields["num_layers"],
+                                                                 fields["num_nextn_predict_layers"])
+        return cls(**{**fields, **overrides})
 
     def to_hf(self) -> dict:
         """A ``config.json`` dict in the form transformers' DeepseekV3Config reads."""
@@ -227,7 +239,7 @@ _FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "w
 _YARN = {"type": "yarn", "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
 PRESETS = {
     "deepseek-v3-tiny": _tiny_config(),
-    "deepseek-v3": _hub(  # deepseek-ai/DeepSeek-V3 (and R1): 671B without its MTP layer
+    "deepseek-v3": _hub(  # deepseek-ai/DeepSeek-V3 (and R1): 671B, plus its MTP layer
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
         n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,

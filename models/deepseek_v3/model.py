@@ -3,9 +3,12 @@ latent attention (``core/transformer/mla.py``), dense SwiGLU on the first
 ``first_k_dense_replace`` layers, then sigmoid-scored, group-limited top-k routed experts with a
 correction bias (renormalised with ``norm_topk_prob``, scaled by ``routed_scaling_factor``) plus
 the shared experts; plain RMSNorm everywhere; numerically transformers'
-``DeepseekV3ForCausalLM``. Its multi-token-prediction layer is not built (transformers has none
-either). Balancing is aux-loss-free (the router's bias update); an auxiliary loss, when asked
-for, is the per-layer switch form."""
+``DeepseekV3ForCausalLM``. ``num_nextn_predict_layers`` multi-token-prediction depths follow the
+last layer (``core/transformer/mtp.py``; transformers builds none): each a decoder layer of index
+``num_layers + k`` (MoE on the release) between core's ``enorm`` / ``hnorm`` / ``eh_proj`` and its
+own head; the input embedding is the main one (DeepSeek-V3 shares it), the head a tensor of its
+own (``docs/deepseek-v3.md``). They change no main logit. Balancing is aux-loss-free (the
+router's bias update); an auxiliary loss, when asked for, is the per-layer switch form."""
 from __future__ import annotations
 
 from torch import nn
@@ -14,6 +17,7 @@ from core.moe.layer import MoELayer
 from core.transformer.block import DecoderBlock
 from core.transformer.mla import MLAttention
 from core.transformer.mlp import SwiGLUMLP
+from core.transformer.mtp import MTPDepth, MultiTokenPrediction
 from core.transformer.norm import RMSNorm
 from core.transformer.rotary import yarn_softmax_scale
 from models.common.decoder import DecoderLM
@@ -61,3 +65,13 @@ class DeepseekV3Model(DecoderLM):
     @property
     def tied_head(self) -> bool:
         return self.config.tie_word_embeddings
+
+    @property
+    def embedding_on_last(self) -> bool:
+        return self.tied_head or self.config.num_mtp_layers > 0  # MTP embeds the shifted tokens
+
+    def build_extra(self, experts: range | None) -> None:
+        cfg = self.config  # depth k's decoder layer is layer num_layers + k of the published layout
+        self.mtp = MultiTokenPrediction([
+            MTPDepth(cfg.hidden_size, cfg.vocab_size, decoder_layer(cfg, cfg.num_layers + k, experts), self.make_norm)
+            for k in range(cfg.num_mtp_layers)]) if cfg.num_mtp_layers > 0 else None

@@ -46,7 +46,8 @@ def micro_batches(dp: int, M: int, vocab: int, seed: int = 0, pad_multiple: int 
     return out
 
 
-TINY = {"step37": "tiny", "qwen3_moe": "qwen3-moe-tiny"}
+TINY = {"step37": "tiny", "qwen3_moe": "qwen3-moe-tiny", "deepseek_v3": "deepseek-v3-tiny",
+        "glm4_moe": "glm4-moe-tiny"}
 
 
 def tiny_config(family: str = "step37", **kw):

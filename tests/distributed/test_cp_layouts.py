@@ -1,5 +1,6 @@
 """Context-parallel layouts vs one process through the trainer's own ``train_step`` (the tiny
-model: full and sliding layers, dense and MoE, MTP; and the tiny Qwen3-MoE): loss, gradients, grad norm, MoE load and the
+model: full and sliding layers, dense and MoE, MTP; the tiny Qwen3-MoE; the tiny DeepSeek-V3,
+whose multi-head latent attention exchanges the compressed latent): loss, gradients, grad norm, MoE load and the
 parameters after a clipped SGD step, 1e-5 relative as the other layouts
 (``test_parallel_equivalence.py``). Pipeline p2p and halo exchanges are replayed under NCCL's
 rules."""
@@ -16,11 +17,14 @@ LAYOUTS = {  # name: (world, pp, ep, cp, family)
     "cp2_pp2": (4, 2, 1, 2, "step37"),
     # the second family through the same generic decoder: softmax routing, a model-wide aux loss
     "cp2_ep2_qwen3_moe": (2, 1, 2, 2, "qwen3_moe"),
+    # multi-head latent attention: the latent all-gathered, K/V expanded on each rank; group-limited
+    # sigmoid routing with its balancing bias
+    "cp2_ep2_deepseek_v3": (2, 1, 2, 2, "deepseek_v3"),
 }
 
 
 def _case(world, pp, ep, cp, family):
-    bias_rate = 0.01 if family == "step37" else 0.0  # Qwen3-MoE's softmax routers have no balancing bias
+    bias_rate = 0.0 if family == "qwen3_moe" else 0.01  # Qwen3-MoE's softmax routers have no balancing bias
     return world, check_layout, (pp, 1, ep, "alltoall", 0.01, None, bias_rate, None, (), family, cp)
 
 

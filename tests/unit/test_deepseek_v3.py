@@ -113,7 +113,10 @@ def test_export_reloads_in_transformers_with_the_same_logits(tmp_path):
         model.layers["1"].mlp.experts.up_proj.mul_(1.5)
     assert model.save_hf(str(tmp_path / "out")) == "published"
     hf, info = DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    # transformers' default num_nextn_predict_layers 1 with no layer saved: read as no MTP layer
+    # (models/common/mtp_layers.py), so the export holds nothing transformers does not know
+    assert not info["unexpected_keys"]
     tokens, pos, psp = thd([17])
     with torch.no_grad():
         assert_close_rel(model(tokens, pos, psp), hf(input_ids=tokens[None]).logits[0], rel=HF_REL)
@@ -124,42 +127,25 @@ def test_export_reloads_in_transformers_with_the_same_logits(tmp_path):
         assert torch.equal(b, c), n  # the routers' correction biases travel too
 
 
-def test_the_mtp_layer_of_a_release_is_set_aside(tmp_path):
-    """DeepSeek-V3 publishes its MTP layer as ``model.layers.{L}`` (``num_nextn_predict_layers``
-    1): not built, so its tensors are kept aside on import, as transformers skips them; without
-    that count they are tensors the model has no place for."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    save_hf_model(str(tmp_path), seed=0)
-    f = str(tmp_path / "model.safetensors")
-    tensors = load_file(f)
-    mtp = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
-           "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(32, 64)}
-    save_file({**tensors, **mtp}, f, metadata={"format": "pt"})
-    raw = json.loads((tmp_path / "config.json").read_text())
-    for n, unexpected in ((1, []), (0, sorted(mtp))):
-        (tmp_path / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": n}))
-        model = DeepseekV3Model(DeepseekV3Config.from_hf(str(tmp_path)))
-        report = model.load_hf(str(tmp_path), strict=False)
-        assert report["unexpected"] == unexpected and report["kept_aside"] == (3 if n else 0)
-
-
 @pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2", "moonlight-16b-a3b"])
 def test_parameter_counts_on_meta_equal_transformers(preset):
+    """transformers builds no MTP layer: its count is ours without DeepSeek-V3's (one MoE decoder
+    layer, enorm, hnorm, eh_proj, a head norm and a head of its own; the embedding is shared)."""
     from transformers import DeepseekV3Config as HFConfig
     from transformers import DeepseekV3ForCausalLM
+
+    from models.common.decoder import count_parameters
 
     skip = ("architectures", "model_type", "torch_dtype", "quantization_config")
     kw = {k: v for k, v in PRESETS[preset].items() if k not in skip}
     with torch.device("meta"):
         hf = DeepseekV3ForCausalLM(HFConfig(**kw))
         ours = DeepseekV3Model(DeepseekV3Config.preset(preset))
-    count = lambda m: sum(p.numel() for p in m.parameters())
-    assert count(ours) == count(hf)
-    assert count(ours) == {"deepseek-v3": 671_026_404_352, "kimi-k2": 1_026_408_209_408,
-                           "moonlight-16b-a3b": 15_960_108_544}[preset]
+    count = count_parameters(ours)
+    assert count["total_without_mtp"] == sum(p.numel() for p in hf.parameters())
+    assert count["total_without_mtp"] == {"deepseek-v3": 671_026_404_352, "kimi-k2": 1_026_408_209_408,
+                                          "moonlight-16b-a3b": 15_960_108_544}[preset]
+    assert count["mtp"] == {"deepseek-v3": 12_536_747_008, "kimi-k2": 0, "moonlight-16b-a3b": 0}[preset]
 
 
 def test_config_reads_the_hub_form_and_errors_are_clear():
@@ -179,12 +165,61 @@ def test_config_reads_the_hub_form_and_errors_are_clear():
         DeepseekV3Config.from_hf({**hub, "topk_group": 9})
 
 
-def test_context_parallel_is_refused_by_name():
-    """MLA has no CP exchange yet (docs/deepseek-v3.md): refused, not run shard-local."""
-    from types import SimpleNamespace
+def test_context_parallel_moves_the_latent_and_equals_the_unsharded_layer(monkeypatch):
+    """Under CP, MLAttention all-gathers each token's normed latent and roped shared key
+    (``[T/N, kv_lora_rank + rope]``), not the expanded K/V, and ``kv_b_proj`` expands the key
+    buffer's rows after the exchange. On a one-rank CP shard (the all-gather is then the
+    identity, here a recording stand-in) the output and the gradients of the input and of every
+    parameter equal the unsharded layer (fp64, 1e-12 relative: the same terms, the sdpa calls cut
+    per segment), with a value head dim below the q/k one; so does the ``varlen`` call, with
+    torch's documented contract standing in for flash (equal head dims: V padded, the output
+    cropped). CP2 against one process through the trainer's step:
+    tests/distributed/test_cp_layouts.py."""
+    import numpy as np
 
-    from core.context_parallel.apply import apply_context_parallel
+    import core.context_parallel.attention as cpa
+    from core.context_parallel.exchange import CPComm
+    from core.transformer.attention_backends import DocLayout
+    from core.transformer.mla import MLAttention
+    from core.transformer.rotary import RotaryEmbedding
+    from data.cp_shard import shard_batch
+    from tests.distributed.cp_cases import pack
+    from tests.unit.test_varlen_adapter import reference_varlen_attn, use_kernel
 
-    model = DeepseekV3Model(DeepseekV3Config.preset("deepseek-v3-tiny"))
-    with pytest.raises(ValueError, match="--context-parallel-size 2: block 0 of DeepseekV3Model has no"):
-        apply_context_parallel(model, SimpleNamespace(size=2, group=None))
+    gathered = []
+    monkeypatch.setattr(cpa, "all_gather", lambda x, group: gathered.append(tuple(x.shape)) or x)
+    torch.manual_seed(0)
+    attn = MLAttention(32, 4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                       v_head_dim=6, softmax_scale=0.3).double()
+    whole = pack(1)
+    shard = shard_batch(whole, 1, 0).packed_seq_params
+    T = whole.tokens.numel()
+    assert np.array_equal(shard.cp.index, np.arange(T))  # one rank: its shard is the pack, in order
+    x, g = torch.randn(T, 32, dtype=torch.float64), torch.randn(T, 32, dtype=torch.float64)
+    rope = RotaryEmbedding(4, {"rope_theta": 10000.0})(whole.position_ids, torch.float64)
+
+    def run(params):
+        attn.zero_grad()
+        xg = x.clone().requires_grad_()
+        out = attn(xg, rope, DocLayout.from_params(params))
+        (out * g).sum().backward()
+        return {"out": out.detach(), "dx": xg.grad, **{n: p.grad.clone() for n, p in attn.named_parameters()}}
+
+    want = run(whole.packed_seq_params)
+    attn.context_parallel = cpa.ContextParallel(CPComm(None, [0], 0))
+    got = run(shard)
+    assert gathered == [(T, 12 + 4)], gathered  # kv_lora_rank + rope per token, once
+    for name in want:
+        assert_close_rel(got[name], want[name], rel=1e-12)
+
+    def kernel(query, key, value, *args, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert query.shape[-1] == key.shape[-1] == value.shape[-1] == 12, "flash needs equal head dims"
+        return reference_varlen_attn(query, key, value, *args, scale=scale, window_size=window_size, calls=calls)
+
+    calls = []
+    use_kernel(monkeypatch, kernel)
+    attn.backend = "varlen"
+    got = run(shard)
+    assert len(calls) == 1 and gathered[-1] == (T, 16)
+    for name in want:  # the stand-in sums in fp64 too; a wrong pad or crop is O(1)
+        assert_close_rel(got[name], want[name], rel=1e-12)
