@@ -82,9 +82,12 @@ def _count_from_parameters(cfg) -> int:
     return total
 
 
-@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "moonlight-16b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "tiny-mtp", "moonlight-16b-a3b", "deepseek-v3"])
 def test_matmul_weights_per_token_match_the_model(preset):
-    cfg = DeepseekV3Config.preset(preset)
+    """Every decoder layer and each MTP depth (its ``eh_proj``, decoder layer and own head;
+    DeepSeek-V3 has one)."""
+    cfg = tiny(num_nextn_predict_layers=1) if preset == "tiny-mtp" else DeepseekV3Config.preset(preset)
+    assert len(shapes_of(cfg).extra) == cfg.num_nextn_predict_layers
     assert matmul_params_per_token(shapes_of(cfg)) == _count_from_parameters(cfg)
 
 
@@ -101,7 +104,7 @@ def test_deepseek_v3_attention_by_hand():
     n = 4096
     assert a.score_flops(n * (n + 1) // 2) == 2 * 128 * (192 + 128) * n * (n + 1) // 2
     cfg = DeepseekV3Config.preset("deepseek-v3")
-    attn_train = 61 * 3 * a.score_flops(n * (n + 1) // 2)
+    attn_train = (61 + 1) * 3 * a.score_flops(n * (n + 1) // 2)  # 61 layers and the MTP depth
     assert training_flops(shapes_of(cfg), [n]) == 6.0 * matmul_params_per_token(shapes_of(cfg)) * n + attn_train
     T, b = 8192, 2
     assert a.exchange_row_bytes(b) == (512 + 64) * 2  # 85x less than the expanded K/V's 2 x 128 x 192 x 2
@@ -152,6 +155,38 @@ def test_recompute_modes_keep_what_the_planner_books(mode, monkeypatch):
         chunk(tokens, pos, psp, labels=labels_for(tokens, DOCS))
     estimate = _chunk_activations(cfg, chunk, sum(DOCS), 4, PlanInputs(recompute=mode))
     assert 0.95 <= estimate / saved.bytes <= 1.05, (estimate, saved.bytes)
+
+
+def test_frozen_layers_keep_what_the_planner_books(monkeypatch):
+    """LoRA on the MLA chunk (core/lora.py adapts its projections), measured on its last layer
+    (MoE with a shared expert; earlier adapters make its input require a gradient) as the GQA
+    test does (tests/unit/test_lora_plan.py): the planner's block within 25% of what autograd
+    saved and its saving against the full block within 25% of the measured saving."""
+    from core.activations import block_bytes
+    from core.lora import LoraSettings, apply_lora
+
+    monkeypatch.setattr(attention, "NATIVE_VALUE_DIM", ())
+    cfg, i = tiny(), 2
+    shapes, T = shapes_of(cfg), sum(DOCS)
+    extra = cpu_sdpa_extra_bytes(shapes.blocks[i].attention, DOCS, 4)
+
+    def measured(targets):
+        chunk = build_chunks(cfg, ParallelState.single())[0]
+        if targets:
+            apply_lora(chunk, LoraSettings(lora_rank=4, lora_alpha=8, lora_targets=targets))
+        saved = SavedTensorBytes(chunk)
+        layer = chunk.layers[str(i)]
+        layer.register_forward_pre_hook(lambda m, a: saved.__enter__() and None)
+        layer.register_forward_hook(lambda m, a, o: saved.__exit__(None, None, None))
+        tokens, pos, psp = thd(DOCS)
+        chunk(tokens, pos, psp, labels=labels_for(tokens, DOCS))
+        return saved.bytes
+
+    full, full_est = measured(None), block_bytes(shapes, i, T, 4) + extra
+    for targets in ("attention", "attention,experts", "experts", "attention,mlp,shared_expert,experts"):
+        got, est = measured(targets), block_bytes(shapes, i, T, 4, "none", (4, targets)) + extra
+        assert 0.75 <= est / got <= 1.25, (targets, est, got)
+        assert 0.75 <= (full_est - est) / (full - got) <= 1.25, (targets, full_est - est, full - got)
 
 
 def test_lora_adapters_and_frozen_savings_by_hand():
