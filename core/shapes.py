@@ -25,6 +25,8 @@ never read a kind's fields, so a new kind is one class here and nothing else cha
   adapts (an adapter costs ``2 r (in + out)`` FLOPs per token);
 - ``exchange_row_bytes(b)``: one token's bytes the context-parallel exchange moves;
 - ``key_row_bytes(b)``: one key row of the buffer the context-parallel attention keeps;
+- ``expand_flops(rows)``: forward FLOPs of turning ``rows`` exchanged rows into K/V on the
+  receiving rank (0 where K/V themselves move, GQA; MLA's ``kv_b_proj``);
 - ``window``: keys seen counting the query, ``None`` for the whole causal document.
 """
 from __future__ import annotations
@@ -100,6 +102,9 @@ class AttentionShape:
     def key_row_bytes(self, b: int) -> int:
         return self.exchange_row_bytes(b)
 
+    def expand_flops(self, rows) -> int:
+        return 0  # K and V move as they are
+
 
 @dataclass(frozen=True)
 class MLAShape:
@@ -153,7 +158,8 @@ class MLAShape:
 
     def kept_bytes(self, hidden: int, T: int, b: int) -> int:
         """The input norm and its output (q's or q_a's and kv_a's input); the latent norms and
-        their outputs (q_b's and kv_b's inputs); the kernel's q, k (the rope key expanded to every
+        q_b's input (the q latent normed), kv_b's (the normed kv latent beside the roped key,
+        ``[T, kv_lora_rank + qk_rope]``: the rows CP exchanges); the kernel's q, k (the rope key expanded to every
         head) and V padded to the q/k dim, its padded output and fp32 logsumexp; o's input (a
         cropped copy when V was padded). The rotations multiply by constant cos/sin and keep
         nothing of q or k; the latent and rope key split from kv_a's output are views."""
@@ -161,7 +167,7 @@ class MLAShape:
         total = norm_bytes(T, hidden, b) + T * hidden * b
         if Q is not None:
             total += norm_bytes(T, Q, b) + T * Q * b
-        total += norm_bytes(T, C, b) + T * C * b
+        total += norm_bytes(T, C, b) + T * (C + self.qk_rope) * b
         total += 4 * T * H * P * b + (T * H * Dv * b if Dv != P else 0)
         return total + T * H * F32
 
@@ -171,14 +177,15 @@ class MLAShape:
 
     def frozen_savings(self, hidden: int, T: int, b: int, rank: int) -> int:
         """The input norm's and the latent norms' normalised outputs; unadapted (``rank`` 0), the
-        projections' inputs (the normed input, the two normed latents, o's cropped input: the
-        kernel keeps its own output anyway when nothing was cropped); adapted, each projection
-        keeps ``x A^T``."""
+        projections' inputs (the normed input, q_b's and kv_b's, o's cropped input: the kernel
+        keeps its own output anyway when nothing was cropped); adapted, each projection keeps
+        ``x A^T``."""
         Q, C, H, Dv = self.q_lora_rank or 0, self.kv_lora_rank, self.heads, self.v_head_dim
         saved = T * (hidden + Q + C) * F32
         if rank:
             return saved - T * rank * b * self.projections
-        return saved + T * (hidden + Q + C) * b + (T * H * Dv * b if Dv != self.padded_dim else 0)
+        inputs = T * (hidden + Q + C + self.qk_rope) * b
+        return saved + inputs + (T * H * Dv * b if Dv != self.padded_dim else 0)
 
     def adapter_ends(self, hidden: int) -> int:
         """q (or q_a and q_b), kv_a, kv_b, o (``core/lora.py`` adapts every MLA projection)."""
@@ -197,6 +204,11 @@ class MLAShape:
         """One gathered key row as the CP attention keeps it: the latent row it expands and the K
         and V rows the kernel reads (every head's, V padded)."""
         return self.exchange_row_bytes(b) + 2 * self.heads * self.padded_dim * b
+
+    def expand_flops(self, rows):
+        """``kv_b_proj`` on ``rows`` latent rows (part of :meth:`params` per token; under CP it
+        runs on the key buffer's rows instead of the rank's own tokens)."""
+        return 2 * self.kv_lora_rank * self.heads * (self.qk_nope + self.v_head_dim) * rows
 
 
 @dataclass(frozen=True)

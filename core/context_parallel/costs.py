@@ -5,9 +5,9 @@ bytes each rank receives, from what ``attention.py`` and ``exchange.py`` allocat
 Counted for the case a CP layout is chosen for: one document filling the pack of ``T`` tokens
 (``N = cp``, chunks of ``c = T / 2N``), bytes ``b`` per element. What one token or key row
 weighs is the attention shape's (``core/shapes.py``): GQA moves and keeps K and V together
-(``[rows, 2 Hkv, D]``); MLA moves its latent and rope key (``kv_lora_rank + qk_rope`` per token)
-and keeps the latent with the K/V it expands to (its CP exchange is not built yet: these are the
-numbers it is planned to). Packs of many short documents move and keep less on full layers (each
+(``[rows, 2 Hkv, D]``); MLA moves its normed latent and roped key (``kv_lora_rank + qk_rope`` per
+token), keeps the key buffer's latent rows with the K/V ``kv_b_proj`` expands them to, and runs
+that expansion on the key buffer's rows instead of its own tokens (:func:`expand_flops`). Packs of many short documents move and keep less on full layers (each
 chunk reads only its own document's prefix) and at most as much on sliding ones per document.
 At ``cp == 1`` everything here is 0 (the unsharded attention path).
 """
@@ -58,3 +58,13 @@ def exchange_bytes(a, T: int, cp: int, b: int) -> int:
         return 0
     rows = T * (cp - 1) // cp if a.window is None else halo_rows(T, cp, a.window)
     return rows * a.exchange_row_bytes(b)
+
+
+def expand_flops(a, T: int, cp: int) -> float:
+    """Forward FLOPs a rank spends per layer and micro-batch turning its key buffer into K/V
+    beyond what its own ``T / N`` tokens cost in the per-token model (``core/flops.py``): MLA's
+    ``kv_b_proj`` runs on the ``key_rows`` rows (``(1 + 1/2N) T`` on a full layer) instead of
+    ``T / N``; 0 for GQA, whose K/V move as they are."""
+    if cp == 1:
+        return 0.0
+    return float(a.expand_flops(key_rows(a, T, cp)) - a.expand_flops(T // cp))
