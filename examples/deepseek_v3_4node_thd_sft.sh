@@ -15,12 +15,13 @@
 # host memory and the optimizer steps each matrix in the backward (--optimizer-in-backward); full
 # recompute; micro-batches of 2 packs, one per rank and step.
 # --global-batch-size 64 packs = 524,288 tokens per iteration. Predicted (not measured; no GPU has
-# run this): 124.5 GB on each GPU, 1,010 GB of host memory per node, 30.0 s per step, 546 tokens/s
-# per GPU, MFU 15.5% (a prediction of the planner's model, assumed: 40% MFU for the maths, NVLink
+# run this): 130.0 GB on each GPU, 1,031 GB of host memory per node, 31.0 s per step, 529 tokens/s
+# per GPU, MFU 15.6% (a prediction of the planner's model, assumed: 40% MFU for the maths, NVLink
 # 150 GB/s inside a node, 50 GB/s per GPU between nodes, pinned PCIe 35 GB/s, host memory 52 GB/s
 # per rank). Plan it with the same flags first:
 #   python tools/plan_memory.py --world-size 32 <the flags below>
-# DeepSeek-V3's multi-token-prediction layer is not trained (docs/deepseek-v3.md).
+# DeepSeek-V3's multi-token-prediction layer trains beside the model (--mtp-loss-scale 0.3, the
+# scale of DeepSeek-V3's first 10T tokens; docs/deepseek-v3.md), costed in the plan.
 #
 # Run the same command on the four nodes; torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT
 # (a host every node reaches, e.g. the first node) assigns the node ranks:
@@ -42,6 +43,6 @@ torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$MAS
     --seq-length 8192 --micro-batch-size 2 --global-batch-size 64 --long-docs truncate \
     --optimizer muon --muon-momentum 0 --lr 1e-5 --min-lr 1e-6 \
     --lr-warmup-iters 50 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
-    --moe-bias-update-rate 0 \
+    --mtp-loss-scale 0.3 --moe-bias-update-rate 0 \
     --train-iters 2000 --log-interval 1 --log-dir "$OUT/tensorboard" \
     --save "$OUT/checkpoints" --save-interval 200 --keep-last 3 --load "$OUT/checkpoints"
