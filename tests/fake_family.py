@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+from core.shapes import AttentionShape, BlockShape, FFNShape, MLAShape, ModelShapes
 from core.transformer.attention import Attention
 from core.transformer.block import DecoderBlock
 from core.transformer.mla import MLAttention
@@ -82,9 +82,9 @@ class FakeDenseModel(DecoderLM):
 
 
 def shapes(c: FakeDenseConfig) -> ModelShapes:
-    if c.attention == "mla":  # a GQA stand-in, as models/deepseek_v3/costs.py: every head its own K/V
-        qk = c.qk_nope_head_dim + c.head_dim
-        attn = AttentionShape(c.num_attention_heads, c.num_attention_heads, qk, rotary_dim=c.head_dim)
+    if c.attention == "mla":  # core's own MLA cost shape, as models/deepseek_v3/costs.py
+        attn = MLAShape(c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.head_dim, c.v_head_dim,
+                        c.q_lora_rank)
     else:
         attn = AttentionShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, rotary_dim=c.head_dim)
     block = BlockShape(attn, FFNShape("dense", c.intermediate_size))

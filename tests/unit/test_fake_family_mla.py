@@ -61,3 +61,17 @@ def test_mla_variant_split_in_two_stages_equals_the_whole_model():
         for n, p in stage.named_parameters():
             assert p.grad is not None and p.grad.abs().max() > 0, n
             assert_close_rel(p.grad, params[n].grad, rel=1e-5)
+
+
+def test_mla_variant_is_costed_by_cores_shape():
+    """The family's costs name core's MLAShape and nothing else: the weights a token multiplies
+    through equal the built model's matrices (the embedding a lookup, the head counted)."""
+    from core.flops import matmul_params_per_token
+    from core.shapes import MLAShape
+
+    spec, cfg = registry.resolve("fake-mla-tiny")
+    shapes = registry.shapes_of(cfg)
+    assert all(isinstance(b.attention, MLAShape) for b in shapes.blocks)
+    model = spec.model_class(cfg, seed=0)
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    assert matmul_params_per_token(shapes) == weights
