@@ -27,8 +27,10 @@ import torch.distributed as dist  # noqa: E402
 
 from core.checkpointing import CheckpointError  # noqa: E402
 from core.parallel_state import ParallelState  # noqa: E402
-from train_args import parse, validate  # noqa: E402
+from data.indexed_dataset import DatasetError  # noqa: E402
+from train_args import parse, validate, validate_plan  # noqa: E402
 from training.planner.run import report  # noqa: E402
+from training.run_layout import RunLayout  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
 
@@ -60,11 +62,19 @@ def host_threads(on_host: bool) -> int:
     return torch.get_num_threads()
 
 
+def checked_layout(args) -> tuple[int, RunLayout]:
+    """The world and the validated layout: ``--dry-run N`` plans N ranks through the planner's own
+    checks (``train_args.validate_plan``, as tools/plan_memory.py does); a run checks its files too."""
+    if args.memory.dry_run:
+        return args.memory.dry_run, validate_plan(args, args.memory.dry_run)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return world, validate(args, world)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
-    world = args.memory.dry_run or int(os.environ.get("WORLD_SIZE", 1))
     try:
-        layout = validate(args, world, check_files=not args.memory.dry_run)
+        world, layout = checked_layout(args)
     except ValueError as e:
         print(f"pretrain_step37.py: error: {e}", file=sys.stderr)
         return 2
@@ -77,6 +87,10 @@ def main(argv=None) -> int:
         ps = ParallelState.build(layout.sizes, layout.config.num_layers, layout.config.num_experts,
                                  timeout=datetime.timedelta(minutes=timeout))
         trainer = Trainer(args, layout, ps, start_time=START_TIME)
+    except DatasetError as e:  # found opening the data (a plan that cuts an image, say)
+        print(f"pretrain_step37.py: error: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 1
     except Exception as e:
         if peer_failure(e):
             _abort(e, timeout)
@@ -89,7 +103,7 @@ def main(argv=None) -> int:
     try:
         trainer.maybe_resume()
         rc = trainer.train()
-    except CheckpointError as e:
+    except (CheckpointError, DatasetError) as e:  # DatasetError: damage the loader read mid-run
         trainer.log.error(str(e))
         rc = 1
     except Exception as e:

@@ -5,12 +5,12 @@ group exists. ``tools/plan_memory.py`` parses the same flags."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from dataclasses import dataclass
 
-from core.cli import add_to_parser, flag_name, from_namespace, option
+from core.cli import (AT_LEAST_0, AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_OPEN,  # noqa: F401
+                      add_to_parser, flag_name, from_namespace, option)
 from core.optim.lr_schedule import DECAY_STYLES
 from core.parallel_state import ParallelSizes
 from data.loader import parse_data_path
@@ -23,20 +23,14 @@ from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from models import registry
 from training.parallelize import stage_layers
+from training.profiling import check_profile
 from training.run_layout import (RunLayout, aux_loss_coeff, evaluates, model_config,  # noqa: F401
                                  model_spec_and_config, validation_weights)
 
-# numeric rules for flags: (what the message says, test); None values (unset flags) pass
-POSITIVE = ("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
-NON_NEGATIVE = ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
-AT_LEAST_1 = (">= 1", lambda v: v >= 1)
-AT_LEAST_0 = (">= 0", lambda v: v >= 0)
-UNIT_OPEN = ("in [0, 1)", lambda v: 0 <= v < 1)
-FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
-
 
 def require(section, **rules) -> None:
-    """``ValueError`` naming the first flag of ``section`` that breaks its rule."""
+    """``ValueError`` naming the first flag of ``section`` that breaks its rule (a rule of
+    core/cli.py: what the message says, the test); None values (unset flags) pass."""
     for name, (want, ok) in rules.items():
         v = getattr(section, name)
         if v is not None and not ok(v):
@@ -177,12 +171,15 @@ class MemoryArgs(MemoryMode):
 
     params_dtype: str = option(None, "deprecated: --params-dtype bf16 means --bf16, fp32 is the default",
                                choices=("fp32", "bf16"))
-    dry_run: int = option(0, "plan a run on this many ranks and exit: each rank's share built on the "
-                             "meta device, parameter counts and memory (no data needed; the same "
-                             "plan as tools/plan_memory.py --world-size N)")
+    dry_run: int = option(None, "plan a run on this many ranks (N >= 1) and exit: each rank's share built "
+                                "on the meta device, parameter counts and memory (no data needed; the "
+                                "same checks and plan as tools/plan_memory.py --world-size N). Leave the "
+                                "flag out to train: --dry-run 0 is refused, not a training run")
 
     def __post_init__(self):
-        require(self, dry_run=AT_LEAST_0)
+        if self.dry_run is not None and self.dry_run < 1:
+            raise ValueError(f"--dry-run {self.dry_run}: give the number of ranks to plan (>= 1); leave "
+                             "--dry-run out to train")
         if self.params_dtype is not None:
             print(f"warning: --params-dtype is deprecated; use --bf16 (fp32 master weights). "
                   f"--params-dtype {self.params_dtype} is taken as {'--bf16' if self.params_dtype == 'bf16' else 'the fp32 default'}",
@@ -289,16 +286,22 @@ class LoggingArgs:
                                   "on each of --profile-ranks: --log-dir/profile/trace_rank<R>.json (Chrome / "
                                   "Perfetto), on CUDA also memory_rank<R>.pickle (pytorch.org/memory_viz)")
     profile_step_start: int = option(10, "--profile: start recording when this many iterations are done")
-    profile_step_end: int = option(12, "--profile: stop recording when this many iterations are done")
+    profile_step_end: int = option(None, "--profile: stop recording when this many iterations are done "
+                                         "(default: --profile-step-start + 2)")
     profile_ranks: list = option([0], "--profile: the global ranks that record (default 0)", nargs="+", type=int)
 
     def __post_init__(self):
         require(self, log_interval=AT_LEAST_1, peak_tflops=POSITIVE, profile_step_start=AT_LEAST_0)
         if self.profile and not self.log_dir:
             raise ValueError("--profile needs --log-dir: the traces are written under it")
-        if self.profile_step_end <= self.profile_step_start:
+        if self.profile_step_end is not None and self.profile_step_end <= self.profile_step_start:
             raise ValueError(f"--profile-step-end {self.profile_step_end} must be above --profile-step-start "
                              f"{self.profile_step_start}")
+
+    @property
+    def profile_end(self) -> int:
+        """Iterations done when recording stops: ``--profile-step-end``, else two after the start."""
+        return self.profile_step_start + 2 if self.profile_step_end is None else self.profile_step_end
 
 
 @dataclass
@@ -411,13 +414,26 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
         raise ValueError(f"interleaved pipelining needs micro-batches per rank ({M}) divisible by "
                          f"--pipeline-model-parallel-size {sizes.pp}: raise --global-batch-size")
     args.memory.check(run_facts(args, sizes, M))
+    check_profile(args.logging, args.schedule.train_iters, world)
     _check_lora_targets(args, spec, cfg)
     _check_freeze(args, spec, cfg)
+    _check_router_bias(args, spec, cfg)
     _check_against_model(args, cfg)
     if check_files:
         _check_files(args, cfg)
         _check_run_files(args, cfg)
     return RunLayout(spec, cfg, sizes, M)
+
+
+def validate_plan(args, world: int) -> RunLayout:
+    """What ``--dry-run N`` and ``tools/plan_memory.py --world-size N`` plan, through this one
+    function so both accept and refuse the same flags with the same message: the run's checks
+    without its files, then what the planner cannot book (training/planner/run.check_plannable)."""
+    from training.planner.run import check_plannable
+
+    layout = validate(args, world, check_files=False)
+    check_plannable(args, layout.config)
+    return layout
 
 
 def run_facts(args, sizes: ParallelSizes, num_microbatches: int) -> RunFacts:
@@ -472,14 +488,16 @@ def _check_against_model(args, cfg) -> None:
 def _check_lora_targets(args, spec, cfg) -> None:
     """Every --lora-targets entry given chooses some module of the whole model (built on meta);
     the default (all of them) adapts what the model has."""
-    from core.lora import DEFAULT_TARGETS, count_targets
+    from core.lora import DEFAULT_TARGETS, check_rank, count_targets
 
     lora = _lora(args)
     if not lora.enabled:
         return
     import torch
     with torch.device("meta"):
-        found = count_targets(spec.build(cfg), lora.targets)
+        model = spec.build(cfg)
+    found = count_targets(model, lora.targets)
+    check_rank(model, lora)  # --lora-rank within every adapted projection's min(in, out)
     absent = [t for t, n in found.items() if not n]
     if absent and (lora.lora_targets != DEFAULT_TARGETS or len(absent) == len(found)):
         raise ValueError(f"--lora-targets {','.join(absent)}: the model has no such module "
@@ -501,10 +519,18 @@ def _check_freeze(args, spec, cfg) -> None:
         check_freeze(spec.build(cfg), parts)
 
 
+def _check_router_bias(args, spec, cfg) -> None:
+    """--moe-bias-update-rate where no router trains (core/freeze.py)."""
+    from core.freeze import check_router_bias
+
+    check_router_bias(args.model.moe_bias_update_rate, args.model.frozen_parts, _lora(args).enabled,
+                      lambda: spec.build(cfg))
+
+
 def _check_run_files(args, cfg) -> None:
     """--save writable now rather than at the first save; the validation data."""
     from core.checkpoint_dir import check_writable
-    from data.checks import check_training_data
+    from data.checks import check_made_with, check_training_data
     from training.eval_data import validation_ranges
 
     if args.checkpoint.save:
@@ -518,18 +544,24 @@ def _check_run_files(args, cfg) -> None:
                 raise ValueError(f"--valid-data-path {prefix}: no {prefix}.idx (write it with "
                                  "tools/preprocess_data.py)")
             check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
+            check_made_with(prefix, build_tokenizer(d.tokenizer_type, d.tokenizer_model), d.tokenizer_type,
+                            d.tokenizer_model, registry.load_image_processor, d.data_cache_path)
     else:
         validation_ranges(parse_data_path(d.data_path), d.split)  # raises when a part is empty
 
 
 def _check_images(prefix: str, cfg, cache_path: str | None) -> None:
-    """A dataset with images needs a model with a vision tower whose image token is the one the
-    dataset's placeholders carry (the features go to the loader's positions either way, but an
-    export would tell transformers another token)."""
+    """A dataset with images opens whole (its images and index present, of this publishing
+    unit, of this version: a missing or damaged file is named here, in one line) and needs a
+    model with a vision tower whose image token is the one the dataset's placeholders carry (the
+    features go to the loader's positions either way, but an export would tell transformers
+    another token)."""
     from data.dataset_stats import recorded_facts
-    from data.image_store import has_images
+    from data.image_store import open_images
+    from data.indexed_dataset import IndexedDataset
 
-    if not has_images(prefix):
+    if open_images(prefix, IndexedDataset(prefix).lengths, registry.image_processor_from_settings,
+                   cache_path) is None:
         return
     if getattr(cfg, "vision", None) is None:
         raise ValueError(f"--data-path {prefix} holds images, but the model has no vision tower (a "
@@ -548,15 +580,19 @@ def _check_files(args, cfg) -> None:
     cfg.vocab_size, some training targets (data/checks.py)."""
     from data.checks import check_training_data  # local: keeps this section's edits in one place
 
+    from data.checks import check_made_with
+
     d, ck = args.data, args.checkpoint
     if not d.data_path:
         raise ValueError("--data-path is required")
+    tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
     for _, prefix in parse_data_path(d.data_path):
         if not os.path.exists(prefix + ".idx"):
             raise ValueError(f"--data-path {prefix}: no {prefix}.idx (write it with tools/preprocess_data.py)")
         check_training_data(prefix, cfg.vocab_size, cache_path=d.data_cache_path)
         _check_images(prefix, cfg, d.data_cache_path)
-    tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
+        check_made_with(prefix, tok, d.tokenizer_type, d.tokenizer_model,
+                        registry.load_image_processor, d.data_cache_path)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tok.vocab_size} exceeds the model's {cfg.vocab_size}")
     if ck.load and not os.path.exists(ck.load):

@@ -4,18 +4,13 @@ the formula within 25% of a measurement with ``core.memory.SavedTensorBytes``).
 
 ``b`` is the activation dtype size; norms, softmax statistics, the router and the loss keep fp32.
 Attention assumes a fused kernel (flash / flex / Transformer Engine: no score matrix); what the
-CPU's SDPA keeps on top is :func:`cpu_sdpa_extra_bytes`.
+CPU's SDPA keeps on top is :func:`cpu_sdpa_extra_bytes`. What an attention keeps is its shape's
+(``kept_bytes``, ``frozen_savings`` of the protocol in ``core/shapes.py``: GQA, MLA); the recompute
+modes keep the same for every kind (:func:`block_bytes`).
 """
 from __future__ import annotations
 
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes, VisionShape, conv_out
-
-F32 = 4
-
-
-def norm_bytes(T: int, n: int, b: int) -> int:
-    # fp32 input (a copy when b < 4, the input itself in fp32), normalised fp32 output, 1/rms
-    return 2 * T * n * F32 + T * F32
+from core.shapes import F32, BlockShape, FFNShape, ModelShapes, VisionShape, conv_out, norm_bytes
 
 
 def swiglu_bytes(T: int, inter: int, b: int, clamped: bool) -> int:
@@ -23,16 +18,9 @@ def swiglu_bytes(T: int, inter: int, b: int, clamped: bool) -> int:
     return T * inter * b * (6 if clamped else 4)
 
 
-def attention_bytes(hidden: int, a: AttentionShape, T: int, b: int) -> int:
-    D, Hq, Hkv, rot = a.head_dim, a.heads, a.kv_heads, a.rotary_dim
-    q = T * Hq * D
-    kv = T * Hkv * D
-    total = norm_bytes(T, hidden, b) + T * hidden * b                  # input norm + its output
-    total += norm_bytes(T, Hq * D, b) + norm_bytes(T, Hkv * D, b)      # q_norm, k_norm
-    total += q * b * (5 if a.gate else 4) + q * b * rot // D           # normed, rotated, embedded q; output (gated)
-    total += kv * b * 3 + kv * b * rot // D                            # normed, rotated, embedded k; v
-    total += T * Hq * (F32 + (b if a.gate else 0))                     # logsumexp, sigmoid(gate)
-    return total
+def attention_bytes(hidden: int, a, T: int, b: int) -> int:
+    """The attention half of a block (its input norm included), of any attention kind."""
+    return a.kept_bytes(hidden, T, b)
 
 
 def ffn_bytes(hidden: int, f: FFNShape, T: int, b: int) -> int:
@@ -54,20 +42,18 @@ def frozen_savings(hidden: int, s: BlockShape, T: int, b: int, lora: tuple) -> i
     ``core/lora.py``), and what its adapters keep more. autograd saves a matmul's input only for
     its weight's gradient and a norm's normalised output only for its scale's, so a frozen norm
     drops that fp32 output, and a frozen projection with no adapter drops its input: the
-    attention's normed input and gated output (q, k, v, gate and o adapted together under
+    attention's (its shape's ``frozen_savings``: GQA's normed input and gated output, MLA's
+    normed input, normed latents and o's input; all its projections adapted together under
     ``attention``), the FFN's normed input (a routed expert's copy of it, the permuted tokens,
     too) and each SwiGLU's product (the down projection's input). An adapted projection keeps
     its input (the adapter's A needs it) and ``x A^T`` (``T x rank``, for B's gradient). The
     first layers before any adapter keep even less (nothing there requires a gradient): not
-    counted, an overestimate by at most a layer. Dropout's mask (``--lora-dropout``) is not counted."""
+    counted, an overestimate by at most a layer. Dropout's mask (``--lora-dropout``) is not
+    counted."""
     rank, targets = lora[0], {t.strip() for t in lora[1].split(",")} if isinstance(lora[1], str) else set(lora[1])
-    a, f, H = s.attention, s.ffn, hidden
-    q = T * a.heads * a.head_dim
-    saved = T * H * F32 * 2 + T * (a.heads + a.kv_heads) * a.head_dim * F32  # the four norms' outputs
-    if "attention" in targets:  # q, k, v, gate (in: H) and o (in: heads x head_dim)
-        saved -= T * rank * b * (5 if a.gate else 4)
-    else:
-        saved += T * H * b + q * b
+    f, H = s.ffn, hidden
+    saved = T * H * F32  # the post-attention norm's output
+    saved += s.attention.frozen_savings(H, T, b, rank if "attention" in targets else 0)
     adapted_ffn = ("mlp" in targets) if not f.moe else bool({"shared_expert", "experts"} & set(targets))
     if not adapted_ffn:
         saved += T * H * b
@@ -173,26 +159,30 @@ def vision_view_bytes(v: VisionShape, size: int, b: int, recompute: str = "none"
     return total + proj_in
 
 
-def cpu_sdpa_extra_bytes(a: AttentionShape, doc_lengths: list, b: int, sharing: int = 1) -> int:
+def cpu_sdpa_extra_bytes(a, doc_lengths: list, b: int, sharing: int = 1) -> int:
     """What the CPU ``sdpa`` backend (``core/transformer/sdpa_blocks.py``) keeps on top of a
-    fused (GPU) kernel, for documents laid end to end without padding. Its calls run torch's
-    fused CPU kernel (logsumexp, no score matrix), but a band piece saves padded copies of q,
-    k and v (``blocks * block`` queries; ``width - 1`` more keys) instead of q, k, v, and its
-    additive mask ``[blocks, block, block + width - 1]``, one per micro-batch and window:
-    each of the ``sharing`` layers with this window books its share. The kernel's output is
-    saved apart from the ``[T, H, D]`` copy the gate multiplies (unless that is a view of it)."""
+    fused (GPU) kernel, for documents laid end to end without padding, for an attention shape of
+    any kind (its ``kernel`` dims). Its calls run torch's fused CPU kernel (logsumexp, no score
+    matrix), but a band piece saves padded copies of q, k and v (``blocks * block`` queries;
+    ``width - 1`` more keys) instead of q, k, v, and its additive mask ``[blocks, block, block +
+    width - 1]``, one per micro-batch and window: each of the ``sharing`` layers with this window
+    books its share. The kernel's output is saved apart from the ``[T, H, Dv]`` copy the gate
+    multiplies (unless that is a view of it). A value dim other than the q/k dim (MLA) takes
+    torch's math path on CPU, which keeps every score matrix, unless V is padded to the q/k dim
+    as for a fused GPU kernel: counted here as padded (``tests/unit/test_mla_costs.py`` forces
+    the padding)."""
     from core.transformer.sdpa_blocks import plan_pieces
 
-    H, Hkv, D = a.heads, a.kv_heads, a.head_dim
+    H, Hkv, D, Dv = a.kernel
     starts = [sum(doc_lengths[:i]) for i in range(len(doc_lengths))]
     T = sum(doc_lengths)
     pieces = plan_pieces(starts, T, a.window)
-    total = 0 if len(pieces) == 1 and pieces[0].kind == "causal" else T * H * D * b
+    total = 0 if len(pieces) == 1 and pieces[0].kind == "causal" else T * H * Dv * b
     for p in pieces:
         if p.kind == "band":
             n = p.stop - p.start
             rows = -(-n // p.block) * p.block
             lookback = 0 if p.block == n else p.width - 1
-            total += (rows - n) * H * D * b + 2 * (rows + lookback - n) * Hkv * D * b
+            total += (rows - n) * H * D * b + (rows + lookback - n) * Hkv * (D + Dv) * b
             total += rows * (p.block + lookback) * b // sharing
     return total

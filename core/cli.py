@@ -9,11 +9,39 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, TypeVar
+import math
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 _MISSING = dataclasses.MISSING
 _TYPES = {"int": int, "float": float, "str": str, "list": str}
+
+# numeric rules for flags: (what the message says, test); nan and inf fail the "finite" ones
+POSITIVE = ("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+NON_NEGATIVE = ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
+AT_LEAST_1 = (">= 1", lambda v: v >= 1)
+AT_LEAST_0 = (">= 0", lambda v: v >= 0)
+UNIT_OPEN = ("in [0, 1)", lambda v: 0 <= v < 1)
+FRACTION = ("in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def checked(kind: Callable[[str], Any], rule: tuple) -> Callable[[str], Any]:
+    """An argparse ``type`` for a flag outside the dataclasses: ``kind`` of the text, refused unless
+    it passes ``rule`` (one of the rules above), so ``--budget nan`` is a usage error that names the
+    flag (argparse adds the name) rather than a value every comparison quietly fails on."""
+    want, ok = rule
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
 
 
 def option(default: Any = _MISSING, help: str = "", **argparse_kwargs: Any) -> Any:

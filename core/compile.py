@@ -28,7 +28,7 @@ import torch._dynamo.config as dynamo_config
 from torch.distributed.fsdp import FSDPModule
 
 from core.moe.layer import MoELayer
-from core.transformer.attention import Attention
+from core.transformer.attention import attention_modules
 from core.transformer.block import DecoderBlock
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -67,7 +67,7 @@ def check_backend(backend: str, attention_backend: str) -> None:
 
 def apply_compile(chunk: torch.nn.Module, backend: str = "inductor") -> int:
     """Compile ``chunk``'s blocks in place; returns how many blocks were compiled whole."""
-    for attention_backend in sorted({m.backend for m in chunk.modules() if isinstance(m, Attention)}) or ["auto"]:
+    for attention_backend in sorted({m.backend for m in attention_modules(chunk)}) or ["auto"]:
         check_backend(backend, attention_backend)
     blocks = [m for _, m in chunk.blocks()]
     raise_recompile_limit(len(blocks))

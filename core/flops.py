@@ -4,7 +4,10 @@ TFLOP/s and MFU in the logs.
 
 Matmuls only (2 FLOPs per multiply-add; norms, RoPE, routing top-k and the softmax are a few
 percent). Attention reads ``avg_keys`` keys per query: a causal document of ``seq_length``
-tokens (the worst case of a pack) and, on sliding layers, at most ``window`` keys. Backward
+tokens (the worst case of a pack) and, on sliding layers, at most ``window`` keys; each attention
+kind's shape (``core/shapes.py``) gives its projections' weights and its score FLOPs per key
+(GQA's and MLA's). Routing is the router's ``hidden x experts`` GEMM and the top-k experts' GEMMs,
+group-limited or not (choosing among fewer groups changes no GEMM). Backward
 costs about twice the forward everywhere, so forward FLOPs rank the stages as well as the whole
 step does.
 """
@@ -14,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from core.pipeline.balance import partition
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes, VisionShape, conv_out
+from core.shapes import BlockShape, FFNShape, ModelShapes, VisionShape, conv_out
 
 
 def avg_keys(seq_length: int, window: int | None) -> float:
@@ -30,12 +33,6 @@ def keys_seen(n: int, window: int | None) -> int:
     return w * (w + 1) // 2 + (n - w) * w
 
 
-def attention_params(hidden: int, a: AttentionShape) -> int:
-    """Weights a token multiplies through: q, k, v, the head gate, o."""
-    return hidden * (a.heads * a.head_dim + 2 * a.kv_heads * a.head_dim + (a.heads if a.gate else 0)) \
-        + a.heads * a.head_dim * hidden
-
-
 def ffn_params(hidden: int, f: FFNShape) -> int:
     """Weights a token multiplies through: the dense SwiGLU, or router, top-k experts and the
     shared expert."""
@@ -45,13 +42,14 @@ def ffn_params(hidden: int, f: FFNShape) -> int:
 
 
 def block_params(hidden: int, vocab: int, b: BlockShape) -> int:
-    return (attention_params(hidden, b.attention) + ffn_params(hidden, b.ffn) + b.input_proj * hidden
+    return (b.attention.params(hidden) + ffn_params(hidden, b.ffn) + b.input_proj * hidden
             + (hidden * vocab if b.head else 0))
 
 
-def attention_flops(hidden: int, a: AttentionShape, seq_length: int) -> float:
-    core = 2 * a.heads * a.head_dim * avg_keys(seq_length, a.window)  # q.k and p.v
-    return 2 * (attention_params(hidden, a) + core)
+def attention_flops(hidden: int, a, seq_length: int) -> float:
+    """Forward FLOPs per token of an attention shape (any kind): its projections, and q.k and
+    p.v over the keys a query reads on average."""
+    return a.flops(hidden, 1, avg_keys(seq_length, a.window))
 
 
 def block_flops(hidden: int, vocab: int, b: BlockShape, seq_length: int) -> float:
@@ -104,12 +102,13 @@ def matmul_params_per_token(shapes: ModelShapes) -> int:
 
 def training_flops(shapes: ModelShapes, doc_lengths: list[int]) -> float:
     """Forward + backward FLOPs of one micro-batch of real documents (padding excluded):
-    6 x matmul weights per token, plus 12 x heads x head_dim per key each query sees (causal
-    within its document, capped by the window on sliding layers), over every block."""
+    6 x matmul weights per token, plus 3 x each attention shape's score FLOPs over the keys its
+    queries see (causal within their document, capped by the window on sliding layers; GQA:
+    12 x heads x head_dim per key), over every block."""
     flops = 6.0 * matmul_params_per_token(shapes) * sum(doc_lengths)
     for b in shapes.blocks + shapes.extra:
         a = b.attention
-        flops += 12.0 * a.heads * a.head_dim * sum(keys_seen(n, a.window) for n in doc_lengths)
+        flops += 3.0 * a.score_flops(sum(keys_seen(n, a.window) for n in doc_lengths))
     return flops
 
 

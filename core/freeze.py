@@ -47,3 +47,27 @@ def check_freeze(model: nn.Module, parts) -> None:
                          "tower or projector")
     if all(not n or k in parts for k, n in have.items()):
         raise ValueError(f"{' '.join('--freeze-' + p for p in parts)}: nothing would be left to train")
+
+
+def check_router_bias(rate: float, parts, lora: bool, build) -> None:
+    """``ValueError`` naming ``--moe-bias-update-rate`` where no router would take it: a frozen
+    router keeps its balancing bias (``core.train_step.update_router_biases``), LoRA freezes every
+    router (and a PEFT export has no place for the biases), ``--freeze-*`` those of its parts.
+    ``build``: the whole model (called on ``meta``, only with parts to freeze)."""
+    if not rate:
+        return
+    if lora:
+        raise ValueError(f"--moe-bias-update-rate {rate:g} with --lora-rank: LoRA freezes the routers, and a PEFT "
+                         "export carries no router bias (transformers would route by the base's): set "
+                         "--moe-bias-update-rate 0 for LoRA")
+    if not parts:
+        return
+    import torch
+
+    with torch.device("meta"):
+        model = build()
+    freeze_parts(model, parts)
+    if not any(p.requires_grad for layer in model.moe_layers() for p in layer.router.parameters()):
+        raise ValueError(f"--moe-bias-update-rate {rate:g} with {' '.join('--freeze-' + p for p in parts)}: every "
+                         "router is in a frozen part, whose balancing bias stays as loaded: drop "
+                         "--moe-bias-update-rate")

@@ -10,10 +10,17 @@ and of those only the rows this process holds: expert stacks are sliced to the e
 holds (``ParamSpec.expert_offset``), FSDP shards to their dim-0 rows. A load streams into the
 model's own storage block by block (:meth:`CheckpointIndex.read_into`), so no whole tensor or
 model passes through host memory.
+
+FP8 checkpoints (DeepSeek-V3's and Kimi-K2's on the Hub): a ``float8_e4m3fn`` weight ``W`` comes
+with ``W_scale_inv`` (``...weight_scale_inv``), one fp32 factor per block of
+``quantization_config.weight_block_size`` (read from the checkpoint's config.json, never
+assumed) rows x columns, the last blocks cut at the edges. Each block of rows read is dequantized
+in fp32, ``W.float() * scale_inv`` with the factors repeated over their blocks, then converted to
+the parameter's dtype, so the import streams as any other. A float8 weight without its scale, or
+without a block size in config.json, is refused by name; the scales are not unexpected tensors.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 from collections import Counter, defaultdict
@@ -27,6 +34,8 @@ from core.model_api import persistent_tensors
 READ_BLOCK_BYTES = 32 << 20  # bytes of a checkpoint tensor read (and converted) at a time
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 READ_DTYPES = ("F32", "BF16", "F16")  # converted to the parameter's dtype on the copy
+FP8_DTYPES = ("F8_E4M3",)  # block-scaled: dequantized with their scales (module docstring)
+SCALE_SUFFIX = "_scale_inv"  # W -> W_scale_inv: "...weight" -> "...weight_scale_inv"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -100,11 +109,30 @@ def _weight_map(path: str) -> dict:
     raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX}")
 
 
+def fp8_block_size(path: str) -> tuple[int, int] | None:
+    """``quantization_config.weight_block_size`` of an fp8 checkpoint's config.json (rows,
+    columns), or None: no config.json, no fp8 quantization, no block size."""
+    f = os.path.join(path, "config.json")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            q = json.load(fh).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return None  # no (readable) config: the config reader names that on its own
+    block = q.get("weight_block_size")
+    if q.get("quant_method", "fp8") != "fp8" or block is None:
+        return None
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointFileError(f"{f}: quantization_config.weight_block_size {block!r} is not [rows, columns] "
+                                  "of positive ints")
+    return tuple(block)
+
+
 class CheckpointIndex:
     """Tensor name -> file for a single-file or sharded safetensors checkpoint (+ side files)."""
 
     def __init__(self, path: str, side_files: tuple = ()):
         self.path = path
+        self.fp8_block = fp8_block_size(path)
         self.file_of = _weight_map(path)
         for name in side_files:
             extra = os.path.join(path, name)
@@ -151,16 +179,56 @@ class CheckpointIndex:
                 with open_file(path) as f:
                     out.copy_(f.get_tensor(name))
                 return
-            row_bytes = max(1, out[0].numel()) * _DTYPE_BYTES.get(self.dtype(name), 4)
+            dtype = self.dtype(name)
+            fp8 = dtype in FP8_DTYPES and self._check_fp8(name)
+            row_bytes = max(1, out[0].numel()) * _DTYPE_BYTES.get(dtype, 4)
             step = max(1, READ_BLOCK_BYTES // row_bytes)
             for i in range(0, out.shape[0], step):
                 j = min(out.shape[0], i + step)
                 with open_file(path) as f:
-                    out[i:j].copy_(_rows(f.get_slice(name), half, first_row + i, first_row + j))
+                    rows = _rows(f.get_slice(name), half, first_row + i, first_row + j)
+                out[i:j].copy_(self._dequantized(rows, name, half, first_row + i, first_row + j) if fp8 else rows)
         except CheckpointFileError:
             raise
         except Exception as e:
             raise CheckpointFileError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from e
+
+    def fp8_problem(self, name: str) -> str | None:
+        """Why the float8 tensor ``name`` cannot be dequantized (None: it can)."""
+        scale, dtype = name + SCALE_SUFFIX, self.dtype(name)
+        if scale not in self.file_of:
+            return f"{name} is {dtype} without its scale {scale}: its values mean nothing without it"
+        if self.fp8_block is None:
+            return (f"{name} is {dtype} with scale tensors beside it ({scale}): a quantized checkpoint; dequantize it "
+                    f"to bf16 first, or add to {os.path.join(self.path, 'config.json')} the "
+                    "quantization_config.weight_block_size it was quantized with (the Hub's fp8 checkpoints: "
+                    "[128, 128])")
+        shape, (br, bc) = self.shape(name), self.fp8_block
+        if len(shape) != 2:
+            return f"{name} is {dtype} of shape {shape}: block scales are read for 2-D weights only"
+        want = [-(-shape[0] // br), -(-shape[1] // bc)]
+        if self.shape(scale) != want:
+            return (f"{name} is {dtype} with scales {scale} of shape {self.shape(scale)}, not {want}: those of a "
+                    f"{shape} weight in blocks of {br} x {bc} (config.json's weight_block_size)")
+        return None
+
+    def _check_fp8(self, name: str) -> bool:
+        why = self.fp8_problem(name)
+        if why:
+            raise CheckpointFileError(f"{self.file_of[name]}: {why}")
+        return True
+
+    def _dequantized(self, rows: torch.Tensor, name: str, half: str | None, a: int, b: int) -> torch.Tensor:
+        """fp32 rows ``[a, b)`` (one half of dim 1 with ``half``) of the float8 tensor ``name``:
+        each value times the scale of its block (blocks cut at the edges)."""
+        (br, bc), scale = self.fp8_block, name + SCALE_SUFFIX
+        c0 = self.shape(name)[1] // 2 if half == "up" else 0
+        r0 = a // br
+        with open_file(self.file_of[scale]) as f:  # a few fp32 values per block of rows
+            s = f.get_slice(scale)[r0:-(-b // br)].float()
+        s = s.repeat_interleave(br, 0)[a - r0 * br:b - r0 * br]
+        s = s.repeat_interleave(bc, 1)[:, c0:c0 + rows.shape[1]]
+        return rows.float() * s
 
     def read_source(self, out: torch.Tensor, src: Source, first_row: int) -> None:
         """Rows ``[first_row, ...)`` of ``src`` into ``out``: a per-expert source reads expert
@@ -220,6 +288,8 @@ def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list, list]:
             dtype = ckpt.dtype(theirs)
             if not ok:
                 misshaped.append((name, theirs, shape, list(t.shape)))
+            elif dtype in FP8_DTYPES and ckpt.fp8_problem(theirs) is None:
+                found[name] = src
             elif dtype not in READ_DTYPES:
                 scales = sorted(k for k in ckpt.file_of if k != theirs and "scale" in k
                                 and k.startswith(theirs.rsplit(".", 1)[0]))
@@ -239,7 +309,9 @@ def _used(ckpt: CheckpointIndex, found: dict) -> set:
             used |= {k for k in ckpt.file_of if _matches(src.name, k)}
         else:
             used.add(src.name)
-    return used
+    # an fp8 weight's scales are read with it
+    return used | {k + SCALE_SUFFIX for k in used if k + SCALE_SUFFIX in ckpt.file_of
+                   and ckpt.dtype(k) in FP8_DTYPES}
 
 
 def _matches(pattern: str, key: str) -> bool:
@@ -260,8 +332,9 @@ def report(model, ckpt: CheckpointIndex, found: dict, missing: list, misshaped: 
                         and not (ignored and k.endswith(ignored)))
     dtypes = Counter(ckpt.dtype(src.first()) if not src.per_expert else ckpt.dtype(
         next(k for k in ckpt.file_of if _matches(src.name, k))) for src in found.values())
-    return {"missing": missing, "unexpected": unexpected, "misshaped": misshaped, "loaded": len(found),
-            "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
+    return {"missing": missing, "unexpected": unexpected, "misshaped": misshaped,
+            "loaded": len(found), "wrong_dtype": list(wrong_dtype), "dtypes": dict(dtypes),
+            "fp8_problems": {w[1]: ckpt.fp8_problem(w[1]) for w in wrong_dtype if w[2] in FP8_DTYPES},
             "kept_aside": sum(1 for k in ckpt.file_of if kept and k.startswith(kept))}
 
 
@@ -273,9 +346,14 @@ def problems(rep: dict) -> str:
     if rep["misshaped"]:
         parts.append(f"mis-shaped {[(m[0], m[2], m[3]) for m in rep['misshaped'][:10]]}")
     for ours, theirs, dtype, scales in rep["wrong_dtype"][:5]:
+        fp8 = rep.get("fp8_problems", {}).get(theirs)
+        if fp8:  # why this float8 tensor cannot be dequantized
+            parts.append(fp8.replace(theirs, f"{theirs} (for {ours})", 1))
+            continue
         hint = (f" with scale tensors beside it ({scales[0]}...): a quantized checkpoint; dequantize it to bf16 "
                 "first" if scales else ": not a weight this reader converts")
-        parts.append(f"{theirs} (for {ours}) is {dtype}{hint} (it reads {', '.join(READ_DTYPES)})")
+        parts.append(f"{theirs} (for {ours}) is {dtype}{hint} (it reads {', '.join(READ_DTYPES)}, and "
+                     f"{', '.join(FP8_DTYPES)} with block scales)")
     if rep["unexpected"]:
         parts.append(f"unexpected tensors the model has no place for {rep['unexpected'][:5]}"
                      f"{' ...' if len(rep['unexpected']) > 5 else ''} (another model, or a quantized layout's scales?)")
@@ -297,7 +375,8 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
     """Copy the checkpoint's tensors into ``model`` (dtype converted), tensor by tensor and only
     the rows this process holds: its experts of a stacked expert tensor, its rows of an FSDP
     shard (also offloaded to host memory). Returns the check report plus ``filled``: the names
-    written. With ``strict``, missing or mis-shaped tensors raise. ``progress``: a tqdm bar.
+    written. With ``strict``, missing or mis-shaped tensors
+    raise. ``progress``: a tqdm bar.
     ``masters``: parameters it holds are read in fp32 and stored as bf16 plus remainder, so an
     fp32 checkpoint's values survive exactly."""
     from tqdm import tqdm
@@ -326,24 +405,20 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
     return out
 
 
-def stale_files(path: str, side_files: tuple = ()) -> list[str]:
-    """Checkpoint files an earlier export left in ``path`` (single file, shards, index, side files)."""
-    names = [SINGLE, INDEX, *side_files]
-    found = [os.path.join(path, n) for n in names if os.path.exists(os.path.join(path, n))]
-    return sorted(found + glob.glob(os.path.join(path, "model-*-of-*.safetensors")))
-
-
 def save_weights(model, path: str, *, source: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
     """Write the model as a Hugging Face checkpoint (the adapter's layout); returns the layout.
-    Checkpoint files already in ``path`` (an earlier export) are removed first, so nothing stale
-    sits beside the new files (a loader would prefer an old index)."""
+    Files an earlier export of either kind left in ``path`` (``core.out_dir``: weights, shards,
+    index, side files, a PEFT adapter's two files) are removed first, so nothing stale sits
+    beside the new files (a loader would prefer an old index; transformers would load a stale
+    adapter on top of merged weights); other files are left alone."""
     from safetensors.torch import save_file
+
+    from core.out_dir import clear_owned, export_files
 
     os.makedirs(path, exist_ok=True)
     if source is not None and os.path.abspath(source) == os.path.abspath(path):
         raise ValueError(f"{path}: exporting over --source itself would destroy what it reads from")
-    for old in stale_files(path, tuple(getattr(model.hf_weights, "side_files", ()))):
-        os.remove(old)
+    clear_owned(path, export_files(getattr(model.hf_weights, "side_files", ())))
     state = {n: t.detach().contiguous().cpu() for n, t in persistent_tensors(model)}
     src = open_checkpoint(model, source) if source else None
     ex = model.hf_weights.export(state, src)

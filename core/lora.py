@@ -11,8 +11,9 @@ expert shards stacked on dim 0 like the base experts.
 :func:`apply_lora` adapts a model chunk in place, on the ``meta`` device before FSDP
 (``training/parallelize.py``), choosing modules by core's block types (no family is named):
 
-- ``attention``: every linear of core's :class:`~core.transformer.attention.Attention`
-  (q, k, v, o and a head gate);
+- ``attention``: the projections each attention module declares (``lora_projections``, the
+  protocol of ``core/transformer/attention.py``): GQA's q, k, v, o and a head gate; MLA's
+  ``q_proj`` or ``q_a_proj`` + ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``;
 - ``mlp``: a dense :class:`~core.transformer.mlp.SwiGLUMLP` (gate, up, down);
 - ``shared_expert``: an MoE layer's shared expert (gate, up, down);
 - ``experts``: the routed experts (gate, up, down, grouped).
@@ -34,7 +35,7 @@ from torch import nn
 from core.cli import option
 from core.moe.experts import GroupedExperts, _grouped_mm_ok, expert_linear
 from core.moe.layer import MoELayer
-from core.transformer.attention import Attention
+from core.transformer.attention import attention_modules
 from core.transformer.mlp import SwiGLUMLP
 
 TARGETS = ("attention", "mlp", "shared_expert", "experts")
@@ -52,9 +53,10 @@ class LoraSettings:
     lora_alpha: float = option(None, "LoRA alpha: the adapters' scale is alpha / r (default: r, scale 1)")
     lora_dropout: float = option(0.0, "dropout on the adapters' input (the base path sees the undropped input)")
     lora_targets: str = option(DEFAULT_TARGETS, "comma-separated modules to adapt: attention (q, k, v, o and a "
-                                                "head gate), mlp (dense SwiGLU), shared_expert, experts "
-                                                "(grouped adapters per routed expert, sharded with them under "
-                                                "EP); routers, embeddings and heads never")
+                                                "head gate; MLA's q or q_a + q_b, kv_a, kv_b, o), mlp (dense "
+                                                "SwiGLU), shared_expert, experts (grouped adapters per routed "
+                                                "expert, sharded with them under EP); routers, embeddings and "
+                                                "heads never")
 
     def __post_init__(self):
         if self.lora_rank < 0:
@@ -180,10 +182,11 @@ def adapter_params(module: nn.Module) -> set[int]:
 def target_modules(chunk: nn.Module, targets) -> list[tuple[nn.Module, str, str]]:
     """``(parent, attribute, target)`` of every module ``targets`` chooses in ``chunk``."""
     shared = {id(m.shared_expert) for m in chunk.modules() if isinstance(m, MoELayer) and m.shared_expert is not None}
+    attention = {id(m) for m in attention_modules(chunk)} if "attention" in targets else set()
     out = []
     for m in chunk.modules():
-        if isinstance(m, Attention) and "attention" in targets:
-            out += [(m, n, "attention") for n, c in m.named_children() if isinstance(c, nn.Linear)]
+        if id(m) in attention:
+            out += [(m, n, "attention") for n in m.lora_projections if isinstance(getattr(m, n, None), nn.Linear)]
         elif isinstance(m, SwiGLUMLP):
             t = "shared_expert" if id(m) in shared else "mlp"
             if t in targets:
@@ -193,6 +196,35 @@ def target_modules(chunk: nn.Module, targets) -> list[tuple[nn.Module, str, str]
     return out
 
 
+def rank_limit(chunk: nn.Module, targets) -> tuple[int, str] | None:
+    """The largest useful rank over the modules ``targets`` chooses: the smallest ``min(in, out)``
+    of an adapted projection (a rank above it adds parameters and no expressiveness), and that
+    projection's name; None when nothing is chosen. Shapes only: works on ``meta``."""
+    names = {id(m): n for n, m in chunk.named_modules()}
+    best = None
+    for parent, attr, _ in target_modules(chunk, targets):
+        base = getattr(parent, attr)
+        prefix = f"{names[id(parent)]}.{attr}".lstrip(".")
+        if isinstance(base, GroupedExperts):
+            shapes = [(f"{prefix}.{n}", getattr(base, n).shape[1:]) for n in base.PROJECTIONS]
+        else:
+            shapes = [(prefix, base.weight.shape)]
+        for name, (out_f, in_f) in shapes:
+            if best is None or min(out_f, in_f) < best[0]:
+                best = (min(out_f, in_f), f"{name}: out {out_f}, in {in_f}")
+    return best
+
+
+def check_rank(chunk: nn.Module, settings: LoraSettings) -> None:
+    """``ValueError`` naming ``--lora-rank`` and the limit when the rank exceeds ``rank_limit``:
+    before any adapter is allocated (an absurd rank would otherwise allocate ``r x (in + out)``
+    per module first)."""
+    limit = rank_limit(chunk, settings.targets) if settings.enabled else None
+    if limit is not None and settings.lora_rank > limit[0]:
+        raise ValueError(f"--lora-rank {settings.lora_rank} exceeds {limit[0]}, the smallest min(in, out) of an "
+                         f"adapted projection ({limit[1]}): choose a rank of at most {limit[0]}")
+
+
 def apply_lora(chunk: nn.Module, settings: LoraSettings) -> int:
     """Adapt ``chunk`` in place as ``settings`` say and freeze every other parameter; returns
     the number of adapted modules (0 when LoRA is off: nothing changes). Built on any device
@@ -200,6 +232,7 @@ def apply_lora(chunk: nn.Module, settings: LoraSettings) -> int:
     like any weight, ``B`` zero by ``constant_init``)."""
     if not settings.enabled:
         return 0
+    check_rank(chunk, settings)
     r, alpha, p = settings.lora_rank, settings.alpha, settings.lora_dropout
     found = target_modules(chunk, settings.targets)
     for parent, name, target in found:

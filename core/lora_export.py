@@ -11,10 +11,13 @@ PEFT's keys: ``base_model.model.<transformers module>.lora_A.weight`` ``[r, in]`
 adapters are written per expert under the published per-expert module names
 (``...experts.7.gate_proj``): the form PEFT (0.21, checked) converts itself onto transformers 5's
 fused experts (``target_parameters`` on ``gate_up_proj`` / ``down_proj``, gate and up adapters
-stacked at rank 2r). A family that publishes its experts stacked has no such names, and a dense
-projection named like an expert projection would be taken for the experts by that conversion:
-``write_peft`` refuses both rather than write an adapter PEFT loads wrongly, and points to
-``--merge-lora``."""
+stacked at rank 2r). A family that publishes its experts stacked has no such names, and where a
+family publishes them per expert, PEFT's conversion takes every target of an expert projection's
+name (``gate_proj``, ``up_proj``, ``down_proj``) for the experts, adapted or not, so it drops the
+adapter of a dense MLP or shared expert of that name (measured on DeepSeek-V3 and Qwen3-MoE: the
+PEFT-loaded logits were the base's): ``write_peft`` refuses both rather than write an adapter PEFT
+loads wrongly, and points to ``--merge-lora``. Reading a PEFT folder back (``read_peft``) takes
+such adapters as they are: our model applies them."""
 from __future__ import annotations
 
 import json
@@ -74,13 +77,19 @@ def _source(model, name: str, keys: set | None, expert: int | None = None) -> st
     return sources[0]
 
 
-def peft_entries(model, keys: set | None = None) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
+def peft_entries(model, keys: set | None = None, *,
+                 for_peft: bool = True) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
     """``(transformers module, our target, A, B)`` of every adapter of ``model``, routed experts one
     entry per expert (``A`` and ``B`` views of the stacks); ``keys``: the base checkpoint's tensor
     names, which choose among the names a family publishes (e.g. Step-3.7's text model's or the
-    full model's)."""
+    full model's). ``for_peft``: refuse what PEFT would load wrongly (the module docstring)."""
     entries, expert_leaves = [], set()
     for name, m in model.named_modules():
+        if isinstance(m, GroupedExperts):  # adapted or not: their published per-expert leaf names
+            for n in m.PROJECTIONS:
+                src = _source(model, f"{name}.{n}", keys, m.expert_offset)
+                if "{e}" in src and src.endswith(".weight"):
+                    expert_leaves.add(src.rsplit(".", 2)[-2])
         if isinstance(m, LoRAGroupedExperts):
             for n in m.PROJECTIONS:
                 src = _source(model, f"{name}.{n}", keys, m.expert_offset)
@@ -91,7 +100,6 @@ def peft_entries(model, keys: set | None = None) -> list[tuple[str, str, torch.T
                 for i in range(m.num_experts):
                     module = src[:-len(".weight")].replace("{e}", str(m.expert_offset + i))
                     entries.append((module, "experts", m.lora_A[n].detach()[i], m.lora_B[n].detach()[i]))
-                expert_leaves.add(src.rsplit(".", 2)[-2])
         elif isinstance(m, LoRALinear):
             peft_module = getattr(model.hf_weights, "peft_module", None)
             if peft_module is not None:  # the family names transformers' modules itself
@@ -106,11 +114,12 @@ def peft_entries(model, keys: set | None = None) -> list[tuple[str, str, torch.T
             entries.append((published[:-len(".weight")], m.lora_target, m.lora_A.detach(), m.lora_B.detach()))
     if not entries:
         raise ValueError("the model has no LoRA adapter to export")
-    clash = sorted(e[0] for e in entries if e[0].rsplit(".", 1)[-1] in expert_leaves and e[1] != "experts")
-    if clash:  # PEFT on transformers 5 takes every target of an expert projection's name for the experts
-        raise ValueError(f"{clash[0]}: a dense projection named like the routed experts' ({', '.join(sorted(expert_leaves))}); "
-                         "PEFT maps such targets onto transformers' fused experts, so it would drop this adapter: "
-                         "export the merged weights with --merge-lora")
+    clash = sorted((e[0], e[1]) for e in entries if e[0].rsplit(".", 1)[-1] in expert_leaves and e[1] != "experts")
+    if clash and for_peft:  # PEFT on transformers 5 takes every target of an expert projection's name for the experts
+        raise ValueError(f"{clash[0][0]}: a dense projection named like the routed experts' "
+                         f"({', '.join(sorted(expert_leaves))}); PEFT maps such targets onto transformers' fused "
+                         "experts, so it would drop this adapter: export the merged weights with --merge-lora, or "
+                         f"train with --lora-targets without {', '.join(sorted({t for _, t in clash}))}")
     return entries
 
 
@@ -162,7 +171,7 @@ def adapted_targets(model, folder: str, keys: set | None = None) -> list[str]:
     base = keys
     with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), "pt") as f:
         keys = set(f.keys())
-    return sorted({t for module, t, _, _ in peft_entries(model, base) if _keys(module)[0] in keys})
+    return sorted({t for module, t, _, _ in peft_entries(model, base, for_peft=False) if _keys(module)[0] in keys})
 
 
 @torch.no_grad()
@@ -174,7 +183,7 @@ def read_peft(model, folder: str, keys: set | None = None) -> int:
 
     tensors = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
     used = set()
-    for module, _, A, B in peft_entries(model, keys):
+    for module, _, A, B in peft_entries(model, keys, for_peft=False):
         for key, dst in zip(_keys(module), (A, B)):
             if key not in tensors:
                 raise ValueError(f"{folder}: {ADAPTER_WEIGHTS} has no {key}")
@@ -202,8 +211,13 @@ def task_type(base: str | None) -> str:
 
 
 def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base: str | None) -> dict:
-    """Write ``model``'s adapters as a PEFT LoRA folder ``out``; returns the adapter config."""
+    """Write ``model``'s adapters as a PEFT LoRA folder ``out``; returns the adapter config. Files an
+    earlier export of either kind left there (``core.out_dir``: a full export's weights, shards,
+    index, config.json, side files) are removed first: transformers would load the folder as a
+    model, or the weights beside the adapter."""
     from safetensors.torch import save_file
+
+    from core.out_dir import clear_owned, export_files
 
     tensors, modules = peft_tensors(model, base_keys(base, model))
     config = {"peft_type": "LORA", "task_type": task_type(base), "base_model_name_or_path": base,
@@ -211,6 +225,7 @@ def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "use_rslora": False, "use_dora": False, "modules_to_save": None}
     os.makedirs(out, exist_ok=True)
+    clear_owned(out, export_files(getattr(model.hf_weights, "side_files", ())))
     save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)

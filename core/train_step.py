@@ -110,14 +110,26 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
             if hasattr(optimizer, "set_grad_scale"):  # ours: bf16 gradients take the factor in fp32
                 optimizer.set_grad_scale(factor)
         optimizer.step()
-        for c, load in loads.items() if s.router_bias_rate else ():
-            layers = chunks[c].moe_layers()
-            assert len(layers) == load.shape[0], "moe_layers() and StageOutput.expert_load disagree"
-            for layer, layer_load in zip(layers, load):
-                layer.router.update_bias(layer_load, s.router_bias_rate)
+        update_router_biases(chunks, loads, s.router_bias_rate)
     masters_of(chunks).finish()  # host masters: the workers' updates done, new bf16 weights on the device
     reshard(chunks)  # FSDP units gathered for the whole step (gather-once, bf16 copies): now stale
     return metrics
+
+
+def update_router_biases(chunks: list, loads: dict, rate: float) -> int:
+    """Aux-loss-free balancing: each router's correction bias steps by ``rate`` against its layer's
+    expert load of this step (``loads``: chunk index -> ``[MoE layers, E]``). A router whose
+    parameters do not train (a frozen part, ``--freeze-*``; a LoRA base) keeps its bias: freezing
+    a part freezes its buffers' updates too. Returns the number of routers updated."""
+    n = 0
+    for c, load in loads.items() if rate else ():
+        layers = chunks[c].moe_layers()
+        assert len(layers) == load.shape[0], "moe_layers() and StageOutput.expert_load disagree"
+        for layer, layer_load in zip(layers, load):
+            if any(p.requires_grad for p in layer.router.parameters()):
+                layer.router.update_bias(layer_load, rate)
+                n += 1
+    return n
 
 
 def _without_images(batch):

@@ -19,6 +19,16 @@ where an assistant's tool calls follow its content, one block each (the Hermes /
 
 A tokenizer template renders tool calls only if its source mentions ``tool_calls``; a row with
 tool calls and a template that would silently drop them is rejected (``tool_calls_unsupported``).
+Likewise a row with a system message whose template does not write it (some templates keep only
+a default system prompt of their own, or none) is rejected (``system_unsupported``): the
+conversation is rendered once more with each system message's content replaced by a placeholder,
+which must appear once per system message.
+
+A conversation may start with an assistant turn (a greeting): the built-in template and a
+tokenizer's template both train on it. Under a tokenizer's template such a first turn starts
+where the rendering starts (there is no earlier conversation to render, so no generation prompt
+to end at): its content and end-of-turn token are the target; with tool calls, whose span needs
+that generation prompt, it is rejected (``template_error``).
 
 Loss mask (uint8, one entry per token; 1 means "this token is a training target"):
 
@@ -246,6 +256,19 @@ def _render(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = 
 # Placeholders for a message's own text: private-use characters only, which no template writes and
 # no case or whitespace filter changes.
 CONTENT_MARK, REASONING_MARK = "\ue000\ue001\ue002\ue003", "\ue000\ue002\ue001\ue003"
+SYSTEM_MARK = "\ue000\ue003\ue002\ue001"
+
+
+def _check_system_written(tok: Tokenizer, messages: list[dict]) -> None:
+    """Every system message is written by the template (``RowError`` otherwise)."""
+    n = sum(m["role"] == "system" for m in messages)
+    if not n:
+        return
+    out = _render(tok, [{**m, "content": SYSTEM_MARK} if m["role"] == "system" else m
+                        for m in messages])
+    if out.count(SYSTEM_MARK) < n:
+        raise RowError("system_unsupported", "the row has a system message but the tokenizer's chat "
+                                             "template does not write it, so it would be dropped")
 
 
 def _template_error(i: int, what: str) -> RowError:
@@ -260,7 +283,10 @@ def _turn_start(tok: Tokenizer, messages: list[dict], i: int, text: str,
     says the template writes one), else (no generation prompt, or one the turn does not begin
     with, e.g. one that opens a thinking block the turn lacks) the end of their rendering without
     it (``False``). A template that renders the earlier messages differently once turn ``i``
-    follows has no such point."""
+    follows has no such point. A first turn begins at 0 (transformers renders no empty
+    conversation, so there is no generation prompt to find)."""
+    if i == 0:
+        return 0, False
     if prompt:
         prompted = _render(tok, messages[:i], add_generation_prompt=True)
         if text.startswith(prompted):
@@ -367,6 +393,7 @@ def render_with_template(tok: Tokenizer, messages: list[dict], reasoning_loss: b
                                                  "be dropped")
     targets = target_turns(messages, mask_history)
     messages = _for_template(tok, messages)
+    _check_system_written(tok, messages)
     text = _render(tok, messages)
     # Whether the template writes a generation prompt (not just names the variable).
     prompt = ("add_generation_prompt" in tok.chat_template

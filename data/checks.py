@@ -10,16 +10,22 @@
 * the data has training targets: a label is the next token of the same document, so a corpus of
   one-token documents, or a chat loss mask that marks nothing after a document's first token,
   trains on nothing (the loss reads 0.0000). No targets at all is refused; fewer than
-  ``MIN_TARGET_FRACTION`` of the tokens is warned about, with the numbers.
+  ``MIN_TARGET_FRACTION`` of the tokens is warned about, with the numbers;
+* the run's tokenizer is the one the data was made with (:func:`check_made_with`): the same
+  vocabulary (its fingerprint, ``data/tokenizers.py``) and, for image + text data, the same image
+  processor in its folder (settings, image token, special tokens). The checkpoint records the
+  run's ``--tokenizer-model``, and ``tools/generate.py`` (``--image``) reads the vocabulary and the
+  image processor from there: another folder would sample garbage.
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
 import numpy as np
 
-from data.dataset_stats import load_stats, read_sidecar
+from data.dataset_stats import load_stats, read_sidecar, recorded_facts
 from data.indexed_dataset import IndexedDataset
 from data.loader import loss_mask_prefix
 
@@ -81,3 +87,51 @@ def _made_with(prefix: str, cache_path: str | None) -> str:
     model = f" --tokenizer-model {tok['model']}" if tok.get("model") else ""
     return (f"; the data was made with --tokenizer-type {tok['type']}{model} (vocabulary "
             f"{tok['vocab_size']:,})")
+
+
+def check_made_with(prefix: str, tok, tokenizer_type: str, tokenizer_model: str | None,
+                    load_image_processor=None, cache_path: str | None = None) -> None:
+    """``ValueError`` naming both when ``tok`` (``--tokenizer-type`` / ``--tokenizer-model``) is
+    not what ``--data-path prefix`` was made with: another vocabulary (by fingerprint; by size for
+    data of an earlier version), or for image data another image processor in the folder
+    (``load_image_processor(folder, token_id)``: the model registry's). Data that records no
+    tokenizer (Megatron-LM's) is not checked."""
+    facts = recorded_facts(prefix, cache_path)
+    made = facts.get("tokenizer")
+    if not isinstance(made, dict) or not made.get("type"):
+        return
+    was, given = _flags(made["type"], made.get("model")), _flags(tokenizer_type, tokenizer_model)
+
+    def refuse(what: str):
+        raise ValueError(
+            f"--data-path {prefix} was made with {was}, but this run has {given}: {what}. The "
+            "checkpoint records the run's tokenizer, and tools/generate.py reads the vocabulary (and "
+            f"the image processor) from it. Train with {was}, or preprocess the data again with {given}")
+
+    if made.get("fingerprint") not in (None, tok.fingerprint()):
+        refuse(f"another vocabulary (fingerprint {made['fingerprint']} -> {tok.fingerprint()}, "
+               f"{made.get('vocab_size')} -> {tok.vocab_size} tokens)")
+    if made.get("fingerprint") is None and made.get("vocab_size") not in (None, tok.vocab_size):
+        refuse(f"another vocabulary ({made['vocab_size']} -> {tok.vocab_size} tokens)")
+    images = facts.get("images")
+    if not isinstance(images, dict) or load_image_processor is None:
+        return
+    try:
+        proc = load_image_processor(tokenizer_model, tok.token_id) if tokenizer_model else None
+    except (OSError, ValueError) as e:
+        refuse(f"the data holds images, and the tokenizer gives no image processor ({e})")
+    if proc is None:
+        refuse("the data holds images, and the tokenizer is not a processor folder")
+    now = json.loads(json.dumps({"processor": proc.settings, "token_ids": proc.token_ids,
+                                 "image_token_id": proc.image_token_id}))
+    diffs = [f"image_token_id {images.get('image_token_id')} -> {now['image_token_id']}"] \
+        if images.get("image_token_id") != now["image_token_id"] else []
+    for key in ("processor", "token_ids"):
+        a, b = images.get(key) or {}, now[key]
+        diffs += [f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if diffs:
+        refuse(f"another image processor ({'; '.join(diffs[:6])}{' ...' if len(diffs) > 6 else ''})")
+
+
+def _flags(kind: str, model: str | None) -> str:
+    return f"--tokenizer-type {kind}" + (f" --tokenizer-model {model}" if model else "")

@@ -21,9 +21,17 @@ the conversation (then the parts hold only ``{"type": "image"}``); ``bytes`` win
 ``path``. JSONL rows may do the same with paths (``"images": [{"path": ...}]`` or plain strings).
 
 An image is checked by decoding it whole (:func:`decode_image`): unreadable, truncated, zero-size
-or larger than ``max_pixels`` rejects the row with the file (or part) and the reason. EXIF
-orientation is applied (as transformers' ``load_image`` does), in preprocessing and in the
-loader alike, so the size the placeholder run was made for is the size the pixels have.
+or larger than ``max_pixels`` rejects the row with the file (or part) and the reason. What
+transformers' ``load_image`` does to a file is done here, in preprocessing and in the loader
+alike: EXIF orientation is applied (so the size the placeholder run was made for is the size the
+pixels have), then ``convert("RGB")``, which drops an alpha band (transparent pixels keep the
+colour stored under them; only a PIL image handed to the processor itself is composited on white).
+``max_pixels`` above PIL's decompression-bomb limit raises that limit for the decode (PIL would
+refuse the image otherwise).
+
+Each image's bytes are stored with their CRC-32 (:func:`checksum`), which the loader checks
+before decoding them (``data/image_store.py``): a damaged images file is refused, never decoded
+into other pixels.
 """
 from __future__ import annotations
 
@@ -32,12 +40,22 @@ import binascii
 import io
 import os
 import warnings
+import zlib
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 from data.chat import RowError
 
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's decompression-bomb threshold (~0.25 GB as RGB)
 IMAGE_KEYS = ("image", "url", "path", "base64")  # transformers' order of look-up
+INDEX_COLUMNS = 5  # per image in PREFIX_image_index_document: run start, run length, width,
+#                    height, CRC-32 of its bytes (data/image_store.py)
+
+
+def checksum(data: bytes) -> int:
+    """The CRC-32 of an image's bytes (zlib's, unsigned): ~1.7 GB/s on one core, so checking
+    an image the loader reads anyway costs well under 1% of decoding it."""
+    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 @runtime_checkable
@@ -137,16 +155,16 @@ def read_source(kind: str, value, base_dir: str, where: str) -> tuple[bytes, str
 
 
 def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, name: str = "image"):
-    """The whole decoded image (PIL, EXIF orientation applied). ``RowError``: ``image_empty``
-    (no bytes, or a zero width or height), ``image_too_large`` (more than ``max_pixels``, checked
-    on the header before any pixel is decoded), ``image_unreadable`` (not an image, truncated,
-    corrupt)."""
+    """The whole decoded image (PIL, EXIF orientation applied, RGB: what transformers'
+    ``load_image`` gives). ``RowError``: ``image_empty`` (no bytes, or a zero width or height),
+    ``image_too_large`` (more than ``max_pixels``, checked on the header before any pixel is
+    decoded), ``image_unreadable`` (not an image, truncated, corrupt)."""
     from PIL import Image, ImageOps
 
     if not data:
         raise RowError("image_empty", f"{name}: zero bytes")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _bomb_limit(Image, max_pixels):
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
             w, h = img.size
@@ -156,10 +174,37 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, name: 
             if w == 0 or h == 0:
                 raise RowError("image_empty", f"{name}: {w} x {h} pixels")
             img.load()  # decodes every byte: a truncated or corrupt file fails here
-            return ImageOps.exif_transpose(img)
+            img = ImageOps.exif_transpose(img)
+            return img if img.mode == "RGB" else img.convert("RGB")
     except RowError:
         raise
     except Image.DecompressionBombError as e:
         raise RowError("image_too_large", f"{name}: {e}") from None
     except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, struct.error...
+        size = _declared_size(data)
+        if size is not None and 0 in size:  # PIL refuses such a header before we see the size
+            raise RowError("image_empty", f"{name}: {size[0]} x {size[1]} pixels") from None
         raise RowError("image_unreadable", f"{name}: {type(e).__name__}: {e}") from None
+
+
+@contextmanager
+def _bomb_limit(image_module, max_pixels: int):
+    """PIL refuses at open an image of more than twice ``Image.MAX_IMAGE_PIXELS`` pixels (a
+    decompression bomb): while decoding, the limit is at least ``max_pixels`` (which we check on
+    the header ourselves), and PIL's own setting is restored after."""
+    before = image_module.MAX_IMAGE_PIXELS
+    if before is not None and max_pixels > before:
+        image_module.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        yield
+    finally:
+        image_module.MAX_IMAGE_PIXELS = before
+
+
+def _declared_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) that a PNG or GIF header declares, or None (another format, too short)."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    return None

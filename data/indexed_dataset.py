@@ -25,7 +25,9 @@ the first bad entry, instead of crashing (or training on garbage) many iteration
 
 The writer streams: lengths go to a growing numpy buffer, never a Python list, and the files are
 written under temporary names and renamed on success, with a statistics sidecar
-(``PREFIX.meta.json``, see ``data/dataset_stats.py``) recording the smallest and largest value.
+(``PREFIX.meta.json``, see ``data/dataset_stats.py``) recording the smallest and largest value
+and the CRC-32 of every 1 MiB block of the ``.bin`` (``data/checksums.py``), which the training
+loader checks as it reads.
 :func:`publish_together` renames several datasets as one unit (all or none), and a write error
 (a full disk) names the file it was writing.
 """
@@ -39,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from data import dataset_stats
+from data.checksums import BlockCRC
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -53,7 +56,14 @@ DTYPE_CODES: dict[int, type] = {
 _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class DatasetError(ValueError):
+    """A dataset that cannot be read as it is (a file missing or damaged, not published with the
+    rest, or not trainable with the run's flags): the message names the file and what to do.
+    ``pretrain_step37.py`` reports it in one line wherever it is found, at start-up or when the
+    loader reads the damage mid-run."""
+
+
+class IndexedDatasetError(DatasetError):
     """A dataset file is missing, truncated or does not follow the MMIDIDX layout."""
 
 
@@ -130,6 +140,18 @@ class IndexedDataset:
         # An empty .bin cannot be memory-mapped; an empty array stands in for it.
         self._bin = (np.memmap(bpath, mode="r", dtype=self.dtype) if bin_size
                      else np.empty(0, dtype=self.dtype))
+        self._verify = None  # VerifiedBlocks, once verify_with is called
+
+    def verify_with(self, record: dict | None, now: bool = False) -> None:
+        """Check every later ``get`` against the block checksums ``record`` (the sidecar's
+        ``"checksums"``, ``data/checksums.py``; None: read unchecked), and with ``now`` the
+        whole ``.bin`` at once (a small file read whole anyway)."""
+        from data.checksums import VerifiedBlocks
+
+        self._verify = None if record is None else \
+            VerifiedBlocks(bin_path(self.prefix), self._bin, self.pointers, record)
+        if now and self._verify is not None:
+            self._verify.check(0, self._bin.nbytes)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -146,6 +168,9 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > n:
             raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {i} of length {n}")
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
+        if self._verify is not None:
+            size = self.dtype.itemsize
+            self._verify.check(start * size, (start + length) * size)
         return self._bin[start:start + length]
 
     @property
@@ -250,6 +275,7 @@ class IndexedDatasetWriter:
         self._lengths = np.empty(1024, dtype=np.int32)
         self._count = 0
         self._stats = dataset_stats.empty_stats()
+        self._blocks = BlockCRC()
         self._done = False
         self._published: list[str] = []
 
@@ -283,8 +309,10 @@ class IndexedDatasetWriter:
         starts = np.cumsum(lengths) - lengths
         self._stats = dataset_stats.merge(self._stats,
                                           dataset_stats.block_stats(flat, starts[lengths > 0]))
+        data = flat.tobytes()
+        self._blocks.update(data)
         with names_file(self._bin_tmp):
-            self._bin.write(flat.tobytes())
+            self._bin.write(data)
 
     def _write_index(self) -> None:
         lengths = self._lengths[:self._count]
@@ -313,6 +341,7 @@ class IndexedDatasetWriter:
         # renaming keeps sizes and modification times, so the identity of the temporaries is
         # the identity of the published pair
         ident = dataset_stats.identity(self._bin_tmp, self._idx_tmp)
+        meta = {**(meta or {}), "checksums": self._blocks.record()}
         with names_file(self._meta_tmp), open(self._meta_tmp, "wb") as f:
             f.write(dataset_stats.sidecar_bytes(self._stats, ident, meta))
 

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from core.packed_seq import PackedSeqParams
-from data.image_store import ImageStore, concat_images, has_images, open_images
+from data.dataset_stats import recorded_facts
+from data.image_store import ImageStore, check_cut_runs, concat_images, has_images, open_images
 from data.indexed_dataset import IndexedDataset
 from data.packing import PackPlan, cached_plan, permutation
 from data.thd import THDBatch, build_thd_batch
@@ -94,6 +95,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
                 cache_dir: str | None = None, image_processor=None) -> PackedSource:
     """Open ``PREFIX`` (``..._text_document``) and plan its packs, skipping unusable documents.
 
+    The text and the loss mask are read checked against the block checksums their sidecars
+    record (``data/checksums.py``; a dataset without them is read unchecked).
     Zero-length documents and documents whose loss mask length differs from their token count
     are left out of the plan, counted and reported once (with their ids). ``train_fraction``
     keeps only the first part of the documents (``--split``; the rest is held out).
@@ -105,6 +108,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
     text = IndexedDataset(prefix)
     mask_prefix = loss_mask_prefix(prefix, cache_dir)
     mask = IndexedDataset(mask_prefix) if mask_prefix else None
+    for ds in (text, mask) if mask is not None else (text,):  # each block checked when first read
+        ds.verify_with(recorded_facts(ds.prefix, cache_dir).get("checksums"))
     lengths = text.lengths.astype(np.int64)
     skipped = {"empty": np.flatnonzero(lengths == 0)}
     if mask is not None:
@@ -126,6 +131,8 @@ def open_source(prefix: str, seq_length: int, long_docs: str, seed: int,
     if plan.num_packs == 0:
         raise ValueError(f"{prefix}: no packs (no usable documents with --long-docs {long_docs})")
     images = open_images(prefix, text.lengths, image_processor, cache_dir)
+    if images is not None:  # a plan that cuts an image's run fails now, not packs later
+        check_cut_runs(images, plan.segments, long_docs)
     return PackedSource(prefix, text, mask, plan, {k: len(v) for k, v in skipped.items()}, images)
 
 

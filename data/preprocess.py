@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from data.columnar import check_columns, describe_unit, input_format, iter_units, schema_names
+from data.images import INDEX_COLUMNS
 from data.indexed_dataset import IndexedDatasetWriter, names_file, publish_together, token_dtype
 from data.input_chunks import describe_task, iter_chunks
 from data.input_files import expand_inputs
@@ -41,7 +42,7 @@ from data.workers import OrderedPool
 
 REJECT_REASONS = ("blank_line", "invalid_utf8", "invalid_unicode", "invalid_json", "too_deep",
                   "not_an_object", "missing_key", "wrong_type", "empty_text", "unknown_role",
-                  "no_assistant_turn", "invalid_tool_call", "tool_calls_unsupported",
+                  "no_assistant_turn", "invalid_tool_call", "tool_calls_unsupported", "system_unsupported",
                   "reasoning_unsupported", "template_error", "tokenizer_error",
                   # image + text rows (data/images.py, data/image_chat.py)
                   "image_unreadable", "image_empty", "image_too_large", "image_url",
@@ -183,11 +184,11 @@ class _Outputs:
         images = proc is not None and bool(cfg.chat)
         # the unit (data/units.py): training pairs a text with a loss mask only of its own run
         self.meta = {"tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
-                                   "vocab_size": tok.vocab_size},
+                                   "vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint()},
                      "unit": new_unit(written_keys(cfg, images))}
         if images:  # what the loader rebuilds the processor from (data/image_store.py)
             self.meta["images"] = {"processor": proc.settings, "token_ids": proc.token_ids,
-                                   "image_token_id": proc.image_token_id}
+                                   "image_token_id": proc.image_token_id, "checksum": "crc32"}
             self.stats.images = 0
         text_only = not cfg.chat and "text" in cfg.json_keys
         self.stale_mask = f"{prefix}_loss_mask_document" if text_only else None
@@ -231,7 +232,7 @@ class _Outputs:
         stats.documents += len(res[next(iter(self.text_keys))][1])
         if stats.images is not None:
             stats.images += len(res["images"][1])
-            stats.image_tokens += int(res["image_index"][0].reshape(-1, 4)[:, 1].sum())
+            stats.image_tokens += int(res["image_index"][0].reshape(-1, INDEX_COLUMNS)[:, 1].sum())
 
     def publish(self, max_rejected_fraction: float) -> None:
         stats = self.stats

@@ -25,7 +25,7 @@ from data.chat import SURROGATE, RowError
 from data.columnar import (BadValue, describe_unit, one_line, read_errors, read_unit, row_text,
                            schema_names, strip_nulls)
 from data.image_chat import encode_image_chat
-from data.images import DEFAULT_MAX_IMAGE_PIXELS
+from data.images import DEFAULT_MAX_IMAGE_PIXELS, checksum
 from data.indexed_dataset import token_dtype
 from data.tokenizers import build_tokenizer
 
@@ -215,9 +215,9 @@ def _encode_chats(out: dict, parsed: list, rejects: list, raw_of, tok, cfg, dtyp
         ids.append(t)
         masks.append(m if eod is None else np.append(m, np.uint8(0)))
         images += imgs
-        # one row per image: (run start, run length, width, height)
-        index.append(np.column_stack([runs, np.array([(w, h) for _, w, h in imgs], np.int64)
-                                      .reshape(-1, 2)]).reshape(-1))
+        # one row per image: (run start, run length, width, height, CRC-32 of its bytes)
+        index.append(np.column_stack([runs, np.array([(w, h, checksum(b)) for b, w, h in imgs],
+                                                     np.int64).reshape(-1, 3)]).reshape(-1))
     out["text"] = _flatten(ids, dtype, eod)
     out["loss_mask"] = (np.concatenate(masks) if masks else np.zeros(0, np.uint8), out["text"][1])
     if proc is not None:

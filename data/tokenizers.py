@@ -5,9 +5,14 @@ Every tokenizer has ``encode``, ``encode_batch``, ``decode``, ``vocab_size``, ``
 the text), which chat loss masks are computed from. Text is encoded without the tokenizer's
 automatic special tokens (BOS/EOS): documents get an end-of-document token only with
 ``--append-eod``, and chat templates write their own markers.
+
+``fingerprint()`` is a hash of the vocabulary (every token and its id): what the ids of a
+dataset mean. ``tools/preprocess_data.py`` records it beside the data, and training refuses a
+tokenizer with another one (``data/checks.py``), wherever its files live.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -47,6 +52,15 @@ class Tokenizer:
         ids = self.encode(text)
         return ids[0] if len(ids) == 1 else None
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token (as the tokenizer writes it) and its id."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """16 hex digits of SHA-256 over the vocabulary in id order (~50 ms for 128k tokens)."""
+        pairs = sorted(((i, t) for t, i in self.vocabulary().items()))
+        return hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()[:16]
+
 
 def _char_offsets_from_byte_offsets(text: str, byte_offsets: np.ndarray) -> np.ndarray:
     """Map UTF-8 byte offsets into ``text`` to character offsets."""
@@ -78,6 +92,9 @@ class ByteTokenizer(Tokenizer):
         self._special_id = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
         self.eod_id = self._special_id["<|endoftext|>"]
         self.pad_id = self._special_id["<|pad|>"]
+
+    def vocabulary(self) -> dict[str, int]:
+        return {**{f"<0x{b:02X}>": b for b in range(256)}, **self._special_id}
 
     def encode(self, text: str) -> list[int]:
         if "<|" not in text:
@@ -185,6 +202,11 @@ class HuggingFaceTokenizer(Tokenizer):
     def token_id(self, text: str) -> int | None:
         return self._token_to_id(text)
 
+    def vocabulary(self) -> dict[str, int]:
+        if self._fast is not None:
+            return self._fast.get_vocab(with_added_tokens=True)
+        return self._transformers().get_vocab()
+
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=False).ids
@@ -234,6 +256,9 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = self._sp.get_piece_size()
         self.eod_id = self._sp.eos_id()
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod_id
+
+    def vocabulary(self) -> dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-BUILT_IN = ("models.step37", "models.qwen3_moe")
+BUILT_IN = ("models.step37", "models.qwen3_moe", "models.deepseek_v3", "models.glm4_moe")
 LEGACY_FAMILY = "step37"  # what checkpoints hold that were written before families were recorded
 
 
@@ -66,9 +66,12 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 
 def _load_built_in() -> None:
-    if not _SPECS:
-        for module in BUILT_IN:
-            register(importlib.import_module(module).SPEC)
+    """Register the built-in families not yet registered (a family registered first, such as a
+    ``--model-module`` imported before any lookup, does not hide them)."""
+    for module in BUILT_IN:
+        s = importlib.import_module(module).SPEC
+        if s.family not in _SPECS:
+            register(s)
 
 
 def import_model_module(name: str | None) -> None:

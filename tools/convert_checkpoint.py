@@ -8,7 +8,7 @@ Verbs:
           unexpected and mis-shaped tensors (nothing is loaded; the model is built on the meta
           device, so this works for the full 196B model on a laptop). Exit 1 if it does not fit.
 
-  export  CKPT OUT [--source HF_DIR]
+  export  CKPT OUT [--source HF_DIR] [--base HF_DIR] [--merge-lora] [--overwrite]
           Training checkpoint (any layout; the 'latest' one of a --save directory, or an iter_*
           directory) -> Hugging Face safetensors. With --source (the checkpoint it was imported
           from), the published layout is written and the vision tower copied byte for byte;
@@ -22,6 +22,12 @@ Verbs:
           adapter folder (adapter_config.json + adapter_model.safetensors, transformers' module
           names; peft.PeftModel.from_pretrained loads it onto the base), or with --merge-lora as
           the merged full Hugging Face weights. Routed experts' adapters export merged only.
+
+          OUT (core/out_dir.py): every file an export of ours writes that OUT holds (weights, shards,
+          index, config.json, side files, a PEFT adapter's two files) is replaced, of either kind, so
+          no stale adapter sits beside merged weights nor weights beside an adapter; an OUT holding
+          any other file is refused unless --overwrite (which keeps those files); OUT may not be the
+          --source or LoRA base it reads.
 
   import  HF_DIR OUT [--model-preset NAME | --hf-config PATH] [--peft ADAPTER_DIR]
           Hugging Face checkpoint -> a training checkpoint at iteration 0 (weights only), for
@@ -41,7 +47,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from core.hf_checkpoint import check_checkpoint, problems, stale_files  # noqa: E402
+from core.hf_checkpoint import check_checkpoint, problems  # noqa: E402
 from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from models import registry  # noqa: E402
 from models.common.decoder import count_parameters  # noqa: E402
@@ -84,9 +90,11 @@ def cmd_check(args) -> int:
                 print(f"    {theirs}: checkpoint {shape}, model {want} ({ours})")
             elif key == "wrong_dtype":
                 ours, theirs, dtype, scales = item
+                why = report["fp8_problems"].get(theirs)  # a float8 weight that cannot be dequantized
                 quantized = f", quantized: scales beside it ({', '.join(scales[:2])})" if scales else ""
-                print(f"    {theirs}: {dtype}, this tool reads F32 / BF16 / F16 ({ours}{quantized}); "
-                      "dequantize or convert it to bf16 first")
+                print(f"    {why} ({ours})" if why else
+                      f"    {theirs}: {dtype}, this tool reads F32 / BF16 / F16 and block-scaled F8_E4M3 "
+                      f"({ours}{quantized}); dequantize or convert it to bf16 first")
             elif key == "missing":
                 print(f"    {model.hf_weights.published(item)} ({item})")
             else:
@@ -103,57 +111,69 @@ def cmd_check(args) -> int:
 def check_out_folder(out: str, what: str) -> None:
     """OUT names a folder to write into: refuse, in one line, a path where a file stands (itself or
     the nearest part of it that exists), which would otherwise fail mid-run with a raw errno."""
-    part = os.path.abspath(out)
-    while not os.path.exists(part) and os.path.dirname(part) != part:
-        part = os.path.dirname(part)
-    if os.path.exists(part) and not os.path.isdir(part):
-        where = "is a file" if part == os.path.abspath(out) else f"is inside {part}, which is a file"
-        raise ValueError(f"OUT {out} {where}, not a folder: {what} writes a folder there; remove the "
-                         "file or choose another OUT")
+    from core.out_dir import check_out_dir
+
+    check_out_dir(out, (), flag="OUT", tool=what, overwrite=True)
+
+
+def _same_folder(a: str | None, b: str) -> bool:
+    return bool(a) and os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
 def cmd_export(args) -> int:
     from core.checkpointing import load_checkpoint, read_meta, resolve
+    from core.out_dir import check_out_dir, clear_owned, export_files, split_files
 
     from training.checkpoints import checkpoint_model, lora_model
 
-    check_out_folder(args.out, "export")
+    check_out_folder(args.out, "export")  # before any work; what it holds is checked once the family is known
     registry.import_model_module(args.model_module)
     path = resolve(args.checkpoint, "CKPT")
     meta = read_meta(path)
     spec, cfg = checkpoint_model(path, meta)
+    lora = meta.get("lora")
+    if args.merge_lora and not lora:
+        raise ValueError(f"--merge-lora: {path} is not a LoRA run's checkpoint (it holds every weight)")
+    if args.base and not lora:
+        raise ValueError(f"--base {args.base}: {path} is not a LoRA run's checkpoint (it holds every weight): drop "
+                         "--base (--source keeps a published layout)")
+    owned = export_files(getattr(spec.model_class.weight_adapter, "side_files", ()))
+    held = check_out_dir(args.out, owned, flag="OUT", tool="export", overwrite=args.overwrite)
+    for flag, folder in (("--source", args.source), ("--base", args.base),
+                         ("the recorded LoRA base", (lora or {}).get("base", {}).get("load_hf"))):
+        if _same_folder(folder, args.out):
+            raise ValueError(f"OUT {args.out} is {flag} ({folder}): exporting into it would replace the weights it "
+                             "reads; choose another OUT")
     if args.source and os.path.exists(os.path.join(args.source, "config.json")):
         theirs = registry.spec_for_hf(args.source)
         if theirs.family != spec.family:
             raise ValueError(f"--source {args.source} is a {theirs.family} checkpoint; {path} holds a "
                              f"{spec.family} model")
     pad_id, pad_from = pad_token_id(args, meta)
-    lora = meta.get("lora")
-    if args.merge_lora and not lora:
-        raise ValueError(f"--merge-lora: {path} is not a LoRA run's checkpoint (it holds every weight)")
     model = lora_model(spec, cfg, lora, args.base, path) if lora else spec.build(cfg)
     load_checkpoint(path, [model])
+    clear_owned(args.out, owned)  # an earlier export's files, of either kind (core/out_dir.py)
+    others = split_files(args.out, owned)[1]
+    replaced = (f"; removed {len(held)} file(s) of an earlier export first: {', '.join(held)}" if held else "") + \
+        (f"; kept {len(others)} other file(s) (--overwrite): {', '.join(others[:5])}" if others else "")
     if lora and not args.merge_lora:
         from core.lora_export import write_peft
 
         config = write_peft(model, args.out, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
                             base=args.base or lora["base"]["load_hf"])
         print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} (PEFT LoRA "
-              f"adapter, rank {lora['rank']}, alpha {lora['alpha']:g}, {len(config['target_modules'])} modules)")
+              f"adapter, rank {lora['rank']}, alpha {lora['alpha']:g}, {len(config['target_modules'])} modules"
+              f"{replaced})")
         return 0
     if lora:
         from core.lora_export import merge_lora
 
         merge_lora(model)
-    stale = stale_files(args.out, tuple(getattr(model.hf_weights, "side_files", ()))) if os.path.isdir(args.out) else []
     layout = model.save_hf(args.out, source=args.source)
-    if stale:
-        print(f"convert_checkpoint export: removed {len(stale)} file(s) of an earlier export from {args.out}: "
-              f"{', '.join(os.path.basename(p) for p in stale)}")
     set_pad_token_id(os.path.join(args.out, "config.json"), pad_id)
     print(f"convert_checkpoint export: {path} (iteration {meta['iteration']}) -> {args.out} "
           f"({spec.family}, {layout} layout, {count_parameters(model)['total']:,} parameters; pad_token_id "
-          f"{pad_id} from {pad_from})")
+          f"{pad_id} from {pad_from}{replaced})")
     return 0
 
 
@@ -238,6 +258,10 @@ def import_peft(model, folder: str, base: str):
     from core.lora_export import adapted_targets, base_keys, read_peft, read_peft_config
 
     config = read_peft_config(folder)
+    trained_on = config.get("base_model_name_or_path")
+    if trained_on and not _same_folder(trained_on, base):
+        print(f"convert_checkpoint import: warning: --peft {folder} was trained on {trained_on} (its "
+              f"base_model_name_or_path), imported onto {base}: check that they hold the same weights", file=sys.stderr)
     keys = base_keys(base, model)
     probe = LoraSettings(lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]))
     with torch.device("meta"):  # which of our targets the folder covers
@@ -274,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--base", help="a LoRA checkpoint's base HF directory (default: the --load-hf it trained on)")
     exp.add_argument("--merge-lora", action="store_true",
                      help="a LoRA checkpoint: write the merged full weights instead of a PEFT adapter folder")
+    exp.add_argument("--overwrite", action="store_true",
+                     help="export into an OUT that holds files an export did not write (they are kept; an earlier "
+                          "export's files are always replaced, of either kind)")
     exp.set_defaults(func=cmd_export)
     imp = sub.add_parser("import", help="Hugging Face -> training checkpoint")
     imp.add_argument("directory", help="Hugging Face checkpoint directory")

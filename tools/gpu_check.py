@@ -14,7 +14,9 @@ started) is shared by all parts, which run in the order of what they decide. A p
 when the budget still holds its timeout, the kill grace after it and the finish (archive, table);
 otherwise it is ``not run: budget`` and the next, smaller part may still fit. A part still
 running at its timeout has its process group killed and is ``hung``. Exit: 0 when every part
-passed, 1 otherwise, 2 without CUDA (nothing run).
+passed, 1 otherwise, 2 without CUDA or with an ``--out`` it cannot use (nothing run). ``--out``
+is refused, in one line, when it holds files the check did not write (a rerun replaces only its
+own three) or nothing can be written there.
 
 ``GPU_CHECK_FAKE_PARTS`` (a JSON list of ``{"key", "name", "cmd", "timeout"}``) replaces the
 parts and skips the CUDA check: how the CPU tests exercise the runner, timeouts included.
@@ -37,6 +39,10 @@ import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: core/ (stdlib only here, nothing built yet)
+    sys.path.insert(0, ROOT)
+
+from core.cli import POSITIVE, checked  # noqa: E402
 BUDGET = 540.0     # the whole check, seconds of wall clock: 9 of the lease's 15 minutes
 KILL_GRACE = 5.0   # seconds between SIGTERM and SIGKILL of a timed-out part's process group
 FINISH = 10.0      # seconds kept for the archive, results.json, summary.txt and the table
@@ -306,17 +312,38 @@ def run_all(parts: list[Part], out: str, budget: float) -> list[dict]:
     return rows
 
 
+def out_problem(out: str) -> str:
+    """Why ``--out`` cannot take the three files, in one line ("" when it can): a file in the way,
+    a folder where nothing can be written, or one holding files the check did not write (never
+    deleted: a rerun replaces only its own three; ``core/out_dir.py``)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from core.out_dir import check_out_dir
+
+    try:
+        check_out_dir(out, FILES + (".results.json.tmp", ".logs.tar.gz.tmp"), flag="--out", tool="gpu_check",
+                      overwrite=None)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "gpu_check"),
                     help=f"the three files {', '.join(FILES)} go here (default runs/gpu_check)")
     ap.add_argument("--model-preset", help="a registered full-width preset for the model-specific parts (default: "
                     "the parts' own, benchmarks/gpu_parts/common.py)")
-    ap.add_argument("--budget", type=float, default=BUDGET,
-                    help=f"seconds of wall clock for the whole check, from gpu_check.sh's start ({BUDGET:g})")
+    ap.add_argument("--budget", type=checked(float, POSITIVE), default=BUDGET,
+                    help=f"seconds of wall clock for the whole check, from gpu_check.sh's start, a finite "
+                         f"number > 0 ({BUDGET:g})")
     ap.add_argument("--only", help="comma-separated part keys to run (default: all)")
     ap.add_argument("--bench-args", default="", help="extra flags for bench_gpu.py, e.g. '--compile'")
     args = ap.parse_args(argv)
+    why = out_problem(args.out)
+    if why:
+        print(f"gpu_check: error: {why}", file=sys.stderr)
+        return 2
     fake = os.environ.get("GPU_CHECK_FAKE_PARTS")
     if not fake:
         import torch

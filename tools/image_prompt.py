@@ -11,7 +11,9 @@ image processor's placeholder run for that image's size. The pixels are the proc
 
 The processor is the one the tokenizer folder holds (``models.registry.load_image_processor``):
 the folder the run recorded, or ``--tokenizer-model``. A checkpoint does not record the
-dataset's processor settings; the tokenizer folder is where preprocessing read them from.
+dataset's processor settings; the tokenizer folder is where preprocessing read them from, and
+training refuses a folder whose vocabulary or image processor differs from the dataset's
+(``data/checks.check_made_with``), so the recorded folder is the data's.
 """
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ if __package__ in (None, ""):
 
 from core.cli import add_to_parser, from_namespace  # noqa: E402
 from training.planner.timing import TimeAssumptions  # noqa: E402
-from train_args import SECTIONS, build_parser, sections, validate  # noqa: E402
-from training.planner.run import DEFAULT_DEVICE_GB, report, search_report  # noqa: E402
+from train_args import SECTIONS, build_parser, model_config, sections, validate_plan  # noqa: E402
+from training.planner.run import DEFAULT_DEVICE_GB, check_plannable, report, search_report  # noqa: E402
 from training.planner.vision import add_image_flags, image_mix  # noqa: E402
 
 
@@ -63,29 +63,38 @@ def build_planner_parser():
     return parser
 
 
-def main(argv=None) -> int:
+def planned(argv=None):
+    """The parsed flags, the sections, the time model and the validated layout (None with
+    ``--search``, which replaces the layout flags): ``ValueError`` naming the flag for what cannot
+    be planned, through ``train_args.validate_plan`` as ``pretrain_step37.py --dry-run`` does; a
+    usage error (``SystemExit``) for what a section refuses."""
     parser = build_planner_parser()
     ns = parser.parse_args(argv)
     args = sections(ns, parser)
+    if ns.world_size < 1:  # the search would list no layout and call it "no layout fits"
+        raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
+    if not (math.isfinite(ns.device_gb) and ns.device_gb > 0):
+        raise ValueError(f"--device-gb must be a finite number > 0, got {ns.device_gb:g}")
+    if not (math.isfinite(ns.host_gb) and ns.host_gb >= 0):
+        raise ValueError(f"--host-gb must be a finite number >= 0 (0: no limit), got {ns.host_gb:g}")
+    assumptions = getattr(args, "time", None) or from_namespace(TimeAssumptions, ns)
+    args.images = image_mix(ns)
+    if not ns.search:
+        return ns, args, assumptions, validate_plan(args, ns.world_size)
+    check_plannable(args, model_config(args))
+    if ns.top < 1:
+        raise ValueError(f"--top must be >= 1, got {ns.top}")
+    if ns.reserve_gb is not None and not 0 <= ns.reserve_gb < ns.device_gb:
+        raise ValueError(f"--reserve-gb must be >= 0 and below --device-gb {ns.device_gb:g}, got {ns.reserve_gb:g}")
+    return ns, args, assumptions, None
+
+
+def main(argv=None) -> int:
     try:
-        if not (math.isfinite(ns.device_gb) and ns.device_gb > 0):
-            raise ValueError(f"--device-gb must be a finite number > 0, got {ns.device_gb:g}")
-        if not (math.isfinite(ns.host_gb) and ns.host_gb >= 0):
-            raise ValueError(f"--host-gb must be a finite number >= 0 (0: no limit), got {ns.host_gb:g}")
-        assumptions = getattr(args, "time", None) or from_namespace(TimeAssumptions, ns)
-        args.images = image_mix(ns)
-        for part in ("projector", "language"):
-            if getattr(args.model, f"freeze_{part}", False):
-                raise ValueError(f"--freeze-{part} is not planned (the planner books a frozen vision tower "
-                                 "only, --freeze-vision); plan without it for an upper bound")
-        if ns.search:
-            if ns.top < 1:
-                raise ValueError(f"--top must be >= 1, got {ns.top}")
-            if ns.reserve_gb is not None and not 0 <= ns.reserve_gb < ns.device_gb:
-                raise ValueError(f"--reserve-gb must be >= 0 and below --device-gb {ns.device_gb:g}, got {ns.reserve_gb:g}")
+        ns, args, assumptions, layout = planned(argv)
+        if layout is None:
             return search_report(args, ns.world_size, device_gb=ns.device_gb, host_gb=ns.host_gb,
                                  assumptions=assumptions, top=ns.top, as_json=ns.json, reserve_gb=ns.reserve_gb)
-        layout = validate(args, ns.world_size, check_files=False)
     except ValueError as e:
         print(f"plan_memory.py: error: {e}", file=sys.stderr)
         return 2

@@ -78,7 +78,8 @@ class PreprocessConfig:
                                                 "than this fraction of rows is rejected")
     max_image_pixels: int = option(DEFAULT_MAX_IMAGE_PIXELS, "image + text chat: an image of more "
                                    "pixels (width x height) rejects its row (image_too_large; "
-                                   "a decompression bomb); PIL's own threshold is the default")
+                                   "a decompression bomb); PIL's own threshold is the default, "
+                                   "and a larger value raises PIL's for the decode")
 
     def __post_init__(self):
         if self.workers < 1:

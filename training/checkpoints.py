@@ -11,10 +11,86 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from core.checkpointing import (RUNTIME_FIELDS, CheckpointError, begin_save, compare_model_config, finish_save,
-                                load_checkpoint, read_meta, resolve)
+from core.checkpointing import (RUNTIME_FIELDS, CheckpointError, _short, begin_save, compare_model_config,
+                                finish_save, load_checkpoint, read_meta, resolve)
+from core.freeze import PARTS
 from core.lora import base_fingerprint
 from models import registry
+
+
+@dataclass(frozen=True)
+class MustMatch:
+    """A run setting that a load from a checkpoint must match: the flag(s) that set it, where
+    ``meta.json`` records it, when it applies (``always``: every load, the tensors would not fit;
+    ``resume``: not under ``--finetune``, a new run from the weights, which is warned instead;
+    ``optimizer``: only when the optimizer state is restored) and what to do."""
+
+    flag: str
+    path: tuple
+    scope: str
+    fix: str
+
+
+_LORA_FIX = "resume with the checkpoint's LoRA flags"
+# The one list of what a resume compares (resume_mismatches reads it; the tests are generated from it).
+# Not here: the model family (what the rest means), a LoRA base's identity (check_lora_base: not a
+# flag's value but the weights it loaded), the data (the loader's fingerprint, data/loader.py) and the
+# LR schedule (may change on a resume, e.g. a longer run: warned, RunCheckpoints._check_schedule).
+RESUME_MUST_MATCH = (
+    MustMatch("--model-preset / --hf-config", ("model",), "resume",
+              "resume with the checkpoint's model flags, or start a new run from its weights with --finetune"),
+    MustMatch("--lora-rank", ("lora", "rank"), "always", _LORA_FIX),
+    MustMatch("--lora-targets", ("lora", "targets"), "always", _LORA_FIX),
+    MustMatch("--lora-alpha", ("lora", "alpha"), "resume", _LORA_FIX + ", or start a new run from them with --finetune"),
+    MustMatch("--lora-dropout", ("lora", "dropout"), "resume", _LORA_FIX + ", or start a new run from them with --finetune"),
+    *(MustMatch(f"--freeze-{part}", ("freeze", part), "optimizer",
+                "the optimizer state is the trained parameters': resume with the checkpoint's --freeze-* flags, or "
+                "pass --no-load-optim to start the optimizer afresh") for part in PARTS),
+    MustMatch("--optimizer", ("optimizer",), "optimizer", "pass --no-load-optim to start the optimizer afresh"),
+)
+_ABSENT = object()
+
+
+def _at(meta: dict, path: tuple):
+    for key in path:
+        if not isinstance(meta, dict) or key not in meta or meta[key] is None:
+            return _ABSENT
+        meta = meta[key]
+    return meta
+
+
+def _differs(saved, run) -> str:
+    """"checkpoint X, this run Y" ("" when equal); model configs field by field."""
+    if isinstance(saved, dict) and isinstance(run, dict):
+        return "; ".join(compare_model_config(saved, run))
+    return "" if saved == run else f"checkpoint {_short(saved)}, this run {_short(run)}"
+
+
+def resume_mismatches(saved: dict, run: dict, *, finetune: bool, load_optim: bool) -> tuple[list[str], list[str]]:
+    """``(refused, warned)``: ``"FLAG: checkpoint X, this run Y (what to do)"`` for every entry of
+    ``RESUME_MUST_MATCH`` on which the checkpoint's ``meta.json`` (``saved``) and this run's
+    (``run``) differ; an entry absent on either side (an older checkpoint, a run without LoRA) is
+    not compared. Under ``--finetune`` a ``resume`` entry is warned about, an ``optimizer`` one
+    (also under ``--no-load-optim``) not compared."""
+    refused, warned = [], []
+    for m in RESUME_MUST_MATCH:
+        a, b = _at(saved, m.path), _at(run, m.path)
+        diff = "" if a is _ABSENT or b is _ABSENT else _differs(a, b)
+        if not diff:
+            continue
+        if m.scope == "always" or (m.scope == "resume" and not finetune) or \
+                (m.scope == "optimizer" and load_optim and not finetune):
+            refused.append(f"{m.flag}: {diff} ({m.fix})")
+        elif m.scope == "resume":
+            warned.append(f"{m.flag}: {diff}")
+    return refused, warned
+
+
+def run_flags_record(args) -> dict:
+    """What ``meta.json`` records of the run's flags for ``RESUME_MUST_MATCH`` beside the model
+    config and the LoRA record: the optimizer and the frozen parts."""
+    frozen = set(getattr(args.model, "frozen_parts", ()))
+    return {"optimizer": args.optim.optimizer, "freeze": {part: part in frozen for part in PARTS}}
 
 
 def schedule_record(args) -> dict:
@@ -64,7 +140,7 @@ def lora_meta(lora, cfg, chunks, pstate, load_hf: str | None, seed: int) -> dict
 
 
 def check_lora_base(path: str, saved: dict | None, run: dict | None) -> None:
-    """A LoRA checkpoint resumes only onto its own base, with its own adapters' shape."""
+    """A LoRA checkpoint resumes only as a LoRA run, onto its own base (its flags: ``RESUME_MUST_MATCH``)."""
     if saved is None and run is None:
         return
     if saved is None:
@@ -75,9 +151,6 @@ def check_lora_base(path: str, saved: dict | None, run: dict | None) -> None:
                               f"base {saved['base']['load_hf'] or 'seeded'}); resume it with --lora-rank "
                               f"{saved['rank']} --lora-alpha {saved['alpha']:g} --lora-targets "
                               f"{','.join(saved['targets'])} and --load-hf of that base")
-    diffs = [f"--lora-{k} {saved[k]} -> {run[k]}" for k in ("rank", "alpha", "targets") if saved[k] != run[k]]
-    if diffs:
-        raise CheckpointError(f"--load {path}: the adapters were trained with other LoRA flags ({'; '.join(diffs)})")
     sb, rb = saved["base"], run["base"]
     for key, what in (("config_sha256", "model config"), ("weights_fingerprint", "weights")):
         if sb[key] != rb[key]:
@@ -142,10 +215,11 @@ class RunCheckpoints:
         self.log.info(f"saved checkpoint {finish_save(pending)}")
 
     # ------------------------------------------------------------------ loading
-    def resume(self, family: str, cfg, chunks, optimizer, lora: dict | None = None) -> Resumed | None:
+    def resume(self, run: dict, chunks, optimizer) -> Resumed | None:
         """Fill ``chunks`` (and the optimizer, unless told not to) from ``--load``; None when
-        there is nothing to load yet. ``lora``: this run's ``lora_record`` (a LoRA checkpoint
-        resumes only onto the base it was trained on)."""
+        there is nothing to load yet. ``run``: what this run's checkpoints record (``meta.json``:
+        its family, model config, flags and ``lora_record``), compared with the checkpoint's
+        (``RESUME_MUST_MATCH``; a LoRA checkpoint resumes only onto the base it was trained on)."""
         ck = self.args.checkpoint
         if not ck.load:
             return None
@@ -159,25 +233,18 @@ class RunCheckpoints:
         meta = read_meta(path)
         if not isinstance(meta.get("model"), dict):
             raise CheckpointError(f"{os.path.join(path, 'meta.json')}: no model config (\"model\")")
-        saved_family = checkpoint_family(meta)
+        saved_family, family = checkpoint_family(meta), run["family"]
         if saved_family != family:
             raise CheckpointError(f"--load {path}: a {saved_family} checkpoint; this run trains a {family} "
                                   "model (--model-preset / --hf-config). A checkpoint loads only into its own "
                                   "model family")
-        diffs = compare_model_config(meta["model"], cfg.to_dict())
-        if diffs and not ck.finetune:
-            raise CheckpointError(
-                f"--load {path}: the checkpoint's model differs from this run's ({'; '.join(diffs)}). "
-                "Resume with the checkpoint's model flags (--model-preset / --hf-config), or start a "
-                "new run from its weights with --finetune")
-        if diffs:
-            self.log.warning(f"--finetune: the model differs from the checkpoint's: {'; '.join(diffs)}")
-        check_lora_base(path, meta.get("lora"), lora)
+        check_lora_base(path, meta.get("lora"), run.get("lora"))
         restore_optim = ck.load_optim and not ck.finetune
-        saved_opt, run_opt = meta.get("optimizer"), self.args.optim.optimizer
-        if restore_optim and saved_opt and saved_opt != run_opt:
-            raise CheckpointError(f"--load {path}: saved with --optimizer {saved_opt}, this run uses "
-                                  f"{run_opt}; pass --no-load-optim to start {run_opt} afresh")
+        refused, warned = resume_mismatches(meta, run, finetune=ck.finetune, load_optim=ck.load_optim)
+        if refused:
+            raise CheckpointError(f"--load {path}: saved with other flags than this run's: {'; '.join(refused)}")
+        for diff in warned:
+            self.log.warning(f"--finetune: this run differs from the checkpoint: {diff}")
         _, extra = load_checkpoint(path, chunks, optimizer if restore_optim else None)
         if ck.finetune:
             self.log.info(f"--finetune: weights of {path} (iteration {meta['iteration']}); starting at "
@@ -213,6 +280,12 @@ def lora_model(spec, cfg, lora: dict, base: str | None, path: str):
     from core.lora import LoraSettings, apply_lora
 
     recorded = lora["base"]
+    if base and not os.path.isdir(base):
+        raise ValueError(f"--base {base}: no such directory (the Hugging Face checkpoint {path}'s adapters were "
+                         "trained on)")
+    if not base and recorded["load_hf"] and not os.path.isdir(recorded["load_hf"]):
+        raise ValueError(f"{path}: its recorded LoRA base {recorded['load_hf']} (the --load-hf it trained on, in "
+                         "meta.json) no longer exists: pass --base DIR with that base's Hugging Face checkpoint")
     base = base or recorded["load_hf"]
     model = spec.build(cfg, seed=recorded["seed"] or 0) if not base else spec.build(cfg)
     apply_lora(model, LoraSettings(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],

@@ -28,7 +28,7 @@ from models import registry
 from data.tokenizers import build_tokenizer
 from models.registry import shapes_of
 from training.run_layout import RunLayout, aux_loss_coeff, evaluates
-from training.checkpoints import RunCheckpoints, lora_record, schedule_record
+from training.checkpoints import RunCheckpoints, lora_record, run_flags_record, schedule_record
 from training.eval_data import make_loader, validation_loader
 from training.evaluate import evaluate
 from training.parallelize import parallelize, stage_layers
@@ -111,7 +111,7 @@ class Trainer:
         a, sizes = self.args, self.ps.sizes
         layers = stage_layers(self.cfg, sizes.pp * sizes.vpp, a.parallel.pipeline_layout, a.data.seq_length)
         return {"family": self.spec.family, "model": self.cfg.to_dict(), "layout": vars(a.parallel),
-                "optimizer": a.optim.optimizer, "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
+                **run_flags_record(a), "stage_layers": [len(r) for r in layers], "schedule": schedule_record(a),
                 "tokenizer": {"type": a.data.tokenizer_type, "model": a.data.tokenizer_model,
                               "pad_id": self.tok.pad_id, "eod_id": self.tok.eod_id},
                 **({"lora": self.lora} if self.lora else {})}
@@ -127,7 +127,7 @@ class Trainer:
                 f"peak host memory so far {_size(_peak_host_gib() * 2**30)}")
 
     def maybe_resume(self) -> None:
-        r = self.ckpt.resume(self.spec.family, self.cfg, self.chunks, self.optimizer, self.lora)
+        r = self.ckpt.resume(self._meta(), self.chunks, self.optimizer)
         if r is None:
             if self.from_checkpoint:  # the parameters were left for it to fill
                 raise CheckpointError(f"--load {self.args.checkpoint.load}: the checkpoint found at "

@@ -7,12 +7,19 @@ the layer's local ``q [T/N, Hq, D]``, ``k``/``v [T/N, Hkv, D]`` and the micro-ba
 1. builds (once per micro-batch and window, on the host, ``plan.py``) which keys each local
    chunk needs: its document's prefix (full attention) or its halo of ``window - 1`` keys;
 2. moves K/V: an all-gather over the CP group (full) or the halo exchange (sliding,
-   ``exchange.py``);
+   ``exchange.py``), and cuts the key buffer (the rows the local chunks read) from the pool;
 3. runs one attention call over the segments (query chunk, its keys), causal aligned to the end
    of the keys: torch's flash ``varlen_attn`` with ``cu_seqlens_q != cu_seqlens_k`` on CUDA
    (bf16), or the sdpa reference per segment (CPU, any dtype);
 4. zeroes the outputs of padding rows (as the unsharded sdpa backend returns them), so no
    gradient flows from padding queries into real keys.
+
+Multi-head latent attention (``core/transformer/mla.py``) calls :meth:`ContextParallel.latent`
+instead: step 2 moves each token's compressed latent (``kv_lora_rank`` normed latent and the
+roped shared key, ``[T/N, kv_lora_rank + rope]``) rather than the expanded per-head K/V, and the
+module's own ``expand`` (``kv_b_proj``) turns the key buffer's latent rows into K and V on every
+rank before step 3. The value head dim may differ from the query/key one there: the sdpa
+reference computes with it as it is, ``varlen`` gets V zero-padded and its output cropped.
 
 Only the index tensors derived from host metadata travel to the device (pinned, asynchronous);
 nothing reads the device. ``--compile`` is refused with CP (the exchanges are host-planned
@@ -61,7 +68,7 @@ def _band(nq: int, q0: int, k0: int, nk: int, window: int | None, device) -> tor
 def sdpa_segments(q, k, v, plan: SegmentPlan, window: int | None, scale: float) -> torch.Tensor:
     """The reference: per segment, blocks of queries against the keys they can see (masked
     sdpa), memory O(block x keys)."""
-    out = torch.zeros_like(q)
+    out = q.new_zeros(*q.shape[:2], v.shape[-1])  # the value head dim may differ (MLA)
     gqa = q.shape[1] != k.shape[1]
     block = window or QUERY_BLOCK
     for qs, qe, ks, ke in zip(plan.cu_q[:-1], plan.cu_q[1:], plan.cu_k[:-1], plan.cu_k[1:]):
@@ -105,9 +112,22 @@ def attend_segments(q, pool, kv_heads: int, plan: DevicePlan, valid, window: int
     rows zeroed (``valid [T/N]`` bool). No process group: tests and the GPU check call it with
     a pool made on one process."""
     keys = pool.index_select(0, plan.key_index)
-    kb, vb = keys[:, :kv_heads], keys[:, kv_heads:]
+    return attend_keys(q, keys[:, :kv_heads], keys[:, kv_heads:], plan, valid, window, scale, backend)
+
+
+def attend_keys(q, kb, vb, plan: DevicePlan, valid, window: int | None, scale: float,
+                backend: str) -> torch.Tensor:
+    """Steps 3 and 4 on a key buffer already cut (``kb [rows, Hkv, D]``, ``vb [rows, Hkv, Dv]``):
+    ``varlen`` needs ``Dv == D``, so V is zero-padded for it and the output cropped (exact: zero
+    value columns add nothing to the kept ones)."""
+    dv = vb.shape[-1]
     if backend == "varlen":
-        o = varlen_segments(q, kb.contiguous(), vb.contiguous(), plan, window, scale)
+        if dv != q.shape[-1]:
+            if dv > q.shape[-1]:  # zero q/k dims add nothing to q.k
+                q, kb = (F.pad(t, (0, dv - t.shape[-1])) for t in (q, kb))
+            else:
+                vb = F.pad(vb, (0, q.shape[-1] - dv))
+        o = varlen_segments(q, kb.contiguous(), vb.contiguous(), plan, window, scale)[..., :dv]
     else:
         o = sdpa_segments(q, kb, vb, plan.host, window, scale)
     return o * valid.to(o.dtype)[:, None, None]
@@ -119,14 +139,29 @@ class ContextParallel:
     def __init__(self, comm: CPComm):
         self.comm = comm
 
-    def __call__(self, q, k, v, layout, window: int | None, scale: float, backend: str) -> torch.Tensor:
+    def key_buffer(self, rows, layout, window: int | None, backend: str) -> tuple[DevicePlan, torch.Tensor]:
+        """Steps 1 and 2 for per-token ``rows [T/N, ...]`` (K/V, or MLA's latent): the plan and
+        the key buffer the local chunks read, cut from the all-gathered (full) or halo (sliding)
+        pool."""
         shard = layout.params.cp
         check_shard(self, shard, backend)
-        plan = device_plan(shard, window, q.device)
+        plan = device_plan(shard, window, rows.device)
+        pool = all_gather(rows, self.comm.group) if window is None else \
+            halo_exchange(rows, plan.send, plan.recv, self.comm)
+        return plan, pool.index_select(0, plan.key_index)
+
+    def __call__(self, q, k, v, layout, window: int | None, scale: float, backend: str) -> torch.Tensor:
+        h = k.shape[1]
         kv = torch.cat([k, v], dim=1)  # one exchange for both: [T/N, 2 Hkv, D]
-        pool = all_gather(kv, self.comm.group) if window is None else \
-            halo_exchange(kv, plan.send, plan.recv, self.comm)
-        return attend_segments(q, pool, k.shape[1], plan, shard.valid, window, scale, backend)
+        plan, keys = self.key_buffer(kv, layout, window, backend)
+        return attend_keys(q, keys[:, :h], keys[:, h:], plan, layout.params.cp.valid, window, scale, backend)
+
+    def latent(self, q, latent, expand, layout, window: int | None, scale: float, backend: str) -> torch.Tensor:
+        """MLA: ``latent [T/N, C]`` (each token's compressed K/V) is what moves; ``expand(rows)
+        -> (k [rows, H, D], v [rows, H, Dv])`` runs on the key buffer's latent rows, here."""
+        plan, rows = self.key_buffer(latent, layout, window, backend)
+        k, v = expand(rows)
+        return attend_keys(q, k, v, plan, layout.params.cp.valid, window, scale, backend)
 
 
 def check_shard(cp: ContextParallel | None, shard, backend: str) -> None:
@@ -150,3 +185,13 @@ def cp_attention(cp: ContextParallel | None, q, k, v, layout, window, scale, bac
     if cp is None:
         check_shard(None, layout.params.cp, backend)
     return cp(q, k, v, layout, window, scale, backend)
+
+
+def cp_latent_attention(cp: ContextParallel | None, q, latent, expand, layout, window, scale,
+                        backend) -> torch.Tensor:
+    """What a latent-attention module (MLA) calls when it has a CP group or gets a CP shard
+    (``backend`` as the module has it: ``auto`` resolved here, as ``attend`` does)."""
+    backend = ab.resolve_backend(backend, q.device, q.dtype)
+    if cp is None:
+        check_shard(None, layout.params.cp, backend)
+    return cp.latent(q, latent, expand, layout, window, scale, backend)

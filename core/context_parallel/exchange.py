@@ -1,4 +1,6 @@
-"""The context-parallel exchanges of K/V, differentiable (autograd runs the transpose).
+"""The context-parallel exchanges of K/V, differentiable (autograd runs the transpose). What
+moves is per-token rows: K and V, or multi-head latent attention's compressed latent
+(``[T/N, kv_lora_rank + rope]``, expanded to K/V after the exchange: ``attention.py``).
 
 * Full-attention layers: one all-gather of the local ``[T/N, 2 Hkv, D]`` K/V over the CP group
   (``core.distributed.collectives.all_gather``); its backward reduce-scatters dK/dV to the ranks

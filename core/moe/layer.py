@@ -19,13 +19,16 @@ class MoELayer(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, expert_size: int,
                  shared_size: int = 0, *, scaling: float = 1.0, limit: float | None = None,
                  shared_limit: float | None = None, experts: range | None = None,
-                 score: str = "sigmoid", correction_bias: bool = True, renormalize: bool = True):
-        """``shared_size`` 0: no shared expert; ``score`` / ``correction_bias`` / ``renormalize``:
-        the router's form (:class:`TopKRouter`)."""
+                 score: str = "sigmoid", correction_bias: bool = True, renormalize: bool = True,
+                 groups: int = 1, topk_groups: int = 1):
+        """``shared_size`` 0: no shared expert (several shared experts are one of their summed
+        size); ``score`` / ``correction_bias`` / ``renormalize`` / ``groups`` / ``topk_groups``:
+        the router's form (:class:`TopKRouter`); ``scaling``: the routed sum's factor
+        (``routed_scaling_factor``)."""
         super().__init__()
         held = experts if experts is not None else range(num_experts)  # expert parallelism: a slice
         self.router = TopKRouter(hidden, num_experts, top_k, score=score, correction_bias=correction_bias,
-                                 renormalize=renormalize)
+                                 renormalize=renormalize, groups=groups, topk_groups=topk_groups)
         self.experts = GroupedExperts(len(held), hidden, expert_size, limit, expert_offset=held.start)
         self.shared_expert = SwiGLUMLP(hidden, shared_size, shared_limit) if shared_size else None
         self.scaling = scaling

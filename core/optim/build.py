@@ -6,7 +6,8 @@ expert stack (3-D) goes to Muon / Dion *except* the parameters the model declare
 or output heads (``ParamSpec.role``); those, the norms and all vectors go to AdamW with its own
 learning rate (``--adamw-lr``, default ``--lr``). ``--optimizer adamw`` puts
 everything in AdamW. Weight decay is decoupled; norms and vectors get none. LoRA adapters (``ParamSpec.role``
-``adapter``) go to AdamW too; frozen parameters (``requires_grad`` False: a LoRA base) to none.
+``adapter``) go to AdamW too (its decayed group; the start-up summary lists them apart); frozen parameters
+(``requires_grad`` False: a LoRA base, ``--freeze-*``) to none.
 """
 from __future__ import annotations
 
@@ -65,14 +66,17 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
     adam_beta1/2, adam_eps, and what the optimizer's ``build`` reads (muon_*, dion_*). Returns the optimizer and a printable summary."""
     buckets: dict[str, list] = {"matrix": [], "adamw": [], "adamw_no_wd": []}
     names: dict[str, list] = {k: [] for k in buckets}
-    frozen = 0
+    frozen = adapters = n_adapters = 0
     for _, name, p, spec in iter_params(chunks):
-        if not p.requires_grad:  # a frozen base (LoRA, core/lora.py): no optimizer state at all
+        if not p.requires_grad:  # a frozen base (LoRA, core/lora.py; --freeze-*): no optimizer state at all
             frozen += p.numel()
             continue
         kind = classify(spec, p, cfg.optimizer)
         buckets[kind].append(p)
-        names[kind].append(name)
+        if spec.role == "adapter":  # in AdamW's decayed group, summarised apart
+            adapters, n_adapters = adapters + p.numel(), n_adapters + 1
+        else:
+            names[kind].append(name)
     adamw_lr = cfg.adamw_lr if cfg.adamw_lr is not None else cfg.lr
     masters = masters_of(chunks)  # exact fp32 masters of bf16 parameters (--store-param-remainders)
     groups = [g for g in (
@@ -93,10 +97,13 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
                 raise ValueError(why)
         opts[spec.name] = spec.build([{"params": buckets["matrix"], "base_lr": cfg.lr}], cfg, masters)
     count = {k: sum(p.numel() for p in v) for k, v in buckets.items()}
+    count["adamw"] -= adapters
     summary = (f"optimizer groups: {cfg.optimizer} matrices "
                f"{len(names['matrix'])} tensors / {count['matrix']:,} params (lr {cfg.lr:g}); "
-               f"AdamW {len(names['adamw'])} tensors / {count['adamw']:,} params (embeddings, heads; "
-               f"lr {adamw_lr:g}); AdamW without decay {len(names['adamw_no_wd'])} tensors / "
-               f"{count['adamw_no_wd']:,} params (norms, vectors)"
-               + (f"; frozen {frozen:,} params (LoRA base)" if frozen else ""))
+               f"AdamW {len(names['adamw'])} tensors / {count['adamw']:,} params (embeddings, heads"
+               f"{'' if registry.get(cfg.optimizer).matrices else ', matrices'}; lr {adamw_lr:g}); "
+               + (f"LoRA adapters {n_adapters} tensors / {adapters:,} params (AdamW, lr {adamw_lr:g}); "
+                  if n_adapters else "")
+               + f"AdamW without decay {len(names['adamw_no_wd'])} tensors / {count['adamw_no_wd']:,} params "
+               "(norms, vectors)" + (f"; frozen {frozen:,} params (no gradient or optimizer state)" if frozen else ""))
     return CompositeOptimizer(opts), summary

@@ -1,7 +1,8 @@
 """Rotary position embeddings from THD position ids: per-layer-type theta, partial rotary
-(only the first ``head_dim * factor`` dims rotate, NeoX rotate-half), and the frequency
+(only the first ``head_dim * factor`` dims rotate, NeoX rotate-half; or adjacent pairs:
+:func:`apply_rotary_interleaved`), and the frequency
 scalings published configs use: ``linear``, ``llama3`` and ``yarn`` (with its attention factor
-on cos/sin).
+on cos/sin) and :func:`yarn_softmax_scale`, the factor some models also put on the softmax scale.
 
 ``rope_parameters`` uses transformers' keys: ``rope_type`` ("default" | "linear" | "llama3" |
 "yarn"), ``rope_theta``, ``partial_rotary_factor``; ``factor`` for the scalings; for llama3
@@ -40,6 +41,17 @@ def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
 def attention_scaling(head_dim: int, params: dict) -> float:
     """The factor on cos and sin (yarn's attention temperature; 1 otherwise)."""
     return _yarn(rotary_dim(head_dim, params), params)[1] if params.get("rope_type") == "yarn" else 1.0
+
+
+def yarn_softmax_scale(scale: float, params: dict) -> float:
+    """``scale`` times the factor a model whose rope parameters carry ``mscale_all_dim`` puts on
+    its softmax scale (DeepSeek's MLA: ``mscale(factor, mscale_all_dim)`` twice, in transformers'
+    order, ``yarn_apply_mscale``: for any rope type but ``default``); ``scale`` otherwise."""
+    m_all = params.get("mscale_all_dim")
+    if params.get("rope_type", "default") == "default" or not m_all:
+        return scale
+    m = _mscale(params["factor"], m_all)
+    return scale * m * m
 
 
 def _llama3_scale(inv: torch.Tensor, p: dict) -> torch.Tensor:
@@ -122,3 +134,15 @@ def apply_rotary(x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         return x_THD * cos + _rotate_half(x_THD) * sin
     x_rot, x_pass = x_THD[..., :rot], x_THD[..., rot:]
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def apply_rotary_interleaved(x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate all of each head's dims as interleaved pairs ``(x0, x1), (x2, x3), ...``, pair ``i``
+    by frequency ``i`` (``cos``/``sin`` as :class:`RotaryEmbedding` gives them: the first half
+    holds one angle per pair); the output lists the pairs' first members, then their second
+    (transformers' ``apply_rotary_pos_emb_interleave``, which q and k share, so q.k is the
+    rotation of the interleaved layout)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x_THD[..., 0::2], x_THD[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

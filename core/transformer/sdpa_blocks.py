@@ -114,7 +114,7 @@ def _band_attention(q, k, v, p: Piece, mask, scale: float, gqa: bool) -> torch.T
     k_, v_ = (F.pad(t[p.start:p.stop], (0, 0, 0, 0, P, tail)).unfold(0, B + P, B).permute(0, 1, 3, 2)
               for t in (k, v))
     o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(1, 2).reshape(nb * B, q.shape[1], q.shape[2])[:n]
+    return o.transpose(1, 2).reshape(nb * B, q.shape[1], v.shape[2])[:n]  # v's head dim may differ
 
 
 def _causal_attention(q, k, v, p: Piece, scale: float, gqa: bool) -> torch.Tensor:
@@ -139,7 +139,8 @@ def _prepared(layout, window: int | None, device, dtype):
 
 def sdpa_attention(q, k, v, layout, window: int | None, scale: float) -> torch.Tensor:
     """Exact causal THD attention (``window``: keys a query sees, counting itself; None: all
-    of its document); ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]``; zeros on padding."""
+    of its document); ``q``/``k [T, H, D]``, ``v [T, Hkv, Dv]`` (``Dv`` may differ from ``D``),
+    out ``[T, Hq, Dv]``; zeros on padding."""
     pieces, masks, valid = _prepared(layout, window, q.device, q.dtype)
     gqa = q.shape[1] != k.shape[1]
     outs = [_band_attention(q, k, v, p, m, scale, gqa) if p.kind == "band" else

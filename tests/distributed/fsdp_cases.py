@@ -15,7 +15,7 @@ from core.model_api import iter_params
 from core.optim.build import build_optimizer
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
-from models.step37 import Step37Model
+from models import registry
 from training.parallelize import parallelize
 from tests.distributed.parallel_cases import (MTP_SCALE, global_params, micro_batches, rel_err, run_args,
                                               settings, tiny_config)
@@ -34,7 +34,7 @@ def _optim_cfg(optimizer: str):
 
 
 def _reference(cfg, batches_per_step, optimizer):
-    model = Step37Model(cfg, seed=0)
+    model = registry.spec_of(cfg).build(cfg, seed=0)
     opt, _ = build_optimizer([model], _optim_cfg(optimizer))
     losses = []
     for batches in batches_per_step:
@@ -85,14 +85,16 @@ def root_release(chunk):
     return next((h for h in last._forward_hooks.values() if isinstance(h, ReleaseRootAfterHeads)), None)
 
 
-def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=False, chunks=1):
+def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=False, chunks=1, family="step37",
+               config=None, n_steps=STEPS):
     """``chunks`` > 1: micro-batches of that many packs, each recomputed block run a pack at a time
-    (``--recompute-chunks``) against the reference's whole micro-batches."""
-    cfg = tiny_config()
+    (``--recompute-chunks``) against the reference's whole micro-batches. ``family`` and
+    ``config``: a registered family's tiny preset and overrides of it (``from_hf`` keywords)."""
+    cfg = tiny_config(family, **(config or {}))
     sizes = ParallelSizes(world, pp=pp, ep=ep)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     M = max(2, pp)
-    steps = [micro_batches(sizes.dp, M, cfg.vocab_size, seed=s, packs=chunks) for s in range(STEPS)]
+    steps = [micro_batches(sizes.dp, M, cfg.vocab_size, seed=s, packs=chunks) for s in range(n_steps)]
     ref_model, ref_losses = _reference(cfg, steps, optimizer)
 
     flags = ["--data-parallel-sharding", "fsdp", "--cpu-offload", offload, "--recompute-granularity",
@@ -127,7 +129,7 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
         assert abs(m.loss - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, m.loss, ref_losses[step])
 
     if early:  # every micro-batch's backward, its head weight sharded again after
-        assert released == [True] * (M * STEPS), released
+        assert released == [True] * (M * n_steps), released
     # 1e-5: the same terms summed in another order; a pack at a time the layers' GEMMs also have
     # other shapes, which moves the hidden states by fp32 roundings: measured <= 1.0e-5 after two
     # steps, largest on the heads (AdamW, fed by those states), against 3e-6 unchunked on the same
@@ -140,7 +142,7 @@ def check_fsdp(rank, world, pp, ep, offload, recompute, optimizer, gather_once=F
             sharded += isinstance(p, DTensor)
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             err = rel_err(full, want.detach()[rows])
-            assert err < tol, f"rank {rank}: {name} differs after {STEPS} steps (relative {err:.2e})"
+            assert err < tol, f"rank {rank}: {name} differs after {n_steps} steps (relative {err:.2e})"
     assert sharded > 0
     if offload != "none":  # offloaded shards really live on the host (here: the CPU device)
         experts = {id(p) for _, _, p, spec in iter_params(chunks) if spec.replicated_over == "expert_dp"}

@@ -46,7 +46,8 @@ def micro_batches(dp: int, M: int, vocab: int, seed: int = 0, pad_multiple: int 
     return out
 
 
-TINY = {"step37": "tiny", "qwen3_moe": "qwen3-moe-tiny"}
+TINY = {"step37": "tiny", "qwen3_moe": "qwen3-moe-tiny", "deepseek_v3": "deepseek-v3-tiny",
+        "glm4_moe": "glm4-moe-tiny"}
 
 
 def tiny_config(family: str = "step37", **kw):
@@ -54,12 +55,13 @@ def tiny_config(family: str = "step37", **kw):
     return spec.config_class.from_hf(spec.preset(TINY[family]).to_hf(), **kw)
 
 
-def reference(cfg, batches, aux_coeff, router_bias=None):
+def reference(cfg, batches, aux_coeff, router_bias=None, model=None):
     """One process, every micro-batch of every DP rank: the objective the layouts must match.
-    Returns the model (gradients accumulated), the loss per target token and the routing load
-    of the whole step per MoE layer."""
-    model = registry.spec_of(cfg).build(cfg, seed=0)
-    _set_bias(model, router_bias)
+    Returns the model (``model``, else a new one; gradients accumulated), the loss per target
+    token and the routing load of the whole step per MoE layer."""
+    if model is None:
+        model = registry.spec_of(cfg).build(cfg, seed=0)
+        _set_bias(model, router_bias)
     flat = [b for row in batches for b in row]
     n = sum(int(b.num_target_tokens) for b in flat)
     loss_sum, load = 0.0, 0
@@ -146,18 +148,20 @@ def cp_traces(chunks) -> list:
 
 
 def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0, router_bias=None,
-                 bias_rate=0.0, M=None, flags=(), family="step37", cp=1):
-    """One ``train_step`` (clipped SGD with momentum) of the layout against one process: loss,
-    grad norm, clipped gradients, parameters after the update, MoE load statistics. (Not AdamW:
-    its first update is ~lr * sign(g), which turns 1e-7-relative noise in near-zero entries into
-    full-size steps.) Tolerance 1e-5 relative per tensor: layouts sum the same fp32 terms in
-    another order (~1e-7 relative), so 1e-5 leaves 100x margin and still catches a dropped or
-    doubled term."""
-    cfg = tiny_config(family)
+                 bias_rate=0.0, M=None, flags=(), family="step37", cp=1, steps=1, config=None):
+    """``steps`` ``train_step``s (clipped SGD with momentum, each on new packs) of the layout
+    against one process: per step the loss, grad norm, clipped gradients, parameters after the
+    update, MoE load statistics and router biases. (Not AdamW: its first update is ~lr * sign(g),
+    which turns 1e-7-relative noise in near-zero entries into full-size steps.) ``config``:
+    overrides of the family's tiny config (``ConfigClass.from_hf`` keywords). Tolerance 1e-5
+    relative per tensor: layouts sum the same fp32 terms in another order (~1e-7 relative), so
+    1e-5 leaves 100x margin and still catches a dropped or doubled term."""
+    cfg = tiny_config(family, **(config or {}))
     sizes = ParallelSizes(world, pp=pp, ep=ep, vpp=vpp, cp=cp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     M = M or max(2, pp)
-    batches = micro_batches(sizes.dp, M, cfg.vocab_size, pad_multiple=2 * cp if cp > 1 else 1)
+    pad = 2 * cp if cp > 1 else 1
+    batches = micro_batches(sizes.dp, M, cfg.vocab_size, pad_multiple=pad)
     ref_model, ref_loss, loads = reference(cfg, batches, aux_coeff, router_bias)
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
     ref_init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
@@ -170,6 +174,29 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
             assert torch.equal(p.detach(), want[rows]), f"init differs: {name}"
     params = [p for c in chunks for p in c.parameters()]
     clip = 0.5 * float(ref_norm)
+    opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5, momentum=0.9)
+    for step in range(steps):
+        if step:  # the next step's packs, through the reference model as updated
+            batches = micro_batches(sizes.dp, M, cfg.vocab_size, seed=step, pad_multiple=pad)
+            ref_model.zero_grad(set_to_none=True)
+            _, ref_loss, loads = reference(cfg, batches, aux_coeff, model=ref_model)
+            ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_model.parameters()))
+        _check_step(rank, world, ps, cfg, chunks, opt, batches, M, cp, flags, ref_model, ref_opt, ref_loss,
+                    ref_norm, loads, clip, aux_coeff, bias_rate, step)
+    if "--compile" in flags:  # new packs (other document boundaries) reuse the graphs
+        graphs = dict(torch._dynamo.utils.counters["stats"])
+        assert graphs.get("unique_graphs", 0) >= 2, graphs  # something was compiled
+        train_step(chunks, ps, torch.optim.SGD(params, lr=0.1), micro_batches(sizes.dp, M, cfg.vocab_size, seed=1)[ps.dp_rank],
+                   settings(cfg, aux_loss_coeff=aux_coeff))
+        assert dict(torch._dynamo.utils.counters["stats"]) == graphs, (graphs, torch._dynamo.utils.counters["stats"])
+    dist.barrier()
+
+
+def _check_step(rank, world, ps, cfg, chunks, opt, batches, M, cp, flags, ref_model, ref_opt, ref_loss, ref_norm,
+                loads, clip, aux_coeff, bias_rate, step):
+    """One ``train_step`` of the layout against the reference's step (its gradients already
+    accumulated), then the reference's update: the router biases too, so a next step starts equal."""
     mine = batches[ps.dp_rank] if cp == 1 else \
         [shard_batch(b, cp, ps.cp_rank, cfg.num_mtp_layers) for b in batches[ps.dp_rank]]
     if cp > 1:
@@ -177,7 +204,7 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
             for mod in c.modules():
                 if getattr(mod, "context_parallel", None) is not None:
                     mod.context_parallel.comm.trace = []
-    m = train_step(chunks, ps, torch.optim.SGD(params, lr=0.5, momentum=0.9), mine,
+    m = train_step(chunks, ps, opt, mine,
                    settings(cfg, aux_loss_coeff=aux_coeff, clip_grad=clip, router_bias_rate=bias_rate))
 
     check_pipeline_comm(m, ps, M, cfg)
@@ -188,30 +215,26 @@ def check_layout(rank, world, pp, vpp, ep, dispatcher="alltoall", aux_coeff=0.0,
         if rank == 0:  # a family without sliding layers exchanges no halo (all-gathers only)
             assert replay(dict(enumerate(traces))).operations > 0 or not sliding
     n = sum(int(b.num_target_tokens) for row in batches for b in row)
-    assert m.num_targets == n and abs(m.loss - ref_loss) <= 1e-5 * abs(ref_loss), (m.loss, ref_loss)
-    assert abs(m.grad_norm - float(ref_norm)) <= 1e-5 * float(ref_norm), (m.grad_norm, float(ref_norm))
+    assert m.num_targets == n and abs(m.loss - ref_loss) <= 1e-5 * abs(ref_loss), (step, m.loss, ref_loss)
+    assert abs(m.grad_norm - float(ref_norm)) <= 1e-5 * float(ref_norm), (step, m.grad_norm, float(ref_norm))
     ref_imbalance = float(torch.stack([l.max() / l.mean() for l in loads]).mean())
-    assert abs(m.moe_imbalance - ref_imbalance) <= 1e-6 * ref_imbalance, (m.moe_imbalance, ref_imbalance)
+    assert abs(m.moe_imbalance - ref_imbalance) <= 1e-6 * ref_imbalance, (step, m.moe_imbalance, ref_imbalance)
 
     clip_gradients(list(ref_model.parameters()), clip, ref_norm)
-    torch.optim.SGD(ref_model.parameters(), lr=0.5, momentum=0.9).step()
+    ref_opt.step()
     ref = dict(ref_model.named_parameters())
     for c in chunks:
         for name, p, want, rows in global_params(c, ref):
             err = rel_err(p.grad, want.grad[rows])
-            assert err < 1e-5, f"rank {rank}: gradient of {name} differs (relative {err:.2e})"
-            assert rel_err(p.detach(), want.detach()[rows]) < 1e-5, f"parameter {name} after the step differs"
+            assert err < 1e-5, f"rank {rank} step {step}: gradient of {name} differs (relative {err:.2e})"
+            assert rel_err(p.detach(), want.detach()[rows]) < 1e-5, f"step {step}: parameter {name} after it differs"
     if bias_rate:  # exact: signs of sums of whole token counts
         want_bias = expected_bias(ref_model, loads, bias_rate)
         for c in chunks:
             names = {id(mod): n for n, mod in c.named_modules()}
             for layer in c.moe_layers():
                 got = layer.router.e_score_correction_bias
-                assert torch.equal(got, want_bias[names[id(layer)]]), names[id(layer)]
-    if "--compile" in flags:  # new packs (other document boundaries) reuse the graphs
-        graphs = dict(torch._dynamo.utils.counters["stats"])
-        assert graphs.get("unique_graphs", 0) >= 2, graphs  # something was compiled
-        train_step(chunks, ps, torch.optim.SGD(params, lr=0.1), micro_batches(sizes.dp, M, cfg.vocab_size, seed=1)[ps.dp_rank],
-                   settings(cfg, aux_loss_coeff=aux_coeff))
-        assert dict(torch._dynamo.utils.counters["stats"]) == graphs, (graphs, torch._dynamo.utils.counters["stats"])
-    dist.barrier()
+                assert torch.equal(got, want_bias[names[id(layer)]]), (step, names[id(layer)])
+        names = {id(mod): n for n, mod in ref_model.named_modules()}
+        for layer in ref_model.moe_layers():
+            layer.router.e_score_correction_bias.copy_(want_bias[names[id(layer)]])

@@ -1,6 +1,7 @@
 """FSDP2 (dense over DP, experts over expert-DP), with and without CPU offload and activation
 recompute (whole micro-batches, or a pack at a time), gathering per micro-batch or once per step, AdamW and Muon: same losses and the same parameters after two optimizer steps as one
-unsharded process (fp32, gloo). Tolerance 1e-5 relative per tensor."""
+unsharded process (fp32, gloo); DeepSeek-V3 and GLM-4.5 over three steps. Tolerance 1e-5
+relative per tensor."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,12 @@ CASES = {  # name: (world, pp, ep, offload, recompute, optimizer)
     "dp2_muon_chunks": (2, 1, 1, "none", "full", "muon", False, 2),
     "dp2_adamw_gather_once_chunks": (2, 1, 1, "none", "full", "adamw", True, 2),
     "pp2_ep2_muon_chunks": (4, 2, 2, "none", "full", "muon", False, 2),
+    # the other families over three steps (then: family, overrides of its tiny preset, steps):
+    # DeepSeek-V3 with a plain q_proj and non-interleaved rope (the tiny preset has q low-rank,
+    # interleaved), GLM-4.5 with its MTP depth
+    "dp2_muon_deepseek_v3_plain_q": (2, 1, 1, "none", "none", "muon", False, 1, "deepseek_v3",
+                                     {"q_lora_rank": None, "rope_interleave": False}, 3),
+    "dp2_adamw_glm4_moe": (2, 1, 1, "none", "none", "adamw", False, 1, "glm4_moe", None, 3),
 }
 
 

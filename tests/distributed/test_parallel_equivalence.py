@@ -39,6 +39,11 @@ CASES.update({
     "lora_pp2_ep2": (4, check_lora_layout, (2, 2)),
     "lora_fsdp_dp2": (2, check_lora_layout, (1, 1, 1, ("--data-parallel-sharding", "fsdp"))),
     "lora_cp2_qwen3_moe": (2, check_lora_layout, (1, 1, 2, (), "qwen3_moe")),
+    # the MLA and GLM-4.5 families: three steps, group-limited sigmoid routing with its balancing
+    # bias, a dense first layer, an MTP depth on the last stage; DeepSeek-V3 with q low-rank
+    "pp2_ep2_deepseek_v3": (4, check_layout, (2, 1, 2, "alltoall", 0.01, None, 0.01, None, (), "deepseek_v3", 1, 3,
+                                              {"num_nextn_predict_layers": 1})),
+    "pp2_ep2_glm4_moe": (4, check_layout, (2, 1, 2, "alltoall", 0.01, None, 0.01, None, (), "glm4_moe", 1, 3)),
 })
 
 
@@ -80,6 +85,15 @@ def test_model_wide_aux_loss_across_pipeline_stages(shared_ranks, case):
     (transformers' form); at PP2 x EP2 the stages' counts travel with the pipeline's messages and
     each stage adds its exact share: loss, gradients and the update equal one process, and the
     messages with their carries replay under NCCL's rules."""
+    shared_ranks.check((__name__, case))
+
+
+@pytest.mark.parametrize("case", ["pp2_ep2_deepseek_v3", "pp2_ep2_glm4_moe"])
+def test_new_families_at_pp2_ep2_over_three_steps(shared_ranks, case):
+    """DeepSeek-V3 (multi-head latent attention, q low-rank, interleaved rope) and GLM-4.5 (q/k
+    norms, q/k/v biases, partial rope) at PP2 x EP2: a dense first layer on stage 0, MoE layers
+    with group-limited routing split over EP, the MTP depth on stage 1; three clipped SGD steps
+    with momentum, the balancing bias moved after each, equal to one process step by step."""
     shared_ranks.check((__name__, case))
 
 

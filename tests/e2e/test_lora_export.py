@@ -89,6 +89,14 @@ def test_peft_export_and_merged_export_give_our_logits(dataset, tmp_path):
     with torch.no_grad():
         assert_close_rel(merged.eval()(input_ids=tokens[None]).logits[0], want, rel=HF_REL)
 
+    # merged over the PEFT folder: its adapter files go (core/out_dir.py), else transformers loads the
+    # stale adapter on top of the merged weights (logits 1.5e-2 off)
+    assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft"), "--merge-lora"]) == 0
+    assert not (tmp_path / "peft" / "adapter_config.json").exists()
+    over = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        assert_close_rel(over(input_ids=tokens[None]).logits[0], want, rel=HF_REL)
+
 
 def test_step37_merged_export_gives_our_hidden_states(dataset, tmp_path):
     """The tiny Step-3.7 preset (seeded base) after 3 LoRA steps on attention, shared experts and

@@ -3,13 +3,17 @@
 -> ``pretrain_step37.py --load-hf HF_VLM_DIR --data-path ...``: the first logged loss equals
 ``Step3p7ForConditionalGeneration``'s per-target-token loss over the same documents, each run
 alone with its pixels (our preprocessing equals transformers' on the fixtures,
-tests/unit/test_image_processing.py).
+tests/unit/test_image_processing.py). The run reads a copy of the dataset that lost its
+modification times (plain ``cp``): it is still one unit, and its images pass their checksums.
 
 Tolerance 1e-5 relative: fp32 both sides, the same weights; the two sum attention, experts and
 the loss in different orders (the model tests hold logits to 4e-5 of the largest logit; a mean
 over many tokens is tighter). The images matter at this scale: blank pixels move transformers'
 loss by 1.2e-3 relative (measured once), over a hundred times the tolerance."""
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import torch
@@ -69,7 +73,13 @@ def test_first_logged_loss_equals_transformers_over_the_same_documents(shapes_da
     _hf_vlm(hf)
     seq = 512
     packs = open_source(shapes_data, seq, "truncate", 0, image_processor=image_processor_from_settings).plan.num_packs
-    rows = train(["--data-path", shapes_data, "--hf-config", str(hf), "--load-hf", str(hf),
+    copy = tmp_path / "copy"  # trained on a copy made as plain `cp` makes one: no modification times
+    copy.mkdir()
+    src_dir, name = os.path.split(shapes_data)
+    for f in os.listdir(src_dir):
+        if f.startswith(name.replace("_text_document", "_")):
+            shutil.copyfile(os.path.join(src_dir, f), copy / f)
+    rows = train(["--data-path", str(copy / name), "--hf-config", str(hf), "--load-hf", str(hf),
                   "--tokenizer-type", "huggingface", "--tokenizer-model", PROCESSOR, "--seq-length", str(seq),
                   "--micro-batch-size", "1", "--global-batch-size", str(packs), "--train-iters", "1",
                   "--optimizer", "adamw", "--lr", "1e-3", "--lr-warmup-iters", "0"], tmp_path / "log")

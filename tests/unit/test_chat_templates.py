@@ -298,3 +298,30 @@ def test_odd_templates_are_rejected_naming_the_message(toks, template, detail):
         assert e.value.reason == "template_error" and e.value.detail.startswith(detail), e.value.detail
     finally:
         tok.chat_template = CHATML
+
+
+def test_a_conversation_that_starts_with_an_assistant_turn_trains_as_under_the_built_in(toks):
+    """transformers renders no empty conversation, so the first turn's start was a template_error
+    under every tokenizer template while the built-in template trains on it: now both do."""
+    from data.chat import render_builtin
+
+    messages = [{"role": "assistant", "content": "d"}, QUESTION, {"role": "assistant", "content": "t"}]
+    text, spans = render_builtin(messages)
+    assert [text[a:b] for a, b, _ in spans] == ["d<|im_end|>", "t<|im_end|>"]
+    for name in ("chatml", "llama3", "qwen3"):
+        assert targets(toks[name], messages) == expected_targets(name, messages, False, True), name
+
+
+def test_a_template_that_drops_the_system_message_is_refused(toks):
+    tok = toks["chatml"]
+    tok.chat_template = CHATML.replace("{% for m in messages %}",
+                                       "{% for m in messages if m['role'] != 'system' %}")
+    system = {"role": "system", "content": "Be brief."}
+    try:
+        with pytest.raises(RowError) as e:
+            encode_chat(tok, [system, QUESTION, {"role": "assistant", "content": "d"}])
+        assert e.value.reason == "system_unsupported" and "would be dropped" in e.value.detail
+        assert targets(tok, [QUESTION, {"role": "assistant", "content": "d"}]) == "d<|im_end|>"
+    finally:
+        tok.chat_template = CHATML
+    assert targets(tok, [system, QUESTION, {"role": "assistant", "content": "d"}]) == "d<|im_end|>"

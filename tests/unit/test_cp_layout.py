@@ -68,24 +68,27 @@ def test_errors_name_the_flag():
 
 
 def test_cp_wires_every_family_built_on_core_attention_and_refuses_a_block_without_it():
-    """apply_context_parallel reaches the generic decoder's attention modules and routers in
-    both built-in families; a block that attends some other way is refused by the flag's name."""
+    """apply_context_parallel reaches the generic decoder's attention modules (core's GQA
+    ``Attention`` and DeepSeek-V3's ``MLAttention``, through the attention protocol of
+    core/transformer/attention.py) and routers in the built-in families; a block that attends
+    some other way, or an attention kind that declares no CP exchange, is refused by name."""
     from torch import nn
 
     from core.context_parallel.apply import apply_context_parallel
     from core.context_parallel.exchange import CPComm
     from core.moe.router import TopKRouter
-    from core.transformer.attention import Attention
+    from core.transformer.attention import Attention, attention_modules
+    from core.transformer.mla import MLAttention
     from models.registry import spec_for_preset
 
     comm = CPComm(object(), [0, 1], 0)  # a stand-in group: nothing is sent here
-    for preset in ("tiny", "qwen3-moe-tiny"):
+    for preset, kind in (("tiny", Attention), ("qwen3-moe-tiny", Attention), ("deepseek-v3-tiny", MLAttention)):
         spec = spec_for_preset(preset)
         chunk = spec.build(spec.preset(preset))
         apply_context_parallel(chunk, comm)
-        attn = [m for m in chunk.modules() if isinstance(m, Attention)]
+        attn = attention_modules(chunk)
         routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
-        assert attn and all(m.context_parallel.comm is comm for m in attn), preset
+        assert attn and all(isinstance(m, kind) and m.context_parallel.comm is comm for m in attn), preset
         assert routers and all(m.stats_group is comm.group for m in routers), preset
 
     class Custom(nn.Module):
@@ -94,6 +97,21 @@ def test_cp_wires_every_family_built_on_core_attention_and_refuses_a_block_witho
 
     with pytest.raises(ValueError, match="--context-parallel-size 2: block 0 of Custom has no"):
         apply_context_parallel(Custom(), comm)
+
+    class LocalOnly(nn.Module):  # an attention kind of the protocol without a CP exchange
+        lora_projections = ()
+        supports_context_parallel = False
+
+    class WithLocalOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = LocalOnly()
+
+        def blocks(self):
+            return [(0, self)]
+
+    with pytest.raises(ValueError, match="WithLocalOnly's attn is LocalOnly, which has no CP exchange yet"):
+        apply_context_parallel(WithLocalOnly(), comm)
 
 
 @pytest.mark.parametrize("flags,message", [

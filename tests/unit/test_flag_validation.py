@@ -4,6 +4,8 @@ Before, ``--log-interval 0`` divided by zero after step 1, ``--save-interval -1`
 step, ``--lr nan`` was accepted and an unwritable ``--save`` was found at the first save."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from train_args import parse, validate
@@ -104,3 +106,53 @@ def test_vocab_size_resizes_any_familys_preset(preset):
     cfg = model_config(parse(["--data-path", "unused", "--model-preset", preset, "--vocab-size", "1024"]))
     assert (base.vocab_size, cfg.vocab_size) == (320, 1024)
     assert {**cfg.to_dict(), "vocab_size": 320} == base.to_dict()
+
+
+PROFILE = ["--data-path", "unused", "--profile", "--log-dir", "unused", "--train-iters", "10"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    # iterations start + 1 .. end are recorded: a start at --train-iters records nothing
+    (["--profile-step-start", "10"], 1, "--profile-step-start 10 records nothing: the run ends when "
+                                        "--train-iters 10 iterations are done; start below 10"),
+    (["--profile-step-start", "50", "--profile-step-end", "60"], 4, "--profile-step-start 50 records nothing"),
+    (["--profile-step-start", "2", "--profile-ranks", "0", "4"], 4,
+     "--profile-ranks 4: no such rank in a world of 4 (ranks 0 to 3): it would record nothing"),
+    (["--profile-step-start", "2", "--profile-ranks", "-1"], 2, "--profile-ranks -1: no such rank"),
+])
+def test_a_profile_window_that_records_nothing_is_refused_at_start_up(flags, world, message):
+    """Before, each of these trained to the end and wrote no trace, saying nothing."""
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        validate(parse([*PROFILE, *flags]), world=world, check_files=False)
+
+
+def test_profile_step_start_alone_records_the_two_iterations_after_it():
+    """--profile-step-start 20 alone was refused, "--profile-step-end 12 must be above
+    --profile-step-start 20", for a flag never given (the fixed default end 12). The end now
+    defaults to two after the start, and a window inside the run passes."""
+    from training.profiling import check_profile
+
+    for start, end in ((5, 7), (10, 12), (8, 10)):
+        args = parse([*PROFILE, "--profile-step-start", str(start)] if start != 10 else PROFILE[:-2])
+        assert (args.logging.profile_step_start, args.logging.profile_end) == (start, end)
+    args = parse([*PROFILE, "--profile-step-start", "20", "--train-iters", "30"])
+    assert args.logging.profile_end == 22
+    check_profile(args.logging, args.schedule.train_iters, 1)
+    check_profile(parse([*PROFILE, "--no-profile", "--profile-step-start", "99"]).logging, 10, 1)  # off: no rule
+
+
+def test_a_run_resumed_past_the_profile_window_says_it_records_nothing():
+    import io
+    from types import SimpleNamespace
+
+    from training.profiling import StepProfiler
+
+    log = SimpleNamespace(stream=io.StringIO())
+    prof = StepProfiler(parse([*PROFILE, "--profile-step-start", "2"]).logging, rank=0, log=log)
+    with prof.step(6):  # resumed with 6 iterations done: the window (3, 4) is behind it
+        pass
+    with prof.step(7):
+        pass
+    assert log.stream.getvalue() == ("[rank 0] --profile: nothing recorded: the run starts at iteration 7, "
+                                     "after --profile-step-end 4\n")
+    assert prof.prof is None

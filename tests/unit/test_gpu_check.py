@@ -136,3 +136,37 @@ def test_the_test_parts_select_every_cuda_test_once():
     assert chosen["t1"] == {"test_chunked_recompute_with_offloaded_inputs_on_cuda_equals_unchunked",
                             "test_optimizer_in_backward_on_its_own_stream_equals_the_step_after_the_backward",
                             "test_one_gpu_bf16_host_masters_training_run", "test_one_gpu_bf16_offloaded_training_run"}
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "-10", "0", "ten"])
+def test_a_budget_that_is_not_a_finite_positive_number_is_refused(budget, tmp_path, monkeypatch, capsys):
+    """--budget nan made every "is there time left" comparison false: no part was ever refused for
+    the budget, so with the real parts the run outlived the lease before writing anything (and
+    --budget -10 was taken too). Now a usage error naming the flag, before any part or file."""
+    monkeypatch.setenv("GPU_CHECK_FAKE_PARTS", json.dumps([{"key": "ok", "timeout": 5, "cmd": ["true"]}]))
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", str(tmp_path / "out"), f"--budget={budget}"])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    want = "a finite number > 0, got " + (repr(budget) if budget == "ten" else budget)
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f": error: argument --budget: must be {want}")
+
+
+def test_out_holding_other_files_or_unwritable_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """--out is checked before anything runs: a folder with files the check did not write is
+    refused (a rerun replaces only its own three files, so it never deletes a user's), and so is
+    one where nothing can be written (simulated: as root, chmod would not stop the probe)."""
+    from core import out_dir
+
+    for name in gpu_check.FILES:
+        (tmp_path / name).write_text("an earlier check's")
+    assert gpu_check.out_problem(str(tmp_path)) == ""
+    (tmp_path / "notes.txt").write_text("mine")
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"gpu_check: error: --out {tmp_path} holds files gpu_check did not write (notes.txt): choose an "
+                   "empty or new folder\n")
+    monkeypatch.setattr(out_dir, "_can_write", lambda folder: PermissionError(13, "Permission denied"))
+    assert gpu_check.main(["--out", str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err.endswith("cannot write there (its nearest existing parent "
+                                            f"{tmp_path}) (Permission denied); choose a writable folder\n")
+    assert sorted(os.listdir(tmp_path)) == sorted([*gpu_check.FILES, "notes.txt"])

@@ -46,3 +46,14 @@ def test_the_trainer_flag_reports_it_as_a_usage_error(modules, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"{modules / 'broken_syntax_family.py'}, line 3: SyntaxError" in err and "Traceback" not in err
+
+
+def test_a_family_registered_first_does_not_hide_the_built_in_ones(monkeypatch):
+    """An out-of-tree family imported before any lookup (tests/fake_family.py imported by a test
+    module) registers into an empty registry: the built-in families still load beside it."""
+    from tests.fake_family import SPEC
+
+    monkeypatch.setattr(registry, "_SPECS", {})
+    registry.register(SPEC)
+    assert {"fake_dense", "step37", "qwen3_moe", "deepseek_v3"} <= set(registry.families())
+    assert registry.spec_for_preset("deepseek-v3-tiny").family == "deepseek_v3"

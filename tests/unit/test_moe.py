@@ -206,3 +206,62 @@ def test_the_opaque_expert_backward_is_autograd_with_the_fakes_layout():
         assert dw.stride() == w_EIO.stride()
         assert dw[1].abs().sum() == 0 and dw[3].abs().sum() == 0
         torch.library.opcheck(_expert_matmul_backward, (g, x.detach(), w_EIO.detach(), offs, grouped))
+
+
+def test_group_limited_routing_keeps_the_best_groups_by_their_top_two():
+    """8 experts in 4 groups of 2, 2 groups kept: group scores are the sums of their two biased
+    scores, so the single best expert's group can lose to two good ones."""
+    r = SigmoidRouter(8, num_experts=8, top_k=2, groups=4, topk_groups=2)
+    logits = torch.tensor([[4.0, -4.0, 1.0, 1.0, 0.5, 0.5, -4.0, -4.0]])  # groups: (0,1) (2,3) (4,5) (6,7)
+    with torch.no_grad():
+        r.weight.copy_(torch.eye(8))
+    weights, experts, _ = r(logits)
+    s = torch.sigmoid(logits[0])
+    # group sums: 0.982+0.018=1.000, 2*0.731=1.462, 2*0.622=1.245, 0.036: groups 1 and 2 kept,
+    # so expert 0 (the best single score) is not eligible; top-2 among 2..5 are 2 and 3
+    assert sorted(experts[0].tolist()) == [2, 3]
+    assert torch.equal(weights[0], (s[[2, 3]] / s[[2, 3]].sum())[torch.argsort(experts[0])])
+    plain = SigmoidRouter(8, num_experts=8, top_k=2)
+    with torch.no_grad():
+        plain.weight.copy_(torch.eye(8))
+    assert 0 in plain(logits)[1][0].tolist()  # the same scores without groups choose expert 0
+    stats = r(logits)[2]
+    r.update_bias(stats["tokens_per_expert"], rate=0.1)  # the bias rule reads the load: any form
+    assert torch.equal(r.e_score_correction_bias, 0.1 * torch.sign(0.25 - stats["tokens_per_expert"]))
+
+
+def test_group_limited_routing_equals_transformers_deepseek_v3_router():
+    """Our router (with the layer's scaling) against transformers' DeepseekV3TopkRouter on the
+    same weights and bias, with and without renormalisation."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    for norm in (True, False):
+        cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=3, n_group=4,
+                               topk_group=2, norm_topk_prob=norm, routed_scaling_factor=2.5)
+        ref = DeepseekV3TopkRouter(cfg)
+        ours = SigmoidRouter(16, num_experts=16, top_k=3, groups=4, topk_groups=2, renormalize=norm)
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(16, 16, generator=g))
+            ref.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+            ours.weight.copy_(ref.weight)
+            ours.e_score_correction_bias.copy_(ref.e_score_correction_bias)
+        _, w_ref, e_ref = ref(x)
+        w, e, _ = ours(x)
+        dense = lambda w, e: torch.zeros(64, 16).scatter_(1, e, w)  # order within the top-k is free
+        assert torch.equal(dense(torch.ones_like(w), e), dense(torch.ones_like(w_ref), e_ref))
+        # fp32: transformers adds 1e-20 to the denominator and scales each weight, we scale the
+        # sum (core/moe/layer.py): a few ulp of values <= 2.5; 1e-6 relative leaves ~8 ulp
+        assert_close_rel(dense(w * 2.5, e), dense(w_ref, e_ref), rel=1e-6)
+
+
+def test_group_limited_routing_refuses_impossible_shapes():
+    import pytest
+
+    for kw, msg in [(dict(groups=3), "n_group 3 must be >= 1 and divide"),
+                    (dict(groups=4, topk_groups=5), "topk_group 5 must be in"),
+                    (dict(groups=4, topk_groups=1, top_k=3), "num_experts_per_tok 3 > the 2 experts")]:
+        with pytest.raises(ValueError, match=msg):
+            SigmoidRouter(8, num_experts=8, **{"top_k": 2, **kw})

@@ -157,3 +157,38 @@ def test_two_node_recipe_plans_16_ranks_that_fit(gpu, device_gb):
     assert (layout.sizes.dp, layout.sizes.ep, layout.sizes.expert_dp, layout.num_microbatches) == (16, 8, 2, 1)
     ranks = plan(layout.config, plan_inputs(args, layout, device_gb))
     assert max(r.device_total for r in ranks) / GB <= device_gb - 10
+
+
+FAMILY_RECIPES = {  # script: (preset, world size); their layouts are the search's top rows
+    "moonlight_16b_a3b_8xh200_thd_sft.sh": ("moonlight-16b-a3b", 8),  # docs/deepseek-v3.md
+    "deepseek_v3_4node_thd_sft.sh": ("deepseek-v3", 32),
+    "deepseek_v3_8xh200_lora_sft.sh": ("deepseek-v3", 8),
+    "glm45_air_8xh200_thd_sft.sh": ("glm-4.5-air", 8),  # docs/glm4-moe.md
+    "glm45_4node_thd_sft.sh": ("glm-4.5", 32),
+    "glm45_8xh200_lora_sft.sh": ("glm-4.5", 8),
+}
+
+
+@pytest.mark.parametrize("script", FAMILY_RECIPES)
+def test_deepseek_and_glm_recipes_plan_what_their_comments_predict(tmp_path, script, capsys):
+    """The DeepSeek-V3- and GLM-4.5-family recipes, planned in process at their world size:
+    every rank fits, and the busiest GPU's GB, the step, tokens/s per GPU and MFU are the
+    prediction their comments state (the searches behind their layouts take 20 s to a minute
+    and a half: docs/deepseek-v3.md and docs/glm4-moe.md have their commands)."""
+    import re
+
+    from models.registry import resolve
+    from tools.plan_memory import main
+
+    preset, world = FAMILY_RECIPES[script]
+    (tmp_path / "config.json").write_text(json.dumps(resolve(preset)[1].to_hf()))
+    path = os.path.join(ROOT, "examples", script)
+    flags = read_recipe(path, {"HF": str(tmp_path), "TOK": str(tmp_path), "DATA": "/data", "OUT": "/out"})
+    assert main(["--world-size", str(world), *flags, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["ranks"]) == world and all(r["fits"] for r in plan["ranks"])
+    t = plan["time"]
+    got = (f"{max(r['device_total'] for r in plan['ranks']) / 1e9:.1f} GB", f"{t['step_s']:.1f} s per step",
+           f"{t['tokens_per_s_per_gpu']:,.0f} tokens/s", f"MFU {100 * t['mfu']:.1f}%")
+    comment = re.sub(r"\s*\n#\s*", " ", open(path).read())
+    assert all(g in comment for g in got), (got, script)

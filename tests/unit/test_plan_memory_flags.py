@@ -1,5 +1,6 @@
 """tools/plan_memory.py's own size flags: --device-gb 0, -5, nan or inf was accepted and planned
-against ("does NOT fit nan GB", exit 0); now a one-line usage error naming the flag, exit 2."""
+against ("does NOT fit nan GB", exit 0); now a one-line usage error naming the flag, exit 2. So is
+--world-size 0 (--search listed no layout and said none fits)."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,9 @@ from tools.plan_memory import main
     (["--device-gb", "inf", "--search"], "--device-gb must be a finite number > 0, got inf"),
     (["--host-gb", "nan", "--search"], "--host-gb must be a finite number >= 0 (0: no limit), got nan"),
     (["--host-gb", "-1"], "--host-gb must be a finite number >= 0 (0: no limit), got -1"),
+    # the search listed no layout of 0 ranks and called it "no layout fits"
+    (["--world-size", "0", "--search"], "--world-size must be >= 1, got 0"),
+    (["--world-size=-8"], "--world-size must be >= 1, got -8"),
 ])
 def test_device_and_host_gb_must_be_finite_and_positive(flags, message, capsys):
     assert main(["--world-size", "2", *flags]) == 2

@@ -108,8 +108,11 @@ def test_pipeline_idle_and_all_to_all_appear_with_pp_and_ep():
 def test_assumptions_are_validated_naming_the_flag():
     with pytest.raises(ValueError, match=r"--assumed-mfu must be in \(0, 1\], got 1.5"):
         TimeAssumptions(assumed_mfu=1.5)
-    with pytest.raises(ValueError, match="--pcie-gb-s must be > 0, got 0"):
+    with pytest.raises(ValueError, match="--pcie-gb-s must be a finite number > 0, got 0"):
         TimeAssumptions(pcie_gb_s=0)
+    for bad in (float("nan"), float("inf")):  # inf made every transfer free and was taken
+        with pytest.raises(ValueError, match=f"--host-gb-s must be a finite number > 0, got {bad}"):
+            TimeAssumptions(host_gb_s=bad)
 
 
 def test_muon_under_fsdp_counts_the_busiest_owner_not_every_matrix():

@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from data.cp_shard import shard_batch
 from data.image_store import image_prefixes
-from data.indexed_dataset import IndexedDataset
+from data.indexed_dataset import DatasetError, IndexedDataset
 from data.loader import THDLoader, open_source
 from data.tokenizers import build_tokenizer
 from models.registry import image_processor_from_settings, load_image_processor
@@ -233,14 +233,22 @@ def _long_doc_prefix(images_dir):
     return preprocess([write_jsonl(images_dir / "long.jsonl", rows)], images_dir / "l" / "o")
 
 
-def test_a_pack_that_cuts_an_image_run_is_refused(images_dir):
+def test_a_pack_that_cuts_an_image_run_is_refused_when_the_plan_is_built(images_dir):
+    """Split across packs or truncated inside an image's run: refused by open_source (at start-up,
+    not when the pack comes up mid-run), in the words of the --long-docs policy that cut it."""
     prefix = _long_doc_prefix(images_dir)
     start, length = IndexedDataset(image_prefixes(prefix)[1]).get(0)[:2].tolist()
-    seq = int(start) + int(length) // 2  # the split falls inside the run
-    src = open_source(prefix, seq, "split", 0, image_processor=image_processor_from_settings)
-    loader = THDLoader([(1.0, src)], seq_length=seq, micro_batch_size=src.plan.num_packs, pad_id=0)
-    with pytest.raises(ValueError, match="split across packs through its image 0.*--seq-length"):
-        loader.micro_batch(0)
+    seq = int(start) + int(length) // 2  # the pack ends inside the run
+    for policy, verb in (("split", "splits"), ("truncate", "cuts")):
+        with pytest.raises(DatasetError, match=rf"document 0 \(208 tokens, longer than --seq-length\) would "
+                                               rf"lose part of its image 0: --long-docs {policy} {verb} it at "
+                                               rf"token {seq}, inside .*Use --long-docs drop to leave such "
+                                               "documents out, or a --seq-length of at least 208"):
+            open_source(prefix, seq, policy, 0, image_processor=image_processor_from_settings)
+    store = open_source(prefix, 512, "split", 0, image_processor=image_processor_from_settings).images
+    with pytest.raises(DatasetError, match=f"at token {seq}, inside"):  # the loader's own check stays
+        store.images_in(0, 0, seq)
+    open_source(prefix, start, "truncate", 0, image_processor=image_processor_from_settings)  # before it
 
 
 def test_processor_and_files_must_match_the_dataset(images_dir, proc):

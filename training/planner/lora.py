@@ -11,12 +11,12 @@ from training.planner.shares import ChunkShare
 
 def adapter_flops(hidden: int, b, rank: int, targets) -> float:
     """Forward FLOPs per token of one block's LoRA adapters (``core/lora.py``): ``2 r (in + out)``
-    per adapted projection (a token's top-k experts' for the routed ones)."""
-    a, f, H = b.attention, b.ffn, hidden
-    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    per adapted projection (a token's top-k experts' for the routed ones; the attention's
+    projections as its shape lists them: GQA's q, k, v, o and gate, MLA's low-rank ones)."""
+    f, H = b.ffn, hidden
     ends = 0
     if "attention" in targets:
-        ends += (H + q) + 2 * (H + kv) + (q + H) + ((H + a.heads) if a.gate else 0)
+        ends += b.attention.adapter_ends(H)
     if not f.moe and "mlp" in targets:
         ends += 3 * (H + f.size)
     if f.moe and f.shared and "shared_expert" in targets:

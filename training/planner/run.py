@@ -9,12 +9,29 @@ import json
 import math
 from dataclasses import asdict
 
+from models.registry import shapes_of
 from training.planner.memory import GB, PlanInputs, as_dict, format_table, plan
 from training.planner.timing import BREAKDOWN, StepTime, TimeAssumptions, peak_tflops, plan_time
-from training.planner.vision import layout_for
+from training.planner.vision import ImageMix, layout_for
 from training.run_layout import RunLayout, model_config
 
 DEFAULT_DEVICE_GB = 141.0  # H200
+
+
+def check_plannable(args, cfg) -> None:
+    """``ValueError`` naming the flag for what a plan would get wrong: a part frozen that the planner
+    books as learning (it books a frozen vision tower only), images in the packs of a family whose
+    shapes hold no vision tower (its image tokens would be planned as text). ``train_args.validate_plan``
+    (``--dry-run``, tools/plan_memory.py) and ``--search`` call it."""
+    for part in ("projector", "language"):
+        if getattr(args.model, f"freeze_{part}", False):
+            raise ValueError(f"--freeze-{part} is not planned (the planner books a frozen vision tower "
+                             "only, --freeze-vision); plan without it for an upper bound")
+    images = getattr(args, "images", None)
+    if images is not None and images.image_token_share and shapes_of(cfg).vision is None:
+        raise ValueError(f"--image-token-share {images.image_token_share:g}: this model family has no vision "
+                         "tower to plan (its image tokens would be planned as text): leave the flag out, or "
+                         "plan a vision-language family")
 
 
 def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAULT_DEVICE_GB) -> PlanInputs:
@@ -59,9 +76,11 @@ def _inputs_dict(inp: PlanInputs) -> dict:
 
 def _image_fields(args) -> dict:
     """The planner's images (``args.images``, an ``ImageMix`` that tools/plan_memory.py attaches;
-    none: text only)."""
+    none, as under ``--dry-run``: text only, the tower frozen as ``--freeze-vision`` says)."""
     images = getattr(args, "images", None)
-    return asdict(images) if images is not None else {}
+    if images is None:
+        images = ImageMix(freeze_vision=bool(getattr(args.model, "freeze_vision", False)))
+    return asdict(images)
 
 
 def every_rank(ranks: list, layout: RunLayout) -> list[dict]:
@@ -98,6 +117,9 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
         print(f"{prog}: with {inp.image_token_share:g} of the tokens images, planned with --pipeline-layout "
               f"{chosen} (the vision tower's cost on stage 0); pass it to the trainer, whose default split "
               f"counts text only")
+    if getattr(layout.config, "vision", None) is not None and not inp.image_token_share:
+        print(f"{prog}: a vision-language model planned with text-only packs (no images): the images' "
+              "cost is planned by tools/plan_memory.py --image-token-share F")
     if s.expert_dp > 1:
         print(f"(each row stands for its {s.expert_dp} expert-DP replicas; --json lists every rank)")
     worst = max(ranks, key=lambda r: r.device_total)

@@ -22,7 +22,9 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
   full layer's all-gather (``(cp - 1) / cp`` of ``T`` rows of K and V) in the forward, the
   reduce-scatter of their gradients in the backward and the gather again when recomputed; a
   sliding layer's halo (at most ``2 (window - 1)`` rows) the same three times. Not overlapped
-  with the attention (the code gathers the whole K/V before its call);
+  with the attention (the code gathers the whole K/V before its call). MLA moves its latent
+  instead and expands the key buffer's rows on every rank: ``kv_b_proj`` on ``(1 + 1/2N) T`` rows
+  rather than its ``T / N`` tokens, booked as compute (``expand_flops``);
 - weights gathered per pass (FSDP without gather-once): the offloaded fp32 shards host to
   device (4 bytes per shard parameter) and the all-gather of the compute copies, for the forward
   and again for the backward;
@@ -58,8 +60,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
-from core.cli import option
-from core.context_parallel.costs import exchange_bytes
+from core.cli import POSITIVE, option
+from core.context_parallel.costs import exchange_bytes, expand_flops
 from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim import registry as optimizers
 from core.optim.build import classify
@@ -99,8 +101,8 @@ class TimeAssumptions:
 
     def __post_init__(self):
         for name in ("assumed_mfu", "pcie_gb_s", "nvlink_gb_s", "network_gb_s", "host_gb_s", "hbm_gb_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+            if not POSITIVE[1](getattr(self, name)):  # inf too: a free transfer is no assumption
+                raise ValueError(f"--{name.replace('_', '-')} must be {POSITIVE[0]}, got {getattr(self, name)}")
         if self.assumed_mfu > 1:
             raise ValueError(f"--assumed-mfu must be in (0, 1], got {self.assumed_mfu}")
         if self.gpus_per_node < 1:
@@ -379,6 +381,9 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
         fwd_kv, redo_kv = _cp_exchanges(cfg, chunk, inp)
         f.move("cp comm", fwd_kv, bw["cp"])
         bk.move("cp comm", fwd_kv + redo_kv, bw["cp"])
+        fwd_x, redo_x = _cp_per_layer(cfg, chunk, inp, expand_flops)  # MLA's key rows expanded
+        f.seconds["compute"] += fwd_x / eff
+        bk.seconds["compute"] += (2 * fwd_x + redo_x) / eff
     if chunk.stage < inp.pp * inp.vpp - 1:
         f.move("p2p", T * H * b, bw["pp"])
     if chunk.stage > 0:
@@ -387,15 +392,22 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
 
 
 def _cp_exchanges(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]:
-    """K/V bytes the chunk's attention layers receive over the CP group in one micro-batch's
-    forward (the backward's gradient exchanges move as many), and those its recompute repeats."""
-    shapes, T, b = shapes_of(cfg), inp.tokens, inp.act_bytes
+    """K/V bytes (MLA: latent bytes) the chunk's attention layers receive over the CP group in one
+    micro-batch's forward (the backward's gradient exchanges move as many), and those its
+    recompute repeats."""
+    return _cp_per_layer(cfg, chunk, inp, lambda a, T, cp: exchange_bytes(a, T, cp, inp.act_bytes))
+
+
+def _cp_per_layer(cfg, chunk: ChunkShare, inp: PlanInputs, cost) -> tuple[float, float]:
+    """``cost(attention shape, T, cp)`` summed over the chunk's attention layers (its extra blocks
+    on the last stage) for one micro-batch's forward, and over those its recompute repeats."""
+    shapes, T = shapes_of(cfg), inp.tokens
     n = inp.recompute_num_layers or len(chunk.layers)
-    moved = [(exchange_bytes(shapes.blocks[i].attention, T, inp.cp, b), inp.recompute != "none" and k < n)
+    moved = [(cost(shapes.blocks[i].attention, T, inp.cp), inp.recompute != "none" and k < n)
              for k, i in enumerate(chunk.layers)]
     if chunk.last:
         redo = inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers))
-        moved += [(exchange_bytes(x.attention, T, inp.cp, b), redo) for x in shapes.extra]
+        moved += [(cost(x.attention, T, inp.cp), redo) for x in shapes.extra]
     return float(sum(x for x, _ in moved)), float(sum(x for x, r in moved if r))
 
 
