@@ -139,3 +139,23 @@ def test_pinning_and_device_copies_on_the_cpu_are_plain_copies(image_prefix):
     assert n == 3 + 2 + 3  # tokens, labels, positions; cu_seqlens x 2; pixels, crops, positions
     doubled = dataclasses.replace(b, tokens=b.tokens * 2)
     assert not _same(doubled, b) and np.array_equal(doubled.tokens.numpy(), 2 * b.tokens.numpy())
+
+
+def test_a_step_that_waits_for_data_over_5_percent_warns_naming_the_loader():
+    """Trainer._warn_data_wait on a logged step: over 5% of the step warns, naming the loader
+    and its flag; under it, or on the run's first step (the workers start there), does not."""
+    from types import SimpleNamespace
+
+    from training.trainer import Trainer
+
+    said = []
+    for workers in (2, 0):
+        t = SimpleNamespace(iteration=5, start_iteration=0, args=SimpleNamespace(data=SimpleNamespace(
+            num_workers=workers)), log=SimpleNamespace(warning=said.append))
+        Trainer._warn_data_wait(t, {"data_wait_s": 0.04, "step_ms": 1000.0})  # 4%: quiet
+        Trainer._warn_data_wait(t, {"data_wait_s": 0.08, "step_ms": 1000.0})
+        t.iteration = 1
+        Trainer._warn_data_wait(t, {"data_wait_s": 0.5, "step_ms": 1000.0})  # the first step: quiet
+    assert len(said) == 2, said
+    assert "data loader" in said[0] and "8%" in said[0] and "--num-workers 2" in said[0]
+    assert "--num-workers 0 builds micro-batches on the training thread" in said[1]
