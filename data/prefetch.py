@@ -28,21 +28,22 @@ Choices, and why:
   finishes its step and saves, not kill the workers under it; they end with the trainer.
 * failures end the run with one line, never a hang: an exception in a worker is sent back and
   raised on the training thread as it is (the same error, naming the file and row, that
-  ``--num-workers 0`` gives); a worker that dies (killed, out of memory) is caught by torch's
-  SIGCHLD handler or its liveness check, and a worker that hangs by the loader's timeout:
-  both become a :class:`LoaderWorkerError` naming the worker (:meth:`MicroBatchFeed.failures`
-  turns torch's message into it wherever in the step it arrives).
+  ``--num-workers 0`` gives); a worker that dies (killed, out of memory) is found when the
+  next micro-batch is asked for (a poll of the workers, then torch's liveness check every 5 s
+  while waiting), and a worker that hangs by the loader's timeout: both a one-line
+  :class:`LoaderWorkerError` naming the worker. Torch's SIGCHLD handler, which would raise
+  the same news asynchronously in whatever the training thread is doing (halfway through a
+  checkpoint write, say), is not given the workers' pids.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import pickle
-import re
 import signal
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils import signal_handling as _signal_handling
 
 WORKER_TIMEOUT_S = 600  # the longest a micro-batch may take to arrive before the run stops
 PREFETCH_FACTOR = 2     # micro-batches built ahead per worker
@@ -113,8 +114,7 @@ class MicroBatchFeed:
         else:
             if self._iter is None or self._next != m:  # the first batch, or a resume moved the position
                 self._start(m)
-            with self.failures():
-                batch = next(self._iter)
+            batch = self._receive()
             self._next = m + 1
             if isinstance(batch, _Failed):
                 self.close()
@@ -130,41 +130,50 @@ class MicroBatchFeed:
                           worker_init_fn=_worker_init, multiprocessing_context="fork",
                           generator=torch.Generator().manual_seed(0))
         self._iter = iter(data)
+        # torch's SIGCHLD handler would raise a dead worker's error in whatever the training
+        # thread is doing (a checkpoint write, a collective): taken off its list, the workers'
+        # deaths are found here, in _receive, at the next micro-batch (module docstring)
+        if getattr(self._iter, "_worker_pids_set", False):
+            _signal_handling._remove_worker_pids(id(self._iter))
+            self._iter._worker_pids_set = False
+
+    def _receive(self):
+        """The next micro-batch from the workers; a :class:`LoaderWorkerError` when one has died
+        (seen before waiting, or by torch's liveness check while waiting: every 5 s) or none
+        arrives within the timeout."""
+        workers = list(self._iter._workers)
+        dead = [(k, w) for k, w in enumerate(workers) if not w.is_alive()]  # waitpid(WNOHANG)
+        if not dead:
+            try:
+                return next(self._iter)
+            except RuntimeError as e:
+                text = (str(e).strip().splitlines() or [""])[0]
+                if text.startswith("DataLoader timed out"):
+                    self.close()
+                    raise LoaderWorkerError(
+                        f"--num-workers {self.num_workers}: no micro-batch came from the data-loader "
+                        f"workers in {self.timeout:g} s (waiting for micro-batch {self.loader.consumed}): "
+                        "a worker hangs or is far too slow (a stalled filesystem?); resume from the "
+                        "last checkpoint, with --num-workers 0 to build micro-batches on the "
+                        "training thread") from None
+                if not text.startswith("DataLoader worker"):
+                    raise
+                dead = [(k, w) for k, w in enumerate(workers) if not w.is_alive()]
+        self.close()
+        raise LoaderWorkerError(self._describe(dead))
 
     def worker_pids(self) -> list[int]:
         """The workers' process ids, in worker order (empty before the first micro-batch)."""
         return [w.pid for w in getattr(self._iter, "_workers", [])]
 
-    @contextlib.contextmanager
-    def failures(self):
-        """Turns torch's errors for a dead or silent worker, raised here or anywhere in the block
-        (torch's SIGCHLD handler raises in whatever the training thread is doing), into a
-        one-line :class:`LoaderWorkerError`."""
-        try:
-            yield
-        except RuntimeError as e:
-            text = (str(e).strip().splitlines() or [""])[0]
-            if not text.startswith(("DataLoader worker", "DataLoader timed out")):
-                raise
-            workers = list(getattr(self._iter, "_workers", []))
-            self.close()
-            raise LoaderWorkerError(self._describe(text, workers)) from None
-
-    def _describe(self, text: str, workers: list) -> str:
-        n, at = f"--num-workers {self.num_workers}", self.loader.consumed
-        if text.startswith("DataLoader timed out"):
-            return (f"{n}: no micro-batch came from the data-loader workers in {self.timeout:g} s "
-                    f"(waiting for micro-batch {at}): a worker hangs or is far too slow (a stalled "
-                    "filesystem?); resume from the last checkpoint, with --num-workers 0 to build "
-                    "micro-batches on the training thread")
-        found = re.search(r"\(pid(?:\(s\))? ([\d, ]+)\)", text)
-        dead = [int(p) for p in re.findall(r"\d+", found.group(1))] if found else []
-        by_pid = {w.pid: (k, w.exitcode) for k, w in enumerate(workers)}
-        who = ", ".join(f"worker {by_pid[p][0]} (pid {p}, {_exit(by_pid[p][1])})" if p in by_pid
-                        else f"pid {p}" for p in dead) or text
-        return (f"{n}: data-loader {who} died while the trainer waited for micro-batch {at} or "
-                "later: the run stops (out of host memory? see dmesg); "
-                "resume from the last checkpoint, with fewer workers or --num-workers 0")
+    def _describe(self, dead: list) -> str:
+        who = ", ".join(f"worker {k} (pid {w.pid}, {_exit(w.exitcode)})" for k, w in dead) or "a worker"
+        why = ("shared memory (/dev/shm) full? a container needs --shm-size of a few times a "
+               "micro-batch's bytes" if any(w.exitcode == -signal.SIGBUS for _, w in dead)
+               else "out of host memory? see dmesg")
+        return (f"--num-workers {self.num_workers}: data-loader {who} died while the trainer waited "
+                f"for micro-batch {self.loader.consumed}: the run stops ({why}); resume from the "
+                "last checkpoint, with fewer workers or --num-workers 0")
 
     def close(self) -> None:
         """Stop the workers (the micro-batches built ahead are dropped; the position is kept)."""

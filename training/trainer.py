@@ -207,8 +207,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
         try:
-            with self.feed.failures():  # a dead worker: one line naming it, wherever it is noticed
-                return self._train()
+            return self._train()
         finally:
             self.feed.close()
             self.profiler.stop()  # a run that ends or stops before --profile-step-end: what it recorded
