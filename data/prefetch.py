@@ -86,7 +86,12 @@ class _CountFrom(Sampler):
 def _exit(code) -> str:
     if code is None:
         return "exit status unknown"
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _worker_init(_worker_id: int) -> None:
