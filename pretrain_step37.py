@@ -28,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from core.checkpointing import CheckpointError  # noqa: E402
 from core.parallel_state import ParallelState  # noqa: E402
 from data.indexed_dataset import DatasetError  # noqa: E402
+from data.prefetch import LoaderWorkerError  # noqa: E402
 from train_args import parse, validate, validate_plan  # noqa: E402
 from training.planner.run import report  # noqa: E402
 from training.run_layout import RunLayout  # noqa: E402
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     try:
         trainer.maybe_resume()
         rc = trainer.train()
-    except (CheckpointError, DatasetError) as e:  # DatasetError: damage the loader read mid-run
+    except (CheckpointError, DatasetError, LoaderWorkerError) as e:  # read mid-run: damage, a dead worker
         trainer.log.error(str(e))
         rc = 1
     except Exception as e:

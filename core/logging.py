@@ -24,7 +24,8 @@ class RankLogger:
     LINE_KEYS = (("loss", "lm loss"), ("mtp_loss", "mtp loss"), ("lr", "learning rate"),
                  ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens/s"),
                  ("tflops_per_gpu", "TFLOP/s/GPU"), ("mfu", "MFU"),
-                 ("step_ms", "ms/iter"), ("skipped_steps", "skipped"), ("packing_fill", "fill"),
+                 ("step_ms", "ms/iter"), ("data_wait_s", "data wait s"), ("skipped_steps", "skipped"),
+                 ("packing_fill", "fill"),
                  ("moe_imbalance", "moe max/mean"), ("peak_mem_gib", "peak mem GiB"),
                  ("peak_reserved_gib", "reserved GiB"))
 

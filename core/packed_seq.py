@@ -81,8 +81,8 @@ class ImageInputs:
     ``feature_positions``. ``feature_index`` None (the default; always without CP) means all the
     tower's features, in order.
     """
-    pixel_values: torch.Tensor                # float32 [N, 3, S, S]
-    pixel_values_local: torch.Tensor | None   # float32 [M, 3, P, P], M == sum(num_local_patches)
+    pixel_values: torch.Tensor                # float32 (bf16 under --bf16) [N, 3, S, S]
+    pixel_values_local: torch.Tensor | None   # as pixel_values, [M, 3, P, P], M == sum(num_local_patches)
     num_local_patches: tuple                  # N host ints
     feature_positions: torch.Tensor           # int64 [F] (under CP: [F_local], shard indices)
     feature_index: torch.Tensor | None = None  # int64 [F_local]: the tower's features kept (CP)

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from core.batch_copy import DeviceBatches
 from core.distributed.fsdp import reshard
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_metrics, sync_gradients
 from core.model_api import specs_of
@@ -73,14 +74,15 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
         stepped = {id(p) for p in in_backward.params}
         params = [(p, spec) for p, spec in params if id(p) not in stepped]
     device = s.device or local_device()
-    on_device = [_without_images(b).to(device) if ps.pp_rank != 0 else b.to(device) for b in batches]
-    executor = PipelineExecutor(chunks, ps, seq_tokens=on_device[0].tokens.numel(),
+    # on CUDA: non-blocking copies on a side stream, each waited for when first used
+    on_device = DeviceBatches([_without_images(b) if ps.pp_rank != 0 else b for b in batches], device)
+    executor = PipelineExecutor(chunks, ps, seq_tokens=batches[0].tokens.numel(),
                                 hidden_size=s.hidden_size, dtype=s.dtype, device=device,
                                 mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff,
                                 carry_numel=s.model_aux_experts + 1 if s.model_aux_experts else 0,
                                 nan_on_nonfinite_loss=in_backward is not None)
     schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))
-    stats = executor.run(schedule, on_device.__getitem__, targets, len(batches) * ps.sizes.dp)
+    stats = executor.run(schedule, on_device.get, targets, len(batches) * ps.sizes.dp)
     if in_backward is not None:
         in_backward.end()  # matrices held for a balanced split of Newton-Schulz step now
 

@@ -25,9 +25,10 @@ to preprocess it again.
 Why encoded bytes, not preprocessed pixels (docs/vlm.md has the numbers): a 1024 x 768 JPEG is
 ~0.1-0.2 MB, its float32 global view and four crops 18.6 MB (~100x more); decoding and
 preprocessing it again in the loader costs tens of milliseconds on one core, and the dataset
-stays valid if crop settings are changed. The loader runs on the training thread (no prefetch
-yet): that decoding is on the step's critical path, on the first pipeline stage only, and under
-context parallelism on every CP rank (each encodes its pack's images).
+stays valid if crop settings are changed. The decoding runs in the data-loader workers
+(``--num-workers``, ``data/prefetch.py``), ahead of the step; with ``--num-workers 0`` on the
+training thread, on the step's critical path. Only the first pipeline stage decodes; under
+context parallelism every CP rank does (each encodes its pack's images).
 
 The loader decodes an image and runs the processor only for the packs that hold it, and checks
 each run against the tokens: the tokens at a run must be the processor's placeholder run for the

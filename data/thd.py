@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core.batch_copy import pin
 from core.packed_seq import ImageInputs, PackedSeqParams
 from data.image_store import batch_images
 
@@ -35,10 +36,15 @@ class THDBatch:
     packed_seq_params: PackedSeqParams
     images: ImageInputs | None = None  # the images of image + text documents (first stage only)
 
-    def to(self, device) -> "THDBatch":
-        return THDBatch(self.tokens.to(device), self.labels.to(device), self.position_ids.to(device),
-                        self.packed_seq_params.to(device),
-                        None if self.images is None else self.images.to(device))
+    def to(self, device, non_blocking: bool = False) -> "THDBatch":
+        move = lambda t: t.to(device, non_blocking=non_blocking)
+        return THDBatch(move(self.tokens), move(self.labels), move(self.position_ids),
+                        self.packed_seq_params.to(device, non_blocking),
+                        None if self.images is None else self.images.to(device, non_blocking))
+
+    def pin_memory(self) -> "THDBatch":
+        """In pinned host memory when CUDA is available (torch's DataLoader calls this)."""
+        return pin(self)
 
     @property
     def num_target_tokens(self) -> int:

@@ -24,6 +24,7 @@ from core.parallel_state import ParallelState, local_device
 from core.train_step import StepSettings, train_step
 from core.transformer.block import pending_grads
 from data.loader import open_source, parse_data_path
+from data.prefetch import MicroBatchFeed
 from models import registry
 from data.tokenizers import build_tokenizer
 from models.registry import shapes_of
@@ -33,6 +34,9 @@ from training.eval_data import make_loader, validation_loader
 from training.evaluate import evaluate
 from training.parallelize import parallelize, stage_layers
 from training.profiling import StepProfiler
+
+
+DATA_WAIT_WARN = 0.05  # warn when a logged step waited for data more than this share of it
 
 
 class Trainer:
@@ -52,7 +56,9 @@ class Trainer:
         self.fill = sum(src.plan.fill for _, src in sources) / len(sources)
         self.loader = make_loader(sources, ps, self.cfg.num_mtp_layers, seq_length=d.seq_length,
                                   micro_batch_size=d.micro_batch_size, pad_id=self.tok.pad_id, seed=s.seed,
-                                  pad_multiple=pad)
+                                  pad_multiple=pad, pixel_dtype=torch.bfloat16 if a.memory.bf16 else torch.float32)
+        # the micro-batches, built ahead by --num-workers processes from the loader's position
+        self.feed = MicroBatchFeed(self.loader, d.num_workers)
         self.valid = validation_loader(args, self.tok.pad_id, ps, self.cfg.num_mtp_layers) \
             if evaluates(args) else None
         # a checkpoint to resume fills every weight (a LoRA run's: the adapters; its frozen base is
@@ -168,7 +174,8 @@ class Trainer:
         mult = self.lr_multiplier(self.iteration)
         apply_lr(self.optimizer, mult)
         t0 = time.perf_counter()
-        batches = [next(self.loader) for _ in range(self.M)]
+        batches = [next(self.feed) for _ in range(self.M)]
+        wait = time.perf_counter() - t0
         m = train_step(self.chunks, self.ps, self.optimizer, batches, self.settings)
         self.iteration += 1
         if m.skipped:
@@ -183,6 +190,7 @@ class Trainer:
                 "mtp_loss": sum(m.mtp_losses) / len(m.mtp_losses) if m.mtp_losses else None,
                 "lr": a.optim.lr * mult,  # the --lr group (matrices under muon/dion)
                 "grad_norm": m.grad_norm, "tokens_per_sec": m.num_tokens / dt, "step_ms": 1000 * dt,
+                "data_wait_s": wait,
                 "tflops_per_gpu": m.flops / self.ps.sizes.world / dt / 1e12,
                 "mfu": m.flops / self.ps.sizes.world / dt / 1e12 / self.peak_tflops if self.peak_tflops else None,
                 "skipped_steps": self.skipped, "packing_fill": self.fill,
@@ -201,6 +209,7 @@ class Trainer:
         try:
             return self._train()
         finally:
+            self.feed.close()
             self.profiler.stop()  # a run that ends or stops before --profile-step-end: what it recorded
 
     def _train(self) -> int:
@@ -220,6 +229,7 @@ class Trainer:
                 last = self.step()
             if self.iteration % lg.log_interval == 0 or self.iteration == s.train_iters:
                 self.log.log_iteration(self.iteration, s.train_iters, last)
+                self._warn_data_wait(last)
             if self.in_a_row > ck.max_skipped_steps:
                 self.log.error(f"{self.in_a_row} steps in a row skipped (> --max-skipped-steps "
                                f"{ck.max_skipped_steps}), the last for {self.skip_reason}: stopping")
@@ -265,6 +275,18 @@ class Trainer:
                       f"loss {last.get('loss', float('nan')):.4f}; logs in {lg.log_dir or '-'}, "
                       f"checkpoints in {ck.save or '-'}")
         return 0
+
+    def _warn_data_wait(self, last: dict) -> None:
+        """A logged step that waited for data more than 5 % of its time (not this run's first
+        step: the workers start there)."""
+        wait, step_s = last["data_wait_s"], last["step_ms"] / 1000
+        if self.iteration > self.start_iteration + 1 and wait > DATA_WAIT_WARN * step_s:
+            n = self.args.data.num_workers
+            self.log.warning(f"iteration {self.iteration}: the data loader held the step up {wait:.3f} s "
+                             f"({100 * wait / step_s:.0f}% of {step_s:.3f} s): " + (
+                                 f"its {n} worker(s) (--num-workers {n}) do not keep up: give more"
+                                 if n else "--num-workers 0 builds micro-batches on the training "
+                                 "thread: give --num-workers 2 or more"))
 
     def _exit_reason(self) -> str | None:
         """Why every rank stops now, if they do (collective: one all-reduce per iteration, which

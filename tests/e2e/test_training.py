@@ -115,6 +115,7 @@ def test_overfits_a_small_repeated_dataset(dataset, tmp_path):
     assert len(rows) == 80 and {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec",
                                 "skipped_steps", "tflops_per_gpu"} <= set(rows[0])
     assert rows[0]["tflops_per_gpu"] > 0 and rows[0].get("mfu") is None  # no known peak on CPU
+    assert all(0 <= r["data_wait_s"] < r["step_ms"] / 1000 for r in rows)  # every step (--num-workers 2)
     assert rows[-1]["loss"] < 0.35 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
 
@@ -147,8 +148,9 @@ def test_resume_is_bitwise_identical(dataset, muon8, tmp_path):
 
     full = muon8
     args = ["--data-path", dataset, *MUON8]
-    train(args + ["--train-iters", "8", "--save", str(tmp_path / "ck"), "--save-interval", "4"],
-          tmp_path / "a")
+    # saved by a run that builds micro-batches on the training thread, resumed with 2 workers
+    train(args + ["--train-iters", "8", "--save", str(tmp_path / "ck"), "--save-interval", "4",
+                  "--num-workers", "0"], tmp_path / "a")
     # interrupted at 4: drop the later checkpoint, resume from iteration 4
     shutil.rmtree(tmp_path / "ck" / "iter_0000008")
     (tmp_path / "ck" / "latest").write_text("iter_0000004")
@@ -160,7 +162,7 @@ def test_resume_is_bitwise_identical(dataset, muon8, tmp_path):
 
 def test_pp2_ep2_logs_the_losses_of_one_process_and_its_checkpoint_loads_at_pp1(dataset, tmp_path):
     args = ["--data-path", dataset, "--optimizer", "adamw", "--lr", "1e-3", "--train-iters", "6"]
-    one = train(args, tmp_path / "one")
+    one = train(args + ["--num-workers", "0"], tmp_path / "one")  # the others: 2 workers (default)
     four = train(args + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                          "--save", str(tmp_path / "ck"), "--save-interval", "3"], tmp_path / "four", world=4,
                  torchrun=True)  # the launch as the README runs it

@@ -4,7 +4,8 @@
 ``pretrain_step37.py --model-preset step37-tiny-vlm`` (whose vocabulary and ``<im_patch>`` id are
 that processor folder's): PP2 x EP2 (the images decoded and encoded on the first stage only) logs
 the losses of one process over 3 steps, and a run resumed from its step-2 checkpoint logs step
-3's loss and grad norm bit for bit. (CP2 with images: tests/distributed/test_vlm_cp.py.)"""
+3's loss and grad norm bit for bit: the one-process run builds its micro-batches on the training
+thread (``--num-workers 0``), the others in two worker processes (the default). (CP2 with images: tests/distributed/test_vlm_cp.py.)"""
 from __future__ import annotations
 
 import shutil
@@ -23,7 +24,8 @@ def one_process(shapes_data, tmp_path_factory):
     """Three steps in one process, saved at step 2: (args, rows, checkpoint directory)."""
     d = tmp_path_factory.mktemp("vlm_one")
     args = ["--data-path", shapes_data, *VLM]
-    rows = train(args + ["--save", str(d / "ck"), "--save-interval", "2"], d / "log")
+    # on the training thread; the other runs build micro-batches in 2 workers (the default)
+    rows = train(args + ["--num-workers", "0", "--save", str(d / "ck"), "--save-interval", "2"], d / "log")
     assert len(rows) == 3
     return args, rows, d / "ck"
 

@@ -6,7 +6,8 @@ experts that get no row (and a batch of none); fp32 layers on CUDA (sdpa, the lo
 layers (varlen inside the graph) against eager; and short 1-GPU training runs with --bf16:
 eager, --compile, --cpu-offload optimizer and experts, host masters with the optimizer in the backward;
 --optimizer-in-backward's steps on their own stream against the step after the backward (bitwise);
-chunked recompute with offloaded inputs against the unchunked block, its blocks on one copy stream.
+chunked recompute with offloaded inputs against the unchunked block, its blocks on one copy stream;
+pinned micro-batches copied on a side stream (--num-workers) against blocking copies.
 The comparisons are the GPU check's own
 (``benchmarks/gpu_parts``) at smaller shapes. The training flags a test adds come last, so they
 override the defaults (argparse keeps the last value)."""
@@ -301,3 +302,28 @@ def test_chunked_blocks_share_one_offload_stream_per_device():
     assert len(streams) >= len(model.blocks()) > 1  # a stash per kept input, one or more per block
     assert all(s is ctx.offload_stream(torch.device("cuda")) for s in streams)
     assert streams[0].priority < 0
+
+
+def test_pinned_micro_batches_copy_on_a_side_stream_equal_to_blocking_copies():
+    """--num-workers: a batch pinned as the DataLoader hands it over (core/batch_copy.py) is page-
+    locked; DeviceBatches' non-blocking side-stream copies, each waited for by the compute
+    stream when first asked for, equal plain .to("cuda") copies, and the compute stream may
+    overwrite them afterwards (record_stream kept the allocator from reusing them early)."""
+    from core.batch_copy import DeviceBatches, pin, tensors_of
+    from core.packed_seq import ImageInputs, PackedSeqParams
+    from data.thd import THDBatch
+
+    T = 1 << 16
+    cu = torch.tensor([0, T // 2, T], dtype=torch.int32)
+    images = ImageInputs(torch.randn(2, 3, 112, 112).to(torch.bfloat16), None, (0, 0), torch.arange(8))
+    batches = [THDBatch(torch.arange(T) + k, torch.arange(T) - k, torch.arange(T) % 7, PackedSeqParams(cu, cu, T // 2),
+                        images) for k in range(3)]
+    pinned = [pin(b) for b in batches]
+    assert all(t.is_pinned() for b in pinned for t in tensors_of(b))
+    on = DeviceBatches(pinned, "cuda")
+    for k, b in enumerate(batches):
+        got, want = tensors_of(on.get(k)), tensors_of(b.to("cuda"))
+        assert all(g.is_cuda and torch.equal(g, w) for g, w in zip(got, want))
+    on.get(0).tokens.add_(1)  # on the compute stream, after its wait
+    torch.cuda.synchronize()
+    assert torch.equal(on.get(0).tokens.cpu(), batches[0].tokens + 1)
