@@ -119,8 +119,7 @@ class DataArgs:
     data_cache_path: str = option(None, "directory for pack plans and dataset statistics (default: "
                                         "beside each dataset, or $XDG_CACHE_HOME/step37-trainer "
                                         "when the dataset's directory is read-only)")
-    num_workers: int = option(2, "processes that build the next micro-batches (images decoded, in pinned "
-                                 "memory on CUDA) while the step runs; 0: on the training thread")
+    num_workers: int = option(2, "processes building the next micro-batches (images decoded, pinned on CUDA); 0: none")
 
     def __post_init__(self):
         require(self, document_pad_multiple=AT_LEAST_1, num_workers=AT_LEAST_0)

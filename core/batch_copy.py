@@ -18,6 +18,7 @@ are plain ``.to(device)`` calls, as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -50,6 +51,15 @@ def pin(obj):
     return map_tensors(obj, torch.Tensor.pin_memory) if torch.cuda.is_available() else obj
 
 
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One copy stream per device for the whole run: the caching allocator reuses a freed block
+    only on the stream it was allocated on, and ``torch.cuda.Stream()`` hands out the next of a
+    rotating pool, so a new stream per step would keep up to a pool's worth of steps' batches
+    reserved (and could share a stream with the host masters' copies)."""
+    return torch.cuda.Stream(device)
+
+
 class DeviceBatches:
     """``get(m)``: micro-batch ``m`` on ``device`` (module docstring)."""
 
@@ -58,7 +68,7 @@ class DeviceBatches:
         if device.type != "cuda":
             self.batches, self.events = [b.to(device) for b in batches], None
             return
-        main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        main, side = torch.cuda.current_stream(device), _side_stream(device)
         self.batches, self.events = [], []
         with torch.cuda.stream(side):
             for b in batches:

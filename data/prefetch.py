@@ -29,9 +29,9 @@ Choices, and why:
 * failures end the run with one line, never a hang: an exception in a worker is sent back and
   raised on the training thread as it is (the same error, naming the file and row, that
   ``--num-workers 0`` gives); a worker that dies (killed, out of memory) is found when the
-  next micro-batch is asked for (a poll of the workers, then torch's liveness check every 5 s
-  while waiting), and a worker that hangs by the loader's timeout: both a one-line
-  :class:`LoaderWorkerError` naming the worker. Torch's SIGCHLD handler, which would raise
+  next micro-batch is asked for (a poll of the workers, then the same poll and torch's
+  liveness check every ``POLL_S`` seconds while waiting), and a worker that hangs by the
+  loader's timeout: both a one-line :class:`LoaderWorkerError` naming the worker. Torch's SIGCHLD handler, which would raise
   the same news asynchronously in whatever the training thread is doing (halfway through a
   checkpoint write, say), is not given the workers' pids.
 """
@@ -40,12 +40,14 @@ from __future__ import annotations
 import itertools
 import pickle
 import signal
+import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils import signal_handling as _signal_handling
 
 WORKER_TIMEOUT_S = 600  # the longest a micro-batch may take to arrive before the run stops
+POLL_S = 5              # how often a wait checks that the workers are alive
 PREFETCH_FACTOR = 2     # micro-batches built ahead per worker
 
 
@@ -131,7 +133,7 @@ class MicroBatchFeed:
         self.close()
         data = DataLoader(_MicroBatches(self.loader), batch_size=None, sampler=_CountFrom(m),
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
-                          timeout=self.timeout, prefetch_factor=PREFETCH_FACTOR,
+                          timeout=min(POLL_S, self.timeout), prefetch_factor=PREFETCH_FACTOR,
                           worker_init_fn=_worker_init, multiprocessing_context="fork",
                           generator=torch.Generator().manual_seed(0))
         self._iter = iter(data)
@@ -144,15 +146,21 @@ class MicroBatchFeed:
 
     def _receive(self):
         """The next micro-batch from the workers; a :class:`LoaderWorkerError` when one has died
-        (seen before waiting, or by torch's liveness check while waiting: every 5 s) or none
-        arrives within the timeout."""
+        (seen before waiting, or while waiting: every ``POLL_S`` seconds) or none arrives within
+        the timeout."""
         workers = list(self._iter._workers)
-        dead = [(k, w) for k, w in enumerate(workers) if not w.is_alive()]  # waitpid(WNOHANG)
-        if not dead:
-            try:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            dead = [(k, w) for k, w in enumerate(workers) if not w.is_alive()]  # waitpid(WNOHANG)
+            if dead:
+                break
+            try:  # torch's own liveness check runs only when a wait with a timeout ends, so the
+                # DataLoader waits POLL_S at a time (a timed-out wait leaves its iterator as it was)
                 return next(self._iter)
             except RuntimeError as e:
                 text = (str(e).strip().splitlines() or [""])[0]
+                if text.startswith("DataLoader timed out") and time.monotonic() < deadline:
+                    continue
                 if text.startswith("DataLoader timed out"):
                     self.close()
                     raise LoaderWorkerError(
@@ -164,6 +172,7 @@ class MicroBatchFeed:
                 if not text.startswith("DataLoader worker"):
                     raise
                 dead = [(k, w) for k, w in enumerate(workers) if not w.is_alive()]
+                break
         self.close()
         raise LoaderWorkerError(self._describe(dead))
 
