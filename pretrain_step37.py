@@ -25,7 +25,7 @@ START_TIME = time.time()  # --exit-duration-in-mins counts from here (before the
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from core.checkpointing import CheckpointError  # noqa: E402
+from core.checkpoint.sharded import CheckpointError  # noqa: E402
 from core.parallel_state import ParallelState  # noqa: E402
 from data.indexed_dataset import DatasetError  # noqa: E402
 from data.prefetch import LoaderWorkerError  # noqa: E402

@@ -17,7 +17,7 @@ from data.loader import parse_data_path
 from data.packing import LONG_DOC_POLICIES
 from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from core.compile import COMPILE_BACKENDS
-from core.lora import LoraSettings
+from core.finetune.lora import LoraSettings
 from core.memory_mode import MemoryMode, RunFacts
 from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
@@ -78,7 +78,7 @@ class ModelArgs:
 
     @property
     def frozen_parts(self) -> tuple:
-        """The parts ``--freeze-*`` names (``core/freeze.py``)."""
+        """The parts ``--freeze-*`` names (``core/finetune/freeze.py``)."""
         return tuple(p for p in ("vision", "projector", "language") if getattr(self, f"freeze_{p}"))
 
     def __post_init__(self):
@@ -489,7 +489,7 @@ def _check_against_model(args, cfg) -> None:
 def _check_lora_targets(args, spec, cfg) -> None:
     """Every --lora-targets entry given chooses some module of the whole model (built on meta);
     the default (all of them) adapts what the model has."""
-    from core.lora import DEFAULT_TARGETS, check_rank, count_targets
+    from core.finetune.lora import DEFAULT_TARGETS, check_rank, count_targets
 
     lora = _lora(args)
     if not lora.enabled:
@@ -507,7 +507,7 @@ def _check_lora_targets(args, spec, cfg) -> None:
 
 def _check_freeze(args, spec, cfg) -> None:
     """--freeze-* names parts the model has, leaves something to train, and is not LoRA's job."""
-    from core.freeze import check_freeze
+    from core.finetune.freeze import check_freeze
 
     parts = args.model.frozen_parts
     if not parts:
@@ -521,8 +521,8 @@ def _check_freeze(args, spec, cfg) -> None:
 
 
 def _check_router_bias(args, spec, cfg) -> None:
-    """--moe-bias-update-rate where no router trains (core/freeze.py)."""
-    from core.freeze import check_router_bias
+    """--moe-bias-update-rate where no router trains (core/finetune/freeze.py)."""
+    from core.finetune.freeze import check_router_bias
 
     check_router_bias(args.model.moe_bias_update_rate, args.model.frozen_parts, _lora(args).enabled,
                       lambda: spec.build(cfg))
@@ -530,7 +530,7 @@ def _check_router_bias(args, spec, cfg) -> None:
 
 def _check_run_files(args, cfg) -> None:
     """--save writable now rather than at the first save; the validation data."""
-    from core.checkpoint_dir import check_writable
+    from core.checkpoint.directory import check_writable
     from data.checks import check_made_with, check_training_data
     from training.eval_data import validation_ranges
 

@@ -28,7 +28,7 @@ with ``sdpa``), non-trivial weights: output, input gradient and every parameter 
 agree within CHECK_REL, or nothing is timed (exit 1). transformers is optional at run time: where
 it lacks the family (the lent H200's transformers 5.17 has no step3p7), the check and its row are
 skipped, the report says so and why, and ours is still timed. TFLOP/s counts these two layers only with
-``core/flops.py``: 6 x matmul weights per real token + 12 x heads x head_dim per key each query
+``core/costs/flops.py``: 6 x matmul weights per real token + 12 x heads x head_dim per key each query
 sees; MFU divides by ``--peak-tflops`` or the device's dense bf16 peak.
 
     python benchmarks/bench_gpu.py [--model-preset qwen3-30b-a3b] [--seq-length 8192] [--iters 10]
@@ -124,7 +124,7 @@ def _free() -> None:
 def run_benchmark(args, device, dtype, with_hf: bool = True) -> dict:
     """Ours, then transformers with ours' weights (ours freed before transformers is timed);
     ``with_hf=False``: ours alone (transformers' side is not available here)."""
-    from core.flops import device_peak_tflops
+    from core.costs.flops import device_peak_tflops
 
     cfg, idx = slice_config(registry.resolve(args.preset)[1])
     HF = args.hf_name
@@ -253,7 +253,7 @@ def _report_rows(args, res: dict) -> None:
     print(f"forward + backward on {res['device']}, bf16: {res['preset']} layers {res['layers']} (both MoE), "
           f"{size} parameters; one pack of "
           f"{args.seq_length} tokens: {res['documents']} documents, longest {res['longest']}, "
-          f"{res['tokens']} real; {res['flops'] / 1e12:.4g} TFLOP per step (core/flops.py); median of "
+          f"{res['tokens']} real; {res['flops'] / 1e12:.4g} TFLOP per step (core/costs/flops.py); median of "
           f"{args.iters} steps after {args.warmup} warm-up")
     print("\n".join(format_table(res)))
     if res["output_diff"]:
@@ -276,7 +276,7 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, help="timed steps (default 10; 3 with --tiny)")
     ap.add_argument("--warmup", type=int, help="untimed steps first, at least 1 (default 3; 1 with --tiny)")
     ap.add_argument("--peak-tflops", type=float,
-                    help="dense bf16 peak for MFU (default: core/flops.py by device name)")
+                    help="dense bf16 peak for MFU (default: core/costs/flops.py by device name)")
     ap.add_argument("--compile", action="store_true",
                     help="also time our layers compiled (inductor, fullgraph per layer; the warm-up "
                          "steps include the compilation)")

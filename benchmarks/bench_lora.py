@@ -57,7 +57,7 @@ def run_ours(lora: bool, rank: int, steps: int) -> dict:
     import torch
 
     from core.init import materialize_seeded
-    from core.lora import LoraSettings, apply_lora
+    from core.finetune.lora import LoraSettings, apply_lora
     from core.optim.build import build_optimizer
     from core.packed_seq import PackedSeqParams
     from models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel

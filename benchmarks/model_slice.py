@@ -154,7 +154,7 @@ def slice_config(cfg, backend: str = "auto", layers: list | None = None):
 
 def slice_flops(cfg, doc_lengths) -> float:
     """Training FLOPs of the slice's layers on these documents (no head: vocab 0 zeroes it)."""
-    from core.flops import training_flops
+    from core.costs.flops import training_flops
 
     return training_flops(registry.shapes_of(dataclasses.replace(cfg, vocab_size=0)), list(doc_lengths))
 

@@ -312,7 +312,7 @@ class RunFacts:
     compile: bool = False
     optimizer: str = "adamw"
     optimizer_options: object = None
-    lora: bool = False           # --lora-rank > 0: a frozen base with trained adapters (core/lora.py)
+    lora: bool = False           # --lora-rank > 0: a frozen base with trained adapters (core/finetune/lora.py)
 
 
 @dataclass(frozen=True)

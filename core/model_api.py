@@ -38,7 +38,7 @@ REPLICATION = ("dp", "expert_dp")
 @dataclass(frozen=True)
 class ParamSpec:
     role: str = "weight"            # "embedding" / "head": AdamW even under Muon or Dion; "adapter":
-                                    # a LoRA adapter (core/lora.py): AdamW, not in the base's checkpoints
+                                    # a LoRA adapter (core/finetune/lora.py): AdamW, not in the base's checkpoints
     replicated_over: str = "dp"     # "dp": dense; "expert_dp": an expert-parallel shard
     tied: bool = False              # copies on the first and the last pipeline stage (MTP's embedding)
     expert_offset: int | None = None  # dim 0 stacks experts; global index of the first one

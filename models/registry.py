@@ -33,7 +33,7 @@ class ModelSpec:
     family: str                      # the name checkpoints record, e.g. "step37"
     config_class: type               # from_hf(...), preset(name), to_hf(), to_dict()
     model_class: type                # (config, *, layers, first, last, experts, seed) -> chunk
-    shapes: Callable                 # config -> core.shapes.ModelShapes
+    shapes: Callable                 # config -> core.costs.shapes.ModelShapes
     model_types: tuple = ()          # Hugging Face model_type values this family reads
     presets: tuple = ()              # preset names (config_class.preset)
     description: str = ""
@@ -201,7 +201,7 @@ _SHAPES: dict = {}
 
 
 def shapes_of(config):
-    """The family's :class:`~core.shapes.ModelShapes` of ``config`` (cached per config)."""
+    """The family's :class:`~core.costs.shapes.ModelShapes` of ``config`` (cached per config)."""
     key = (type(config).__name__, repr(config))
     if key not in _SHAPES:
         _SHAPES[key] = spec_of(config).shapes(config)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from core.shapes import AttentionShape, BlockShape, FFNShape, MLAShape, ModelShapes
+from core.costs.shapes import AttentionShape, BlockShape, FFNShape, MLAShape, ModelShapes
 from core.transformer.attention import Attention
 from core.transformer.block import DecoderBlock
 from core.transformer.mla import MLAttention

@@ -23,7 +23,7 @@ Verbs:
           names; peft.PeftModel.from_pretrained loads it onto the base), or with --merge-lora as
           the merged full Hugging Face weights. Routed experts' adapters export merged only.
 
-          OUT (core/out_dir.py): every file an export of ours writes that OUT holds (weights, shards,
+          OUT (core/checkpoint/out_dir.py): every file an export of ours writes that OUT holds (weights, shards,
           index, config.json, side files, a PEFT adapter's two files) is replaced, of either kind, so
           no stale adapter sits beside merged weights nor weights beside an adapter; an OUT holding
           any other file is refused unless --overwrite (which keeps those files); OUT may not be the
@@ -47,7 +47,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from core.hf_checkpoint import check_checkpoint, problems  # noqa: E402
+from core.checkpoint.hf import check_checkpoint, problems  # noqa: E402
 from data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from models import registry  # noqa: E402
 from models.common.decoder import count_parameters  # noqa: E402
@@ -111,7 +111,7 @@ def cmd_check(args) -> int:
 def check_out_folder(out: str, what: str) -> None:
     """OUT names a folder to write into: refuse, in one line, a path where a file stands (itself or
     the nearest part of it that exists), which would otherwise fail mid-run with a raw errno."""
-    from core.out_dir import check_out_dir
+    from core.checkpoint.out_dir import check_out_dir
 
     check_out_dir(out, (), flag="OUT", tool=what, overwrite=True)
 
@@ -121,8 +121,8 @@ def _same_folder(a: str | None, b: str) -> bool:
 
 
 def cmd_export(args) -> int:
-    from core.checkpointing import load_checkpoint, read_meta, resolve
-    from core.out_dir import check_out_dir, clear_owned, export_files, split_files
+    from core.checkpoint.sharded import load_checkpoint, read_meta, resolve
+    from core.checkpoint.out_dir import check_out_dir, clear_owned, export_files, split_files
 
     from training.checkpoints import checkpoint_model, lora_model
 
@@ -152,12 +152,12 @@ def cmd_export(args) -> int:
     pad_id, pad_from = pad_token_id(args, meta)
     model = lora_model(spec, cfg, lora, args.base, path) if lora else spec.build(cfg)
     load_checkpoint(path, [model])
-    clear_owned(args.out, owned)  # an earlier export's files, of either kind (core/out_dir.py)
+    clear_owned(args.out, owned)  # an earlier export's files, of either kind (core/checkpoint/out_dir.py)
     others = split_files(args.out, owned)[1]
     replaced = (f"; removed {len(held)} file(s) of an earlier export first: {', '.join(held)}" if held else "") + \
         (f"; kept {len(others)} other file(s) (--overwrite): {', '.join(others[:5])}" if others else "")
     if lora and not args.merge_lora:
-        from core.lora_export import write_peft
+        from core.finetune.lora_export import write_peft
 
         config = write_peft(model, args.out, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
                             base=args.base or lora["base"]["load_hf"])
@@ -166,7 +166,7 @@ def cmd_export(args) -> int:
               f"{replaced})")
         return 0
     if lora:
-        from core.lora_export import merge_lora
+        from core.finetune.lora_export import merge_lora
 
         merge_lora(model)
     layout = model.save_hf(args.out, source=args.source)
@@ -220,8 +220,8 @@ def set_pad_token_id(config_path: str, pad_id: int) -> None:
 
 
 def cmd_import(args) -> int:
-    from core.checkpoint_dir import read_pointer
-    from core.checkpointing import save_checkpoint
+    from core.checkpoint.directory import read_pointer
+    from core.checkpoint.sharded import save_checkpoint
     from training.checkpoints import lora_meta
 
     check_out_folder(args.out, "import")
@@ -254,8 +254,8 @@ def import_peft(model, folder: str, base: str):
     """Adapt ``model`` (its base loaded from ``base``, whose tensor names are the module names
     the adapter uses) as the PEFT folder says and read its adapters; returns the settings and the
     number of tensors read."""
-    from core.lora import TARGETS, LoraSettings, apply_lora
-    from core.lora_export import adapted_targets, base_keys, read_peft, read_peft_config
+    from core.finetune.lora import TARGETS, LoraSettings, apply_lora
+    from core.finetune.lora_export import adapted_targets, base_keys, read_peft, read_peft_config
 
     config = read_peft_config(folder)
     trained_on = config.get("base_model_name_or_path")

@@ -47,9 +47,9 @@ def load_model(load_dir: str, model_module: str | None = None, base: str | None 
     A LoRA run's checkpoint holds only adapters: its base is ``base``, else the ``--load-hf`` it
     trained on, else the seeded weights it started from, checked against the recorded
     fingerprint; the adapters run beside the frozen weights, unmerged, as in training."""
-    from core.checkpointing import load_checkpoint
-    from core.checkpoint_dir import resolve
-    from core.checkpoint_reader import read_meta
+    from core.checkpoint.sharded import load_checkpoint
+    from core.checkpoint.directory import resolve
+    from core.checkpoint.reader import read_meta
     from training.checkpoints import checkpoint_model, lora_model
 
     if not os.path.exists(load_dir):

@@ -315,10 +315,10 @@ def run_all(parts: list[Part], out: str, budget: float) -> list[dict]:
 def out_problem(out: str) -> str:
     """Why ``--out`` cannot take the three files, in one line ("" when it can): a file in the way,
     a folder where nothing can be written, or one holding files the check did not write (never
-    deleted: a rerun replaces only its own three; ``core/out_dir.py``)."""
+    deleted: a rerun replaces only its own three; ``core/checkpoint/out_dir.py``)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from core.out_dir import check_out_dir
+    from core.checkpoint.out_dir import check_out_dir
 
     try:
         check_out_dir(out, FILES + (".results.json.tmp", ".logs.tar.gz.tmp"), flag="--out", tool="gpu_check",

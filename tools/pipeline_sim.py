@@ -10,7 +10,7 @@ drawing of the timeline.
 
 The action lists are the ones the executor runs (core/pipeline/schedules.py). Costs are per
 virtual stage (forward; backward = bwd/fwd ratio times it). With a model, the costs are its
-forward FLOPs per token per stage (core/flops.py over the registered family's block shapes)
+forward FLOPs per token per stage (core/costs/flops.py over the registered family's block shapes)
 and the trainer's default layout
 (or --pipeline-layout) is compared side by side with the even split: per-stage work and each
 rank's idle fraction, bubble included.
@@ -57,7 +57,7 @@ def _idle(result) -> list[float]:
 
 def compare_layouts(sched, args) -> int:
     """The model's stages, even split vs the trainer's layout: work per stage and idle per rank."""
-    from core.flops import stage_flops
+    from core.costs.flops import stage_flops
     from models.registry import resolve, shapes_of
     from training.parallelize import even_layout, stage_layers
 

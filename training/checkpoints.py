@@ -1,6 +1,6 @@
 """The trainer's side of checkpoints: what a save records, resuming or fine-tuning from one
 (``--load``, ``--finetune``, ``--no-load-optim``, ``--no-load-rng``), and the ``--async-save`` in
-flight. The files themselves are ``core/checkpointing.py``'s business."""
+flight. The files themselves are ``core/checkpoint/sharded.py``'s business."""
 from __future__ import annotations
 
 import datetime
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from core.checkpointing import (RUNTIME_FIELDS, CheckpointError, _short, begin_save, compare_model_config,
+from core.checkpoint.sharded import (RUNTIME_FIELDS, CheckpointError, _short, begin_save, compare_model_config,
                                 finish_save, load_checkpoint, read_meta, resolve)
-from core.freeze import PARTS
-from core.lora import base_fingerprint
+from core.finetune.freeze import PARTS
+from core.finetune.lora import base_fingerprint
 from models import registry
 
 
@@ -121,7 +121,7 @@ def checkpoint_model(path: str, meta: dict):
 def lora_record(args, cfg, chunks, pstate) -> dict | None:
     """What a LoRA run's checkpoints record of it (``meta.json``'s ``lora``): the adapters'
     settings and the identity of the frozen base (``--load-hf`` path or the seed, a fingerprint
-    of its model config and one of its weights, ``core.lora.base_fingerprint``); None without
+    of its model config and one of its weights, ``core.finetune.lora.base_fingerprint``); None without
     LoRA. Collective (the weights' fingerprint)."""
     lora = getattr(args, "lora", None)
     if lora is None or not lora.enabled:
@@ -277,7 +277,7 @@ def lora_model(spec, cfg, lora: dict, base: str | None, path: str):
     """The model of a LoRA checkpoint: its base (``base``, else the --load-hf it trained on, else
     the seeded weights), checked against the recorded fingerprint, with empty adapters for the
     checkpoint to fill."""
-    from core.lora import LoraSettings, apply_lora
+    from core.finetune.lora import LoraSettings, apply_lora
 
     recorded = lora["base"]
     if base and not os.path.isdir(base):

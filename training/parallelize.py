@@ -11,11 +11,11 @@ place that does it, in this order (each step needs the one before it):
 3. context parallelism (``core.context_parallel.apply``): attention modules attend across the
    CP group (all-gathered K/V on full layers, a halo on sliding ones) and routers sum their load
    statistics over it; the data are the loader's shards (``data/cp_shard.py``);
-4. LoRA (``core.lora.apply_lora``, with ``--lora-rank``): the chosen projections get adapters
+4. LoRA (``core.finetune.lora.apply_lora``, with ``--lora-rank``): the chosen projections get adapters
    (routed experts grouped ones, in the expert module, so they hold this EP rank's experts only)
    and every other parameter is frozen, before FSDP wraps them; under ``--bf16`` the frozen base
    is stored in bf16 (``frozen_to_bf16``: no fp32 master, it is never updated); ``--freeze-*``
-   freezes whole parts the same way (``core/freeze.py``);
+   freezes whole parts the same way (``core/finetune/freeze.py``);
 5. activation recompute (``core.transformer.block.apply_recompute``): a flag on the layers, read
    by their forward;
 6. FSDP and mixed precision (``core.distributed.fsdp.apply_fsdp``) as the memory mode's placement
@@ -44,9 +44,9 @@ import torch
 from core.compile import apply_compile
 from core.context_parallel.apply import apply_context_parallel, cp_comm
 from core.distributed.fsdp import apply_fsdp
-from core.freeze import freeze_parts
-from core.lora import LoraSettings, apply_lora, frozen_to_bf16
-from core.flops import balanced_layout
+from core.finetune.freeze import freeze_parts
+from core.finetune.lora import LoraSettings, apply_lora, frozen_to_bf16
+from core.costs.flops import balanced_layout
 from core.moe.parallel import apply_expert_parallel
 from core.optim.host_masters import HostMasters
 from core.optim.masters import RemainderMasters, to_bf16_storage
@@ -112,7 +112,7 @@ def even_layout(num_layers: int, num_stages: int) -> list[int]:
 def stage_layers(config, num_stages: int, layout: str | None = None, seq_length: int = 4096) -> list[range]:
     """Contiguous layer ranges per virtual stage. ``layout``: comma-separated layer counts
     (``--pipeline-layout``, e.g. ``"14,14,14,3"``), which wins; by default the split that
-    minimises the slowest stage under the FLOP model of ``core/flops.py`` at ``seq_length`` (the
+    minimises the slowest stage under the FLOP model of ``core/costs/flops.py`` at ``seq_length`` (the
     last stage also runs the head and the extra blocks, so it gets fewer layers)."""
     L = config.num_layers
     if layout:

@@ -1,13 +1,13 @@
 """Start-up of a rank's chunks: storage for its own shards (``core/init.py``), then each tensor
 written once: streamed from a Hugging Face checkpoint through the family's weight adapter
-(``core/hf_checkpoint.py``; tensors it lacks are seeded), else seeded; or left for a training
+(``core/checkpoint/hf.py``; tensors it lacks are seeded), else seeded; or left for a training
 checkpoint to fill. See ``core/init.py`` for the seeding contract (the same weights in any
 layout) and the choice of generator."""
 from __future__ import annotations
 
 import torch
 
-from core.hf_checkpoint import load_weights
+from core.checkpoint.hf import load_weights
 from core.init import allocate, init_buffers, init_parameters
 from core.optim.masters import RemainderMasters, attach
 

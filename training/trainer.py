@@ -11,8 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from core.checkpointing import CheckpointError, resolve
-from core.flops import device_peak_tflops, training_flops
+from core.checkpoint.sharded import CheckpointError, resolve
+from core.costs.flops import device_peak_tflops, training_flops
 from core.init import local_rows, shard_bytes
 from core.logging import RankLogger
 from core.model_api import specs_of

@@ -120,7 +120,7 @@ def memory_text(peak: dict, planned_gib: float | None) -> str:
 def planned_layers_gib(cfg, T: int, weight_bytes: int, grad_bytes: int, recompute: str = "none") -> float:
     """The planner's device memory for a slice's decoder layers (all of ``cfg``'s) run forward +
     backward alone in bf16: the weights and gradients as held, and ``training/planner/memory.py``'s
-    activations (``core/activations.py``; the input kept for its gradient included) and recompute
+    activations (``core/costs/activations.py``; the input kept for its gradient included) and recompute
     working set for a stage of those layers that is neither first nor last."""
     from types import SimpleNamespace
 

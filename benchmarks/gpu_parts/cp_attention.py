@@ -136,8 +136,8 @@ def long_pack(T: int, heads: int, kv_heads: int, head_dim: int, device, backend:
     """One document of ``T`` tokens, CP rank ``rank``'s full-attention forward + backward."""
     from core.context_parallel import costs
     from core.context_parallel.attention import attend_segments, device_plan
-    from core.flops import avg_keys, device_peak_tflops
-    from core.shapes import AttentionShape
+    from core.costs.flops import avg_keys, device_peak_tflops
+    from core.costs.shapes import AttentionShape
     from training.planner.timing import TimeAssumptions, peak_tflops
 
     common.free()
@@ -169,7 +169,7 @@ def long_pack(T: int, heads: int, kv_heads: int, head_dim: int, device, backend:
     peak = mem["peak_allocated_gib"]
     a = AttentionShape(heads, kv_heads, head_dim, None)
     pairs = pairs_of(plan.host)
-    flops = 12.0 * heads * head_dim * pairs  # forward 4 H D per pair, backward twice it (core/flops.py)
+    flops = 12.0 * heads * head_dim * pairs  # forward 4 H D per pair, backward twice it (core/costs/flops.py)
     peak_tf = device_peak_tflops() if device.type == "cuda" else None
     key_rows = int(plan.host.cu_k[-1])
     # the planner's time for it: its attention FLOPs (T / N queries, each seeing a causal

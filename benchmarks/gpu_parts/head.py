@@ -6,7 +6,7 @@ forward + backward (allocated and reserved), without recompute and with ``--reco
 What the peak holds beyond the weights and their gradients (all bf16 here) is the activations
 and the loss's working set; next to it the planner's prediction for the same stage and mode
 (``training/planner/memory.py``'s activations and recompute working set, from
-``core/activations.py``), so a wrong activation model shows here first."""
+``core/costs/activations.py``), so a wrong activation model shows here first."""
 from __future__ import annotations
 
 import sys

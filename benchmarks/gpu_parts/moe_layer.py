@@ -5,7 +5,7 @@ in bf16 (router fp32), as ``benchmarks/bench_gpu.py`` builds it (``model_slice.p
 Prints every device sync of one step as ``torch.cuda.set_sync_debug_mode("warn")`` reports it,
 and every host read our counter (``tests/host_reads.py``, the CPU tests' tool) sees, with where
 each comes from: one MoE layer on one GPU (the local dispatcher) should make none. Then the median
-of 5 timed steps, TFLOP/s and MFU (``core/flops.py``'s count for this layer: the one behind the
+of 5 timed steps, TFLOP/s and MFU (``core/costs/flops.py``'s count for this layer: the one behind the
 training logs) and the peak memory of those steps, allocated and reserved, beside the planner's
 (``training/planner/memory.py``: the weights and gradients as held, the layer's activations)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 def run(preset: str, device, seq: int, seed: int = 0, iters: int = 5) -> dict:
     from benchmarks.model_slice import build_ours, init_weights, moe_layers, packed_batch, slice_config, slice_flops
-    from core.flops import device_peak_tflops
+    from core.costs.flops import device_peak_tflops
     from models import registry
     from tests.host_reads import HostReads
     from training.planner.timing import TimeAssumptions

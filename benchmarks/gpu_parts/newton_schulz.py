@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     device = common.device_for(args)
     if device is None:
         return common.NO_CUDA
-    from core.flops import device_peak_tflops
+    from core.costs.flops import device_peak_tflops
     from core.optim.muon import newton_schulz
     from models import registry
     from training.planner.timing import TimeAssumptions, peak_tflops

@@ -4,7 +4,7 @@ bytes each rank receives, from what ``attention.py`` and ``exchange.py`` allocat
 
 Counted for the case a CP layout is chosen for: one document filling the pack of ``T`` tokens
 (``N = cp``, chunks of ``c = T / 2N``), bytes ``b`` per element. What one token or key row
-weighs is the attention shape's (``core/shapes.py``): GQA moves and keeps K and V together
+weighs is the attention shape's (``core/costs/shapes.py``): GQA moves and keeps K and V together
 (``[rows, 2 Hkv, D]``); MLA moves its normed latent and roped key (``kv_lora_rank + qk_rope`` per
 token), keeps the key buffer's latent rows with the K/V ``kv_b_proj`` expands them to, and runs
 that expansion on the key buffer's rows instead of its own tokens (:func:`expand_flops`). Packs of many short documents move and keep less on full layers (each
@@ -62,7 +62,7 @@ def exchange_bytes(a, T: int, cp: int, b: int) -> int:
 
 def expand_flops(a, T: int, cp: int) -> float:
     """Forward FLOPs a rank spends per layer and micro-batch turning its key buffer into K/V
-    beyond what its own ``T / N`` tokens cost in the per-token model (``core/flops.py``): MLA's
+    beyond what its own ``T / N`` tokens cost in the per-token model (``core/costs/flops.py``): MLA's
     ``kv_b_proj`` runs on the ``key_rows`` rows (``(1 + 1/2N) T`` on a full layer) instead of
     ``T / N``; 0 for GQA, whose K/V move as they are."""
     if cp == 1:

@@ -144,6 +144,6 @@ class GroupedExperts(nn.Module):
 
     def project(self, name: str, x_NI: torch.Tensor, counts_E: torch.Tensor, segments) -> torch.Tensor:
         """One projection (``name`` in ``PROJECTIONS``) of every expert's rows (a LoRA subclass
-        adds its adapters here, ``core/lora.py``)."""
+        adds its adapters here, ``core/finetune/lora.py``)."""
         grouped, sizes = segments
         return expert_linear(x_NI, getattr(self, name), counts_E, grouped, sizes)

@@ -68,7 +68,7 @@ def build_optimizer(chunks, cfg) -> tuple[CompositeOptimizer, str]:
     names: dict[str, list] = {k: [] for k in buckets}
     frozen = adapters = n_adapters = 0
     for _, name, p, spec in iter_params(chunks):
-        if not p.requires_grad:  # a frozen base (LoRA, core/lora.py; --freeze-*): no optimizer state at all
+        if not p.requires_grad:  # a frozen base (LoRA, core/finetune/lora.py; --freeze-*): no optimizer state at all
             frozen += p.numel()
             continue
         kind = classify(spec, p, cfg.optimizer)

@@ -13,7 +13,7 @@ transformers does for flash attention. The padding is exact (zero value columns 
 the columns kept) but costs the padded columns' FLOPs and bytes.
 
 Every attention kind declares what core's machinery reads from it (:func:`attention_modules`
-finds them), so a new kind needs no edit in ``core/lora.py``, ``core/compile.py`` or
+finds them), so a new kind needs no edit in ``core/finetune/lora.py``, ``core/compile.py`` or
 ``core/context_parallel/apply.py``:
 
 - ``lora_projections``: the names of its linears that ``--lora-targets attention`` adapts, in

@@ -29,7 +29,7 @@ rank (:meth:`core.context_parallel.attention.ContextParallel.latent`). Per token
 (40960), at the cost of running ``kv_b_proj`` on the ``(1 + 1/2N) T`` key rows each rank reads.
 
 LoRA's ``attention`` target adapts the projections (``lora_projections``), never the latent norms.
-The planner's costs of this module are :class:`core.shapes.MLAShape`'s.
+The planner's costs of this module are :class:`core.costs.shapes.MLAShape`'s.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ cut into a handful of *pieces* (host integers only, from :class:`DocLayout`), ea
 Every call has 4-D inputs, so torch runs its fused CPU flash kernel, which keeps the
 logsumexp for backward and no score matrix (3-D inputs would take the math path). What the
 pieces keep for backward, on top of that fused kernel's own (``cpu_sdpa_extra_bytes`` in
-``core/activations.py`` books the same): a band's padded copies of q, k and v
+``core/costs/activations.py`` books the same): a band's padded copies of q, k and v
 (``blocks * block`` queries, ``width - 1`` more keys) and its additive mask
 ``[blocks, 1, block, block + width - 1]`` in the activation dtype, which is built once per
 micro-batch, window and dtype (in ``layout.cache``, so every layer of a type shares one

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.init import materialize_seeded
-from core.lora import adapter_params
+from core.finetune.lora import adapter_params
 from core.loss import IGNORE_INDEX, linear_cross_entropy
 from core.model_api import FSDPUnit, ParamSpec, StageOutput
 from core.moe.aux import aux_loss
@@ -46,7 +46,7 @@ class DecoderLM(nn.Module):
     Built on the ``meta`` device, then written once on the default device (seeded; nothing is
     allocated when that is ``meta``)."""
 
-    weight_adapter = None   # the family's Hugging Face weight adapter class (core/hf_checkpoint.py)
+    weight_adapter = None   # the family's Hugging Face weight adapter class (core/checkpoint/hf.py)
     aux_scope = "layer"     # core.moe.aux: how the MoE auxiliary loss averages over layers
     router_fp32 = True      # routers compute in fp32 under --bf16 (an FSDP unit of their own)
 
@@ -136,7 +136,7 @@ class DecoderLM(nn.Module):
         """Roles for core (``core/model_api.py``): embedding and heads stay on AdamW; routed
         experts are expert-parallel shards stacked on dim 0 (their LoRA adapters too); an
         embedding the last stage holds too is tied (its gradients are summed with the first
-        stage's); LoRA adapters (``core/lora.py``) have the role ``adapter``."""
+        stage's); LoRA adapters (``core/finetune/lora.py``) have the role ``adapter``."""
         embedding = ParamSpec(role="embedding", tied=self.embedding_on_last)
         heads = [m for m in [self.lm_head, *self.extra_heads()] if m is not None]
         special = {id(m.weight): ParamSpec(role="head") for m in heads}
@@ -146,7 +146,7 @@ class DecoderLM(nn.Module):
             if isinstance(m, GroupedExperts):
                 spec = ParamSpec(replicated_over="expert_dp", expert_offset=m.expert_offset)
                 special.update({id(p): spec for p in m.parameters()})
-        adapters = adapter_params(self)  # LoRA (core/lora.py): the same replicas, trained alone
+        adapters = adapter_params(self)  # LoRA (core/finetune/lora.py): the same replicas, trained alone
         return {n: replace(special.get(id(p), ParamSpec()), role="adapter") if id(p) in adapters
                 else special.get(id(p), ParamSpec()) for n, p in self.named_parameters()}
 
@@ -223,16 +223,16 @@ class DecoderLM(nn.Module):
     # ------------------------------------------------------------------ weights
     @property
     def hf_weights(self):
-        """The weight adapter bound to this chunk's config (what ``core/hf_checkpoint.py`` reads)."""
+        """The weight adapter bound to this chunk's config (what ``core/checkpoint/hf.py`` reads)."""
         return self.weight_adapter(self.config)
 
     def load_hf(self, path: str, **kwargs) -> dict:
-        from core.hf_checkpoint import load_weights
+        from core.checkpoint.hf import load_weights
 
         return load_weights(self, path, **kwargs)
 
     def save_hf(self, path: str, **kwargs) -> str:
-        from core.hf_checkpoint import save_weights
+        from core.checkpoint.hf import save_weights
 
         return save_weights(self, path, **kwargs)
 

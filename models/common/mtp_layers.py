@@ -15,7 +15,7 @@ import re
 def mtp_layers_held(folder: str, num_layers: int, declared: int) -> int:
     """How many of the ``declared`` MTP layers (``model.layers.{num_layers + k}.*``, k from 0) the
     weights in ``folder`` hold; ``declared`` when the folder has no weights (a config alone)."""
-    from core.hf_checkpoint import INDEX, SINGLE, CheckpointIndex
+    from core.checkpoint.hf import INDEX, SINGLE, CheckpointIndex
 
     if not declared or not any(os.path.exists(os.path.join(folder, f)) for f in (INDEX, SINGLE)):
         return declared

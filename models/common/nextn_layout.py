@@ -1,5 +1,5 @@
 """The published weight layout DeepSeek-V3 introduced and GLM-4.5 kept, both ways (the adapter
-``core/hf_checkpoint.py`` reads and writes through). ``L`` = ``num_hidden_layers``; ``M`` =
+``core/checkpoint/hf.py`` reads and writes through). ``L`` = ``num_hidden_layers``; ``M`` =
 ``model.layers.{L + k}.``, multi-token-prediction layer ``k``.
 
 | ours (``layers.N.`` ...)             | published (hub, ``save_pretrained``) | transformers in memory          |
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 
-from core.hf_checkpoint import Exported, Source
+from core.checkpoint.hf import Exported, Source
 
 TOP = {"embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight"),
        "norm.weight": ("model.norm.weight", "norm.weight"), "lm_head.weight": ("lm_head.weight",)}

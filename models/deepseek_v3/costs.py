@@ -1,5 +1,5 @@
-"""DeepSeek-V3's blocks as shapes (``core/shapes.py``), for the FLOP, activation and planner
-models: multi-head latent attention (:class:`~core.shapes.MLAShape`: its low-rank projections,
+"""DeepSeek-V3's blocks as shapes (``core/costs/shapes.py``), for the FLOP, activation and planner
+models: multi-head latent attention (:class:`~core.costs.shapes.MLAShape`: its low-rank projections,
 scores at the q/k dim and values at the value dim, the latent the CP exchange is planned to move),
 dense SwiGLU on the first ``first_k_dense_replace`` layers, then routed experts with the shared
 experts as one always-on expert of their summed size; each MTP depth (``num_nextn_predict_layers``)
@@ -9,7 +9,7 @@ head (the embedding is shared: a lookup). Group-limited routing (``n_group``,
 memory is not from here (the planner counts the model built on ``meta``)."""
 from __future__ import annotations
 
-from core.shapes import BlockShape, FFNShape, MLAShape, ModelShapes
+from core.costs.shapes import BlockShape, FFNShape, MLAShape, ModelShapes
 from models.deepseek_v3.config import DeepseekV3Config
 
 

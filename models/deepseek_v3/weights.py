@@ -4,7 +4,7 @@ projections (``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` or ``q_proj``,
 ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``, ``o_proj``) under
 ``model.layers.N.self_attn.`` as ours are. The MTP layer is ``model.layers.61`` on the release.
 FP8 weights (``float8_e4m3fn`` + ``weight_scale_inv``) are dequantized by the reader
-(``core/hf_checkpoint.py``). Export writes the published layout, which transformers loads as is.
+(``core/checkpoint/hf.py``). Export writes the published layout, which transformers loads as is.
 """
 from __future__ import annotations
 

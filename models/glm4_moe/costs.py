@@ -1,4 +1,4 @@
-"""GLM-4.5's blocks as shapes (``core/shapes.py``), for the FLOP, activation and planner models:
+"""GLM-4.5's blocks as shapes (``core/costs/shapes.py``), for the FLOP, activation and planner models:
 ungated GQA with partial rotary (``head_dim * partial_rotary_factor`` dims) on every layer,
 dense SwiGLU on the first ``first_k_dense_replace`` layers, then routed experts with the shared
 experts as one always-on expert of their summed size; each MTP depth is an MoE decoder layer with
@@ -6,7 +6,7 @@ an ``eh_proj`` input projection (2 x hidden) and its own head. The q/k/v biases 
 not costed (a few vectors per layer: below the model's resolution)."""
 from __future__ import annotations
 
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+from core.costs.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
 from core.transformer.rotary import rotary_dim
 from models.glm4_moe.config import Glm4MoeConfig
 

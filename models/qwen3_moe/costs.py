@@ -1,8 +1,8 @@
-"""Qwen3-MoE's blocks as shapes (``core/shapes.py``): ungated GQA with full rotary on every
+"""Qwen3-MoE's blocks as shapes (``core/costs/shapes.py``): ungated GQA with full rotary on every
 layer (a window when ``use_sliding_window``), dense SwiGLU or routed experts without a shared one."""
 from __future__ import annotations
 
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
+from core.costs.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes
 from core.transformer.rotary import rotary_dim
 from models.qwen3_moe.config import Qwen3MoeConfig
 

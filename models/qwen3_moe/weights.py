@@ -1,4 +1,4 @@
-"""Qwen3-MoE's Hugging Face weight names, both ways (the adapter ``core/hf_checkpoint.py`` reads
+"""Qwen3-MoE's Hugging Face weight names, both ways (the adapter ``core/checkpoint/hf.py`` reads
 and writes through).
 
 | ours (``layers.N.`` ...)            | published (hub, ``save_pretrained``) | transformers in memory         |
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from core.hf_checkpoint import Exported, Source
+from core.checkpoint.hf import Exported, Source
 
 TOP = {"embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight"),
        "norm.weight": ("model.norm.weight", "norm.weight"), "lm_head.weight": ("lm_head.weight",)}

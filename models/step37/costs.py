@@ -1,4 +1,4 @@
-"""Step-3.7's blocks as shapes (``core/shapes.py``): what the FLOP model, the activation-byte
+"""Step-3.7's blocks as shapes (``core/costs/shapes.py``): what the FLOP model, the activation-byte
 model and the planner read of it. Attention is gated GQA with partial rotary on full layers;
 dense layers clamp with the shared-expert limits; MoE layers have a shared expert; each MTP depth
 is a decoder layer with an ``eh_proj`` input projection (2 x hidden) and its own head.
@@ -11,7 +11,7 @@ channels, a projector ``4 x hidden -> text hidden``."""
 from __future__ import annotations
 
 from core.transformer.rotary import rotary_dim
-from core.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes, VisionShape
+from core.costs.shapes import AttentionShape, BlockShape, FFNShape, ModelShapes, VisionShape
 from models.step37.config import Step37Config
 
 
@@ -56,7 +56,7 @@ def vision_settings(cfg) -> dict:
 
 
 def vision_shape(cfg) -> VisionShape:
-    """The tower, downsamplers and projector as shapes (``core.shapes.VisionShape``)."""
+    """The tower, downsamplers and projector as shapes (``core.costs.shapes.VisionShape``)."""
     v = vision_settings(cfg)
     H, patch, size = v["hidden_size"], v["patch_size"], v["image_size"]
     return VisionShape(H, v["intermediate_size"], v["num_hidden_layers"], v["num_attention_heads"], patch, size,

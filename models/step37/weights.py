@@ -1,4 +1,4 @@
-"""Step-3.7's Hugging Face weight names, both ways (the adapter ``core/hf_checkpoint.py`` reads
+"""Step-3.7's Hugging Face weight names, both ways (the adapter ``core/checkpoint/hf.py`` reads
 and writes through).
 
 Names read (``P`` = ``model.layers.N.``; also accepted with ``model.language_model.`` or no
@@ -51,7 +51,7 @@ import re
 
 import torch
 
-from core.hf_checkpoint import Exported, Source
+from core.checkpoint.hf import Exported, Source
 
 PREFIXES = ("model.layers.", "model.language_model.layers.", "layers.")
 TOP = {"embed_tokens.weight": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from core.init import local_rows, materialize_seeded
-from core.lora import LoraSettings, apply_lora, base_fingerprint
+from core.finetune.lora import LoraSettings, apply_lora, base_fingerprint
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
 from data.cp_shard import shard_batch

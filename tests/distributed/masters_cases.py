@@ -87,7 +87,7 @@ def compare_modes(rank, world, ep, optimizer, clip, steps, tolerance, modes=tupl
 def resume_is_bitwise(rank, world, ep, mode, optimizer, tmpdir):
     """Four steps straight, or two, a checkpoint (fp32 masters), a fresh build loaded from it and
     two more: the same masters and losses, bit for bit."""
-    from core.checkpointing import load_checkpoint, save_checkpoint
+    from core.checkpoint.sharded import load_checkpoint, save_checkpoint
 
     cfg = tiny_config()
     ps = ParallelState.build(ParallelSizes(world, ep=ep), cfg.num_layers, cfg.num_experts)

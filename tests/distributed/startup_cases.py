@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from core.parallel_state import ParallelSizes, ParallelState
 from models.step37 import Step37Config, Step37Model
-from core.hf_checkpoint import READ_BLOCK_BYTES, CheckpointIndex
+from core.checkpoint.hf import READ_BLOCK_BYTES, CheckpointIndex
 from core.init import INIT_BLOCK_NUMEL, local_rows, shard_bytes
 from training.parallelize import parallelize
 from tests.distributed.parallel_cases import global_params, run_args, tiny_config

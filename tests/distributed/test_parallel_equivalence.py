@@ -35,7 +35,7 @@ CASES.update({
     "allgather_aux": (2, check_layout, (1, 1, 2, "allgather", 0.01)),
     "ep_rank_without_tokens": (2, check_layout, (1, 1, 2, "alltoall", 0.0,
                                                  torch.tensor([100.0] * 4 + [0.0] * 4))),
-    # LoRA (core/lora.py): three steps on the adapters of a frozen base
+    # LoRA (core/finetune/lora.py): three steps on the adapters of a frozen base
     "lora_pp2_ep2": (4, check_lora_layout, (2, 2)),
     "lora_fsdp_dp2": (2, check_lora_layout, (1, 1, 1, ("--data-parallel-sharding", "fsdp"))),
     "lora_cp2_qwen3_moe": (2, check_lora_layout, (1, 1, 2, (), "qwen3_moe")),

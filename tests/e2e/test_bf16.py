@@ -20,7 +20,7 @@ def _losses(rows):
 def test_small_updates_move_fp32_masters_and_checkpoints_hold_them(dataset, tmp_path):
     """AdamW at lr 1e-5 with weight decay 0.1: each step moves a weight by ~1e-5, below bf16's
     resolution at the init scale (0.02 x 2^-8 = 8e-5), so a bf16 weight would not move at all."""
-    from core.checkpointing import load_checkpoint
+    from core.checkpoint.sharded import load_checkpoint
     from models.step37 import Step37Config, Step37Model
 
     train(["--data-path", dataset, "--bf16", "--optimizer", "adamw", "--lr", "1e-5", "--weight-decay", "0.1",

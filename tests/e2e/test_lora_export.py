@@ -34,7 +34,7 @@ def test_peft_export_and_merged_export_give_our_logits(dataset, tmp_path):
            "--lora-targets", "attention,experts", "--save", str(tmp_path / "ck")], tmp_path / "log")
 
     # ours: the base with the trained adapters, as the export tool builds it
-    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from core.checkpoint.sharded import load_checkpoint, read_meta, resolve
     from training.checkpoints import checkpoint_model, lora_model
 
     path = resolve(str(tmp_path / "ck"))
@@ -89,7 +89,7 @@ def test_peft_export_and_merged_export_give_our_logits(dataset, tmp_path):
     with torch.no_grad():
         assert_close_rel(merged.eval()(input_ids=tokens[None]).logits[0], want, rel=HF_REL)
 
-    # merged over the PEFT folder: its adapter files go (core/out_dir.py), else transformers loads the
+    # merged over the PEFT folder: its adapter files go (core/checkpoint/out_dir.py), else transformers loads the
     # stale adapter on top of the merged weights (logits 1.5e-2 off)
     assert convert(["export", str(tmp_path / "ck"), str(tmp_path / "peft"), "--merge-lora"]) == 0
     assert not (tmp_path / "peft" / "adapter_config.json").exists()
@@ -105,7 +105,7 @@ def test_step37_merged_export_gives_our_hidden_states(dataset, tmp_path):
     form is refused for its stacked experts (exit 1, naming --merge-lora)."""
     from transformers import Step3p7TextModel
 
-    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from core.checkpoint.sharded import load_checkpoint, read_meta, resolve
     from training.checkpoints import checkpoint_model, lora_model
 
     train(["--data-path", dataset, "--optimizer", "adamw", "--lr", "2e-2", "--train-iters", "3",
@@ -139,7 +139,7 @@ def test_step37_peft_export_loads_onto_transformers_text_model(dataset, tmp_path
     from peft import PeftModel
     from transformers import Step3p7TextModel
 
-    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from core.checkpoint.sharded import load_checkpoint, read_meta, resolve
     from models.step37 import Step37Config, Step37Model
     from training.checkpoints import checkpoint_model, lora_model
 
@@ -178,7 +178,7 @@ def test_step37_vlm_peft_and_merged_exports_give_our_logits(dataset, tmp_path):
     from peft import PeftModel
     from transformers import Step3p7ForConditionalGeneration
 
-    from core.checkpointing import load_checkpoint, read_meta, resolve
+    from core.checkpoint.sharded import load_checkpoint, read_meta, resolve
     from models.step37 import Step37Config, Step37Model
     from training.checkpoints import checkpoint_model, lora_model
 

@@ -85,7 +85,7 @@ def test_generate_samples_with_the_adapters_over_the_recorded_base(lora_runs, tm
     logit, and differ from the base's); it samples from it; another base is refused naming it."""
     import torch
 
-    from core.lora_export import merge_lora
+    from core.finetune.lora_export import merge_lora
     from core.packed_seq import PackedSeqParams
     from tools.generate import load_model, main
 

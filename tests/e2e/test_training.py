@@ -196,7 +196,7 @@ def test_export_to_hf_and_import_back(adamw4, tmp_path):
     """The checkpoint: the shared fp32 AdamW run's last (tests/e2e/conftest.py), read only."""
     import torch
 
-    from core.checkpointing import load_checkpoint
+    from core.checkpoint.sharded import load_checkpoint
     from models.step37 import Step37Config, Step37Model
 
     _, ck = adamw4(False)

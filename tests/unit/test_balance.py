@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from core.pipeline.balance import partition
 from models.step37 import Step37Config
-from core.flops import avg_keys, balanced_layout, stage_flops
+from core.costs.flops import avg_keys, balanced_layout, stage_flops
 from models.registry import shapes_of
 from training.parallelize import even_layout
 

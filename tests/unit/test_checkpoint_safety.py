@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from core.checkpointing import CheckpointError, load_checkpoint, resolve, save_checkpoint
+from core.checkpoint.sharded import CheckpointError, load_checkpoint, resolve, save_checkpoint
 from models.step37 import Step37Config, Step37Model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,7 +172,7 @@ def test_a_disk_that_fills_during_a_save_leaves_no_partial_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import resource, signal, warnings
         warnings.simplefilter("ignore")
-        from core.checkpointing import CheckpointError, save_checkpoint
+        from core.checkpoint.sharded import CheckpointError, save_checkpoint
         from models.step37 import Step37Config, Step37Model
         m = Step37Model(Step37Config.preset("tiny"))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

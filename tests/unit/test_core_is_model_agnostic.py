@@ -161,3 +161,16 @@ def test_the_layering_and_name_checks_find_what_they_look_for():
     assert family_names("x = 1  # like Step37's router\n", "core/x.py")
     assert family_names('CACHE = "qwen3_moe"\n', "training/x.py")
     assert not family_names('"""Qwen and Step-3.7 in a docstring."""\nprog = "pretrain_step37.py"\n', "train_args.py")
+
+
+def test_core_shows_its_parts_as_folders():
+    """core/ reads as a table of contents: at most 14 modules at its top level, the rest in
+    folders by job (checkpoint/, finetune/, costs/, moe/, ...), each folder with a docstring."""
+    core = os.path.join(ROOT, "core")
+    top = sorted(f for f in os.listdir(core) if f.endswith(".py") and f != "__init__.py")
+    assert len(top) <= 14, top
+    for name in os.listdir(core):
+        init = os.path.join(core, name, "__init__.py")
+        if os.path.isdir(os.path.join(core, name)) and name != "__pycache__":
+            with open(init) as f:
+                assert ast.get_docstring(ast.parse(f.read())), f"core/{name}/__init__.py has no docstring"

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from core.checkpointing import save_checkpoint
+from core.checkpoint.sharded import save_checkpoint
 from models.step37 import Step37Config, Step37Model
 from tools.convert_checkpoint import main as convert
 

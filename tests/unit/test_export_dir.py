@@ -1,4 +1,4 @@
-"""Output folders (core/out_dir.py): every exporter replaces all files an export of ours writes, of
+"""Output folders (core/checkpoint/out_dir.py): every exporter replaces all files an export of ours writes, of
 either kind (a merged export over a PEFT folder left adapter_config.json beside the merged
 weights, and transformers loaded both: logits 1.5e-2 off), refuses a folder holding other files
 unless --overwrite (which keeps them), and refuses, in one line, a folder it cannot write."""
@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from core import out_dir
-from core.lora_export import write_peft
-from core.out_dir import check_out_dir, clear_owned, export_files
+from core.checkpoint import out_dir
+from core.finetune.lora_export import write_peft
+from core.checkpoint.out_dir import check_out_dir, clear_owned, export_files
 from tests.unit.test_export_config import checkpoint
 from tools.convert_checkpoint import main as convert
 
@@ -59,7 +59,7 @@ def test_a_file_in_the_way_or_an_unwritable_folder_is_one_line(tmp_path, monkeyp
 
 def _lora_qwen3(tmp_path, **config):
     from core.init import materialize_seeded
-    from core.lora import LoraSettings, apply_lora
+    from core.finetune.lora import LoraSettings, apply_lora
     from models import registry
     from tests.distributed.parallel_cases import tiny_config
 
@@ -74,7 +74,7 @@ def _lora_qwen3(tmp_path, **config):
 def test_each_export_kind_removes_the_other_kinds_files(tmp_path):
     """The cause of the stale adapter: each writer (save_weights, write_peft) clears every file of
     ours first, whatever kind wrote it."""
-    from core.lora_export import merge_lora
+    from core.finetune.lora_export import merge_lora
 
     model = _lora_qwen3(tmp_path)
     out = str(tmp_path / "out")

@@ -66,8 +66,8 @@ def test_mla_variant_split_in_two_stages_equals_the_whole_model():
 def test_mla_variant_is_costed_by_cores_shape():
     """The family's costs name core's MLAShape and nothing else: the weights a token multiplies
     through equal the built model's matrices (the embedding a lookup, the head counted)."""
-    from core.flops import matmul_params_per_token
-    from core.shapes import MLAShape
+    from core.costs.flops import matmul_params_per_token
+    from core.costs.shapes import MLAShape
 
     spec, cfg = registry.resolve("fake-mla-tiny")
     shapes = registry.shapes_of(cfg)

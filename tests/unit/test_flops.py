@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from models.step37 import Step37Config, Step37Model
-from core.flops import keys_seen
-from core.flops import matmul_params_per_token as _params
-from core.flops import training_flops as _flops
+from core.costs.flops import keys_seen
+from core.costs.flops import matmul_params_per_token as _params
+from core.costs.flops import training_flops as _flops
 from models.registry import shapes_of
 
 

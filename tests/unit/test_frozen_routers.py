@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.freeze import freeze_parts
+from core.finetune.freeze import freeze_parts
 from core.train_step import update_router_biases
 from models.step37 import Step37Config, Step37Model
 from train_args import parse, validate

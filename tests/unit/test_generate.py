@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from core.checkpointing import save_checkpoint
+from core.checkpoint.sharded import save_checkpoint
 from core.packed_seq import PackedSeqParams
 from data.tokenizers import ByteTokenizer
 from models import registry

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.checkpointing import save_checkpoint
+from core.checkpoint.sharded import save_checkpoint
 from core.packed_seq import ImageInputs, PackedSeqParams
 from data.tokenizers import build_tokenizer
 from models import registry

@@ -18,7 +18,7 @@ import torch
 from models.common.decoder import count_parameters
 from models.glm4_moe import Glm4MoeConfig, Glm4MoeModel
 from models.glm4_moe.config import PRESETS
-from core.flops import matmul_params_per_token
+from core.costs.flops import matmul_params_per_token
 from models.registry import shapes_of, spec_for_hf
 from tests.unit.hf_reference import randomize
 from tests.unit.numerics import assert_close_rel

@@ -155,7 +155,7 @@ def test_out_holding_other_files_or_unwritable_is_refused_in_one_line(tmp_path, 
     """--out is checked before anything runs: a folder with files the check did not write is
     refused (a rerun replaces only its own three files, so it never deletes a user's), and so is
     one where nothing can be written (simulated: as root, chmod would not stop the probe)."""
-    from core import out_dir
+    from core.checkpoint import out_dir
 
     for name in gpu_check.FILES:
         (tmp_path / name).write_text("an earlier check's")

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import core.loss
 import core.transformer.mtp
 import models.common.decoder
-from core.activations import extra_block_bytes, head_bytes
-from core.memory import SavedTensorBytes
+from core.costs.activations import extra_block_bytes, head_bytes
+from core.costs.saved_bytes import SavedTensorBytes
 from core.transformer.block import apply_recompute
 from models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
 from models.registry import shapes_of
@@ -87,7 +87,7 @@ def test_inference_forward_still_returns_logits():
 
 
 def test_the_head_keeps_what_the_planner_counts():
-    """The final norm and the chunked loss save, in fp32, what ``core.activations.head_bytes``
+    """The final norm and the chunked loss save, in fp32, what ``core.costs.activations.head_bytes``
     counts byte for byte (the norm's input and normalised output, 1/rms, the head's input, the
     labels and the logsumexp), plus the norm's ``1 + w`` (a weight-sized tensor, not counted)."""
     model = _step37()
@@ -141,7 +141,7 @@ def test_a_fully_recomputed_depth_keeps_its_inputs_and_what_its_head_needs():
     """Under full recompute a depth keeps the recomputed part's inputs (checkpoint saves them:
     the shifted embedding, the previous hidden state, the valid mask) and, for its head, the
     head norm's output, the shifted labels and the fp32 logsumexp: T x (3 H x 4 + 1 + 8 + 4)
-    bytes in fp32, what ``core.activations.extra_block_bytes`` counts (less the valid mask,
+    bytes in fp32, what ``core.costs.activations.extra_block_bytes`` counts (less the valid mask,
     shared with every layer)."""
     model = _step37()
     apply_recompute(model, "full")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.hf_checkpoint import CheckpointFileError, check_checkpoint
+from core.checkpoint.hf import CheckpointFileError, check_checkpoint
 from models.step37 import Step37Config, Step37Model
 from tools.convert_checkpoint import main as convert
 
@@ -73,7 +73,7 @@ def test_bf16_and_fp16_weights_convert(exported):
 def test_a_re_export_leaves_nothing_stale(tmp_path, capsys):
     """A sharded export, then a single-file one into the same directory: the old shards and index
     are gone (and said), so every loader reads the new weights."""
-    from core.checkpointing import save_checkpoint
+    from core.checkpoint.sharded import save_checkpoint
 
     a, b = (Step37Model(Step37Config.preset("tiny"), seed=s) for s in (1, 2))
     out = tmp_path / "hf"
@@ -118,7 +118,7 @@ def test_a_truncated_file_and_a_wrong_index_name_the_file_and_tensor(exported):
 
 
 def test_the_converter_names_its_own_arguments(tmp_path, capsys):
-    from core.checkpointing import save_checkpoint
+    from core.checkpoint.sharded import save_checkpoint
 
     assert convert(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err

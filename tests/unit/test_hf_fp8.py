@@ -1,6 +1,6 @@
 """FP8 checkpoints in the Hub's layout (DeepSeek-V3, Kimi-K2): float8_e4m3fn weights with a
 ``weight_scale_inv`` per block of ``quantization_config.weight_block_size``, dequantized in fp32
-by the streamed reader (core/hf_checkpoint.py). Synthetic checkpoints written with safetensors;
+by the streamed reader (core/checkpoint/hf.py). Synthetic checkpoints written with safetensors;
 the reference dequantization is written out here, independently of the reader."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import core.hf_checkpoint as hfc
+import core.checkpoint.hf as hfc
 from models.deepseek_v3 import DeepseekV3Config, DeepseekV3Model
 from tests.unit.test_model_hf import thd
 

@@ -1,4 +1,4 @@
-"""LoRA (core/lora.py): the flags' refusals name the flag; an adapted linear's and grouped
+"""LoRA (core/finetune/lora.py): the flags' refusals name the flag; an adapted linear's and grouped
 experts' adapter gradients equal fp64 autograd through ``W + (alpha / r) B A``; step 0 is the
 base model bit for bit (B starts at zero) for both families; training moves the adapters only
 (the frozen base bit-identical after 3 AdamW steps, optimizer state for the adapters alone).
@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from core.lora import LoRAGroupedExperts, LoRALinear, LoraSettings, adapter_params, apply_lora
+from core.finetune.lora import LoRAGroupedExperts, LoRALinear, LoraSettings, adapter_params, apply_lora
 from core.moe.experts import GroupedExperts
 from core.init import materialize_seeded
 from core.transformer.mlp import clamped_swiglu
@@ -271,7 +271,7 @@ def test_a_lora_checkpoint_resumes_only_onto_its_base(saved, run, message):
 
 
 def test_base_fingerprint_sees_every_row():
-    from core.lora import base_fingerprint
+    from core.finetune.lora import base_fingerprint
 
     cfg = tiny_config("qwen3_moe")
     model, _ = _lora_model(cfg)
@@ -291,7 +291,7 @@ def test_base_fingerprint_sees_every_row():
 def test_merge_folds_the_adapters_into_a_plain_model():
     """After merging, the model has the base's parameter names only and gives the adapted
     model's logits (1e-5 relative: W + s B A rounded once to fp32 instead of two fp32 GEMMs)."""
-    from core.lora_export import merge_lora
+    from core.finetune.lora_export import merge_lora
     from tests.unit.test_model_hf import thd
 
     cfg = tiny_config("step37")
@@ -315,7 +315,7 @@ def test_peft_export_refuses_experts_published_stacked():
     refuses (naming --merge-lora) instead of writing a partial adapter; without expert
     adapters it writes PEFT's names for transformers' modules (a text config: Step3p7TextModel's;
     the MTP depths' adapters left out, transformers has no MTP module)."""
-    from core.lora_export import peft_tensors
+    from core.finetune.lora_export import peft_tensors
 
     cfg = tiny_config("step37")
     with pytest.raises(ValueError, match="published stacked .* export the merged weights with --merge-lora"):
@@ -332,8 +332,8 @@ def test_a_lora_checkpoint_leaves_the_frozen_base_out_on_a_stage_without_adapter
     what one pipeline rank holds: a first stage with only a dense layer and ``--lora-targets
     experts`` has no adapter, yet saves none of its frozen base; a run that froze parts with
     ``--freeze-*`` (no ``lora``) saves them."""
-    from core.checkpointing import model_state
-    from core.lora import adapter_params
+    from core.checkpoint.sharded import model_state
+    from core.finetune.lora import adapter_params
 
     cfg = tiny_config("step37")
     assert cfg.mlp_layer_types[0] == "dense"

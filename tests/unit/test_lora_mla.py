@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from core.lora import LoraSettings, apply_lora, target_modules
+from core.finetune.lora import LoraSettings, apply_lora, target_modules
 from models.deepseek_v3 import DeepseekV3Config, DeepseekV3Model
 from tests.unit.numerics import assert_close_rel
 from tests.unit.test_deepseek_v3 import hf_kwargs, save_hf_model
@@ -42,7 +42,7 @@ def test_attention_target_adapts_every_mla_projection(q_lora_rank, projections):
 
 
 def test_a_new_attention_kind_is_adapted_by_what_it_declares():
-    """A kind core/lora.py has never heard of: its declared projections (those it has, in its
+    """A kind core/finetune/lora.py has never heard of: its declared projections (those it has, in its
     order) are adapted, an undeclared linear is not."""
     class Kind(nn.Module):
         lora_projections = ("wq", "absent", "wo")
@@ -89,7 +89,7 @@ def test_peft_and_merged_exports_give_our_logits_in_transformers(tmp_path, q_lor
     from peft import PeftModel
     from transformers import DeepseekV3ForCausalLM
 
-    from core.lora_export import merge_lora, write_peft
+    from core.finetune.lora_export import merge_lora, write_peft
     from tools.convert_checkpoint import import_peft
 
     hf_dir, peft_dir, merged_dir = (str(tmp_path / d) for d in ("hf", "peft", "merged"))
@@ -137,7 +137,7 @@ def test_peft_and_merged_exports_give_our_logits_in_transformers(tmp_path, q_lor
 def test_peft_export_refuses_dense_projections_named_like_the_experts(targets, refused):
     """With or without expert adapters: PEFT takes any target named gate/up/down_proj for the
     experts of a family that publishes them per expert (measured: dropped, the base's logits)."""
-    from core.lora_export import peft_tensors
+    from core.finetune.lora_export import peft_tensors
 
     model = DeepseekV3Model(DeepseekV3Config.preset("deepseek-v3-tiny"))
     apply_lora(model, LoraSettings(lora_rank=2, lora_targets=targets))

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from core.lora import LoraSettings, adapter_params, apply_lora
+from core.finetune.lora import LoraSettings, adapter_params, apply_lora
 from core.moe.router import TopKRouter
-from core.shapes import AttentionShape, BlockShape, FFNShape
+from core.costs.shapes import AttentionShape, BlockShape, FFNShape
 from models.step37 import Step37Config
 from models.step37.model import Step37Model
 from training.planner.memory import PlanInputs, plan
@@ -98,13 +98,13 @@ def test_h100_lora_recipe_runs_the_80gb_search_top_row(tmp_path):
 
 def test_frozen_layers_keep_what_the_planner_books():
     """A frozen block keeps less for its backward: no normalised output of a frozen norm, no
-    input of a frozen projection without an adapter (``core.activations.frozen_savings``).
+    input of a frozen projection without an adapter (``core.costs.activations.frozen_savings``).
     Measured on the tiny model's last decoder layer (full attention, MoE with a shared expert;
     earlier adapters make its input require a gradient) for each target set: the planner's
     block within 25% of what autograd saved (the base formula's bound), and its saving against
     the full block within 25% of the measured saving (the part LoRA changes)."""
-    from core.activations import block_bytes, cpu_sdpa_extra_bytes
-    from core.memory import SavedTensorBytes
+    from core.costs.activations import block_bytes, cpu_sdpa_extra_bytes
+    from core.costs.saved_bytes import SavedTensorBytes
     from core.parallel_state import ParallelState
     from models.registry import shapes_of
     from tests.unit.test_memory_plan import labels_for, thd

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from core.loss import chunked_backward, chunked_forward, linear_cross_entropy, tile_shape
-from core.memory import SavedTensorBytes
+from core.costs.saved_bytes import SavedTensorBytes
 from tests.host_reads import HostReads
 from tests.unit.numerics import assert_close_rel
 

@@ -10,10 +10,10 @@ import torch
 
 from core.transformer.rotary import inverse_frequencies
 from models.step37 import Step37Config, Step37Model
-from core import hf_checkpoint as hf_weights
+from core.checkpoint import hf as hf_weights
 from core import init as mat
 from training.startup import materialize
-from core.hf_checkpoint import CheckpointIndex
+from core.checkpoint.hf import CheckpointIndex
 from tests.distributed.startup_cases import reset_rss_peak
 
 

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core.memory import SavedTensorBytes
+from core.costs.saved_bytes import SavedTensorBytes
 from core.optim.build import build_optimizer
 from core.parallel_state import ParallelSizes, ParallelState
 from models.step37 import Step37Config
-from core.activations import cpu_sdpa_extra_bytes
+from core.costs.activations import cpu_sdpa_extra_bytes
 from models.registry import shapes_of
 from training.planner.memory import PlanInputs, _chunk_activations, placement, plan
 from training.parallelize import build_chunks

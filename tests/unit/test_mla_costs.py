@@ -1,4 +1,4 @@
-"""Multi-head latent attention's own cost shape (core.shapes.MLAShape) against the module it
+"""Multi-head latent attention's own cost shape (core.costs.shapes.MLAShape) against the module it
 describes (core/transformer/mla.py on DeepSeek-V3's tiny preset, q low-rank and plain q): its
 FLOPs against torch's FLOP counter, its weights against the module's, its kept bytes against
 what autograd saves, its CP exchange and LoRA adapters by hand; and DeepSeek-V3's numbers."""
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import core.transformer.attention as attention
-from core.activations import cpu_sdpa_extra_bytes
+from core.costs.activations import cpu_sdpa_extra_bytes
 from core.context_parallel.costs import exchange_bytes, expand_flops, gathered_bytes, key_buffer_bytes
-from core.flops import matmul_params_per_token, training_flops
-from core.memory import SavedTensorBytes
+from core.costs.flops import matmul_params_per_token, training_flops
+from core.costs.saved_bytes import SavedTensorBytes
 from core.parallel_state import ParallelState
-from core.shapes import AttentionShape, MLAShape
+from core.costs.shapes import AttentionShape, MLAShape
 from core.transformer.attention_backends import DocLayout
 from models.deepseek_v3 import DeepseekV3Config, DeepseekV3Model
 from models.deepseek_v3.config import PRESETS
@@ -159,7 +159,7 @@ def test_kept_bytes_match_what_autograd_saves(variant, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_modes_keep_what_the_planner_books(mode, monkeypatch):
-    """Under recompute every attention kind keeps the same (core.activations.block_bytes:
+    """Under recompute every attention kind keeps the same (core.costs.activations.block_bytes:
     selective, the norms and the residual stream; full, each layer's input): on the MLA chunk
     within 5% of what autograd saves (the head's and loss's share included)."""
     from core.transformer.block import apply_recompute
@@ -176,12 +176,12 @@ def test_recompute_modes_keep_what_the_planner_books(mode, monkeypatch):
 
 
 def test_frozen_layers_keep_what_the_planner_books(monkeypatch):
-    """LoRA on the MLA chunk (core/lora.py adapts its projections), measured on its last layer
+    """LoRA on the MLA chunk (core/finetune/lora.py adapts its projections), measured on its last layer
     (MoE with a shared expert; earlier adapters make its input require a gradient) as the GQA
     test does (tests/unit/test_lora_plan.py): the planner's block within 25% of what autograd
     saved and its saving against the full block within 25% of the measured saving."""
-    from core.activations import block_bytes
-    from core.lora import LoraSettings, apply_lora
+    from core.costs.activations import block_bytes
+    from core.finetune.lora import LoraSettings, apply_lora
 
     monkeypatch.setattr(attention, "NATIVE_VALUE_DIM", ())
     cfg, i = tiny(), 2

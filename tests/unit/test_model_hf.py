@@ -11,7 +11,7 @@ import torch
 
 from core.packed_seq import PackedSeqParams
 from models.step37 import Step37Config, Step37Model, count_parameters
-from core.hf_checkpoint import check_checkpoint
+from core.checkpoint.hf import check_checkpoint
 from tests.unit.hf_reference import save_full_model, save_text_model
 from tests.unit.numerics import assert_close_rel
 

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from core.checkpointing import _short
+from core.checkpoint.sharded import _short
 from models.step37 import Step37Config
 from train_args import parse
 from training.checkpoints import RESUME_MUST_MATCH, CheckpointError, resume_mismatches, run_flags_record
@@ -99,7 +99,7 @@ def test_an_entry_absent_on_one_side_is_not_compared():
 
 def test_the_resume_refuses_in_one_line_naming_the_checkpoint(tmp_path):
     """Through RunCheckpoints.resume: another --lora-dropout is refused before anything loads."""
-    from core.checkpointing import save_checkpoint
+    from core.checkpoint.sharded import save_checkpoint
     from models.step37 import Step37Model
     from training.checkpoints import RunCheckpoints
 

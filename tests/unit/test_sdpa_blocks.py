@@ -168,7 +168,7 @@ def test_what_autograd_keeps_is_linear_in_the_pack(lengths, window):
     ones (one band of width 30): what backward keeps is q, k, v, output and logsumexp (3.1 MiB
     here), padded copies and a mask of T x (block + width - 1) entries (measured 3.1-4.0 MiB
     in all; 6 MiB allowed), never the T x T x heads scores of one call over the pack (256 MiB)."""
-    from core.memory import SavedTensorBytes
+    from core.costs.saved_bytes import SavedTensorBytes
 
     layout = layout_of(lengths, [0] * len(lengths))
     q, k, v, _ = _inputs(4096, 4, 2, 16, 0)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.activations import vision_view_bytes
-from core.flops import vision_params, vision_view_flops
-from core.shapes import VisionShape
+from core.costs.activations import vision_view_bytes
+from core.costs.flops import vision_params, vision_view_flops
+from core.costs.shapes import VisionShape
 from models.registry import shapes_of
 from models.step37 import Step37Config
 from models.step37.costs import vision_shape
@@ -149,7 +149,7 @@ def test_frozen_tower_runs_its_forward_only():
 def test_balance_moves_layers_off_stage_0_with_images():
     """Step-3.7-Flash on 4 stages at 8K: text only, the trainer's default (None); a quarter of the
     tokens images (an image token's tower costs 2.3 decoder passes), stage 0 keeps fewer layers."""
-    from core.flops import balanced_layout
+    from core.costs.flops import balanced_layout
 
     text = PlanInputs(pp=4, seq_length=8192, bf16=True)
     assert layout_for(FLASH, text) is None
@@ -229,11 +229,11 @@ def test_planner_flags(capsys):
 def test_vit_block_keeps_what_the_planner_books():
     """A pre-norm ViT block in plain torch (LayerNorms, q / k / v / o and fc1 / fc2 with biases,
     2-D-style rotary on q and k, the fused CPU attention kernel, quick-GELU, layer scales), fp32,
-    one view of 64 patches: autograd's saved bytes (``core.memory.SavedTensorBytes``) within 25%
+    one view of 64 patches: autograd's saved bytes (``core.costs.saved_bytes.SavedTensorBytes``) within 25%
     of ``vit_layer_bytes`` (the bound the decoder's formula is held to); under full recompute the
     block's input only."""
-    from core.activations import vit_layer_bytes
-    from core.memory import SavedTensorBytes
+    from core.costs.activations import vit_layer_bytes
+    from core.costs.saved_bytes import SavedTensorBytes
 
     torch.manual_seed(0)
     H, I, heads, n = 32, 64, 2, 64

@@ -293,12 +293,12 @@ def test_train_step_takes_images_from_the_micro_batch(checkpoint):
 
 
 def test_vision_flops_count_what_the_tower_runs():
-    """The planner's vision FLOPs (core.flops.vision_view_flops of the config's shape) equal
+    """The planner's vision FLOPs (core.costs.flops.vision_view_flops of the config's shape) equal
     torch's FLOP counter on the tower and projector (on meta: every GEMM, convolution and
     attention product counted, nothing run)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from core.flops import vision_view_flops
+    from core.costs.flops import vision_view_flops
     from models.step37.costs import vision_shape
 
     cfg = Step37Config.preset("step37-tiny-vlm")
@@ -349,7 +349,7 @@ def test_vision_layers_recompute_with_the_decoder(checkpoint):
     """apply_recompute gives the tower's layers the same granularity: the same loss and
     gradients, and a forward through the tower keeps less for backward (full: only each
     layer's input)."""
-    from core.memory import SavedTensorBytes
+    from core.costs.saved_bytes import SavedTensorBytes
     from core.transformer.block import apply_recompute
 
     model = ours(checkpoint[0])
@@ -391,13 +391,13 @@ def test_vision_config_reads_the_hub_form_and_refuses_other_designs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vision_activation_bytes_match_what_autograd_keeps(dtype):
-    """The planner's vision bytes (core.activations.vision_view_bytes of the config's shape)
-    within 25% of core.memory.SavedTensorBytes, per recompute
-    mode (the bar core/activations.py's formulas are held to; the CPU's LayerNorm keeps its
+    """The planner's vision bytes (core.costs.activations.vision_view_bytes of the config's shape)
+    within 25% of core.costs.saved_bytes.SavedTensorBytes, per recompute
+    mode (the bar core/costs/activations.py's formulas are held to; the CPU's LayerNorm keeps its
     statistics in bf16, GPUs in fp32)."""
-    from core.memory import SavedTensorBytes
+    from core.costs.saved_bytes import SavedTensorBytes
     from core.transformer.block import apply_recompute
-    from core.activations import vision_view_bytes
+    from core.costs.activations import vision_view_bytes
     from models.step37.costs import vision_shape
 
     cfg = Step37Config.preset("step37-tiny-vlm")

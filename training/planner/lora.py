@@ -1,16 +1,16 @@
 """LoRA's costs for the time model (``timing.py``): the weight-gradient FLOPs a frozen base skips
-and the adapters' own GEMMs (``core/lora.py``); its memory is booked by ``memory.py`` from the
+and the adapters' own GEMMs (``core/finetune/lora.py``); its memory is booked by ``memory.py`` from the
 shares, which carry the adapters and the frozen flag (``shares.py``)."""
 from __future__ import annotations
 
-from core.flops import block_params
+from core.costs.flops import block_params
 from models.registry import shapes_of
 from training.planner.memory import PlanInputs
 from training.planner.shares import ChunkShare
 
 
 def adapter_flops(hidden: int, b, rank: int, targets) -> float:
-    """Forward FLOPs per token of one block's LoRA adapters (``core/lora.py``): ``2 r (in + out)``
+    """Forward FLOPs per token of one block's LoRA adapters (``core/finetune/lora.py``): ``2 r (in + out)``
     per adapted projection (a token's top-k experts' for the routed ones; the attention's
     projections as its shape lists them: GQA's q, k, v, o and gate, MLA's low-rank ones)."""
     f, H = b.ffn, hidden

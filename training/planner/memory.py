@@ -1,6 +1,6 @@
 """Memory plan per rank, without allocating anything: each rank's share of the model is built on
 the meta device for the real layout (``shares.py``, cached), its tensors counted, and
-activations taken from ``core/activations.py`` (the family's block shapes) times the schedule's peak in-flight micro-batches
+activations taken from ``core/costs/activations.py`` (the family's block shapes) times the schedule's peak in-flight micro-batches
 (from the pipeline simulator).
 
 Parameters, gradients and optimizer state follow what this code allocates: parameters are
@@ -36,9 +36,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
-from core.activations import block_bytes, extra_block_bytes, head_bytes
+from core.costs.activations import block_bytes, extra_block_bytes, head_bytes
 from core.context_parallel.costs import gathered_bytes, key_buffer_bytes
-from core.lora import DEFAULT_TARGETS
+from core.finetune.lora import DEFAULT_TARGETS
 from core.memory_mode import KINDS, OFFLOAD_MODES, RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, Placement, RunFacts
 from core.optim import registry as optimizers
 from core.optim.build import classify
@@ -83,7 +83,7 @@ class PlanInputs:
     moe_dispatcher: str = "alltoall"      # alltoall | allgather (the time model's overlap)
     clip_grad: float = 1.0                # (--optimizer-in-backward with Muon's momentum needs 0)
     compile: bool = False                 # (--compile refuses chunked recompute)
-    lora_rank: int = 0                    # LoRA: adapters of this rank on a frozen base (core/lora.py)
+    lora_rank: int = 0                    # LoRA: adapters of this rank on a frozen base (core/finetune/lora.py)
     lora_targets: str = DEFAULT_TARGETS   # what they adapt (--lora-targets)
     image_token_share: float = 0.0        # images in the packs (training/planner/vision.py; 0: text only)
     image_crops_per_image: float = 0.0
@@ -243,7 +243,7 @@ def _gradient_bytes(t: dict, inp: PlanInputs) -> int:
 
 def _parameter_bytes(t: dict, inp: PlanInputs) -> int:
     """One kind's stored parameters: fp32 (or bf16 + remainder) masters; a frozen LoRA base its
-    one copy, bf16 under ``bf16`` (``core.lora.frozen_to_bf16``; its fp32 routers stay fp32)."""
+    one copy, bf16 under ``bf16`` (``core.finetune.lora.frozen_to_bf16``; its fp32 routers stay fp32)."""
     frozen_bf16 = (t["frozen_shard"] - t["frozen_fp32_shard"]) if inp.bf16 else 0
     return t["shard"] * MASTER - frozen_bf16 * (MASTER - 2)
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from core.lora import LoraSettings, apply_lora
+from core.finetune.lora import LoraSettings, apply_lora
 from core.model_api import ParamSpec
 from core.parallel_state import ParallelSizes, ParallelState
 from core.pipeline.p2p import max_live_buffers, plan_all
@@ -84,7 +84,7 @@ _SHARES: dict = {}
 def rank_shares(cfg, pp: int, vpp: int, ep: int, layout: str | None,
                 seq_length: int, lora: tuple = ()) -> list[list[ChunkShare]]:
     """Per pipeline rank, its chunks' shares (EP rank 0's; every EP rank's have these shapes);
-    ``lora``: ``(rank, targets)`` of a LoRA run (``core/lora.py``: adapters added, the base frozen)."""
+    ``lora``: ``(rank, targets)`` of a LoRA run (``core/finetune/lora.py``: adapters added, the base frozen)."""
     key = (type(cfg).__name__, repr(cfg), pp, vpp, ep, layout, seq_length, lora)
     if key not in _SHARES:
         sizes = ParallelSizes(pp * ep, pp=pp, ep=ep, vpp=vpp)  # dp = ep: the share ignores expert-DP

@@ -4,7 +4,7 @@ planner's flags). These are predictions, not measurements.
 
 Per micro-batch and virtual stage (what the pipeline simulator schedules):
 
-- compute: forward FLOPs of the stage (``core/flops.py`` over the family's block shapes: matmuls, attention over the keys a causal
+- compute: forward FLOPs of the stage (``core/costs/flops.py`` over the family's block shapes: matmuls, attention over the keys a causal
   document of ``seq_length`` sees; the last stage adds the head and the extra blocks); backward
   is twice the forward (LoRA: less the weight gradients of the frozen base, one forward of its
   matmuls, plus the adapters' small GEMMs, ``lora_flops``); recompute (full or selective: both rerun every matmul of attention and
@@ -62,7 +62,7 @@ from functools import lru_cache
 
 from core.cli import POSITIVE, option
 from core.context_parallel.costs import exchange_bytes, expand_flops
-from core.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
+from core.costs.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
 from core.optim import registry as optimizers
 from core.optim.build import classify
 from core.optim.muon_split import batches, ns_flops, owners

@@ -1,5 +1,5 @@
 """The image encoder in the planner: a vision-language model's tower, downsamplers and projector
-(``core.shapes.VisionShape``) run on the first pipeline stage only, so their FLOPs, parameters
+(``core.costs.shapes.VisionShape``) run on the first pipeline stage only, so their FLOPs, parameters
 (with their gradients and optimizer state) and activations all land on stage 0, and the default
 pipeline layout moves decoder layers off stage 0 to pay for them.
 
@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from core.activations import vision_view_bytes, vit_layer_bytes
+from core.costs.activations import vision_view_bytes, vit_layer_bytes
 from core.cli import option
-from core.flops import balanced_layout, vision_view_flops
+from core.costs.flops import balanced_layout, vision_view_flops
 from core.model_api import ParamSpec
 from models.registry import shapes_of
 from training.planner.shares import TensorShare, rank_shares

@@ -2,7 +2,7 @@
 
 A family describes each decoder layer (and each extra block after the last layer, such as a
 multi-token-prediction depth) as a :class:`BlockShape` built from core's block options; the FLOP
-model (``core/flops.py``), the activation-byte model (``core/activations.py``), the context-parallel
+model (``core/costs/flops.py``), the activation-byte model (``core/costs/activations.py``), the context-parallel
 costs (``core/context_parallel/costs.py``) and the planner read these and nothing else of the model.
 The numbers they give are those of core's blocks as this code builds them (what our attention,
 norms, router and experts keep for backward).
@@ -17,7 +17,7 @@ never read a kind's fields, so a new kind is one class here and nothing else cha
 - ``kernel``: ``(heads, kv_heads, qk_dim, v_dim)`` as the attention kernel sees them;
 - ``kept_bytes(hidden, T, b)``: what the attention half of a block keeps for backward without
   recompute (its input norm included), under a fused kernel; ``selective`` and ``full`` recompute
-  keep the same for every kind (``core/activations.py``: the norms and the residual stream, or the
+  keep the same for every kind (``core/costs/activations.py``: the norms and the residual stream, or the
   layer input);
 - ``frozen_savings(hidden, T, b, rank)``: what it keeps less with its base frozen (LoRA), with
   ``rank`` > 0 its adapters' ``x A^T`` kept more (``core/activations.frozen_savings``);
@@ -188,7 +188,7 @@ class MLAShape:
         return saved + inputs + (T * H * Dv * b if Dv != self.padded_dim else 0)
 
     def adapter_ends(self, hidden: int) -> int:
-        """q (or q_a and q_b), kv_a, kv_b, o (``core/lora.py`` adapts every MLA projection)."""
+        """q (or q_a and q_b), kv_a, kv_b, o (``core/finetune/lora.py`` adapts every MLA projection)."""
         H, Q, C = self.heads, self.q_lora_rank, self.kv_lora_rank
         q = hidden + H * self.qk_dim if Q is None else (hidden + Q) + (Q + H * self.qk_dim)
         kv = (hidden + C + self.qk_rope) + (C + H * (self.qk_nope + self.v_head_dim))

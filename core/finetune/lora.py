@@ -45,7 +45,7 @@ DEFAULT_TARGETS = ",".join(TARGETS)
 
 @dataclass
 class LoraSettings:
-    """LoRA: train low-rank adapters on a frozen base (core/lora.py)."""
+    """LoRA: train low-rank adapters on a frozen base (core/finetune/lora.py)."""
 
     lora_rank: int = option(0, "LoRA rank r: train adapters W + (alpha / r) B A on the chosen projections, "
                                "every other parameter frozen (no gradient, optimizer state or reduction; "

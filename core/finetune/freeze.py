@@ -1,8 +1,8 @@
 """Freezing whole parts of a model (``--freeze-vision``, ``--freeze-projector``,
 ``--freeze-language``): their parameters stop requiring a gradient before FSDP wraps them, so,
-as a LoRA run's frozen base (``core/lora.py``), they get no gradient, no optimizer state
+as a LoRA run's frozen base (``core/finetune/lora.py``), they get no gradient, no optimizer state
 (``core/optim/build.py``) and no gradient reduction, and under ``--bf16`` are stored in bf16
-(``core.lora.frozen_to_bf16``: their one copy, never updated). Unlike a LoRA base they are saved
+(``core.finetune.lora.frozen_to_bf16``: their one copy, never updated). Unlike a LoRA base they are saved
 in checkpoints (a run's checkpoint holds the whole model).
 
 A model names its parts with ``param_parts()`` (``core/model_api.py``): part -> parameter names;

@@ -276,7 +276,7 @@ def plan_load(model, ckpt: CheckpointIndex) -> tuple[dict, list, list, list]:
     found, missing, misshaped, wrong_dtype = {}, [], [], []
     for name, t in persistent_tensors(model):
         if name in specs and specs[name].role == "adapter":
-            continue  # LoRA adapters (core/lora.py) are no part of the base's checkpoint
+            continue  # LoRA adapters (core/finetune/lora.py) are no part of the base's checkpoint
         offset = specs[name].expert_offset if name in specs else None
         for src in adapter.sources(name):
             shape = _source_shape(ckpt, src, offset or 0, t.shape[0] if t.dim() else 0)
@@ -407,13 +407,13 @@ def load_weights(model, path: str, *, strict: bool = True, progress: bool = Fals
 
 def save_weights(model, path: str, *, source: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
     """Write the model as a Hugging Face checkpoint (the adapter's layout); returns the layout.
-    Files an earlier export of either kind left in ``path`` (``core.out_dir``: weights, shards,
+    Files an earlier export of either kind left in ``path`` (``core.checkpoint.out_dir``: weights, shards,
     index, side files, a PEFT adapter's two files) are removed first, so nothing stale sits
     beside the new files (a loader would prefer an old index; transformers would load a stale
     adapter on top of merged weights); other files are left alone."""
     from safetensors.torch import save_file
 
-    from core.out_dir import clear_owned, export_files
+    from core.checkpoint.out_dir import clear_owned, export_files
 
     os.makedirs(path, exist_ok=True)
     if source is not None and os.path.abspath(source) == os.path.abspath(path):

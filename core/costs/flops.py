@@ -1,11 +1,11 @@
-"""FLOPs of core's blocks from their shapes (``core/shapes.py``): per token of each block, for
+"""FLOPs of core's blocks from their shapes (``core/costs/shapes.py``): per token of each block, for
 balancing pipeline stages and for the planner, and of a training step on real documents, for
 TFLOP/s and MFU in the logs.
 
 Matmuls only (2 FLOPs per multiply-add; norms, RoPE, routing top-k and the softmax are a few
 percent). Attention reads ``avg_keys`` keys per query: a causal document of ``seq_length``
 tokens (the worst case of a pack) and, on sliding layers, at most ``window`` keys; each attention
-kind's shape (``core/shapes.py``) gives its projections' weights and its score FLOPs per key
+kind's shape (``core/costs/shapes.py``) gives its projections' weights and its score FLOPs per key
 (GQA's and MLA's). Routing is the router's ``hidden x experts`` GEMM and the top-k experts' GEMMs,
 group-limited or not (choosing among fewer groups changes no GEMM). Backward
 costs about twice the forward everywhere, so forward FLOPs rank the stages as well as the whole
@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from core.pipeline.balance import partition
-from core.shapes import BlockShape, FFNShape, ModelShapes, VisionShape, conv_out
+from core.costs.shapes import BlockShape, FFNShape, ModelShapes, VisionShape, conv_out
 
 
 def avg_keys(seq_length: int, window: int | None) -> float:

@@ -26,7 +26,7 @@ import os
 import torch
 from torch import nn
 
-from core.lora import LoRAGroupedExperts, LoRALinear
+from core.finetune.lora import LoRAGroupedExperts, LoRALinear
 from core.moe.experts import GroupedExperts
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -158,7 +158,7 @@ def base_keys(base: str | None, model) -> set | None:
     """The tensor names of the HF checkpoint ``base`` (None without one)."""
     if not base:
         return None
-    from core.hf_checkpoint import open_checkpoint
+    from core.checkpoint.hf import open_checkpoint
 
     return set(open_checkpoint(model, base).file_of)
 
@@ -212,12 +212,12 @@ def task_type(base: str | None) -> str:
 
 def write_peft(model, out: str, *, rank: int, alpha: float, dropout: float, base: str | None) -> dict:
     """Write ``model``'s adapters as a PEFT LoRA folder ``out``; returns the adapter config. Files an
-    earlier export of either kind left there (``core.out_dir``: a full export's weights, shards,
+    earlier export of either kind left there (``core.checkpoint.out_dir``: a full export's weights, shards,
     index, config.json, side files) are removed first: transformers would load the folder as a
     model, or the weights beside the adapter."""
     from safetensors.torch import save_file
 
-    from core.out_dir import clear_owned, export_files
+    from core.checkpoint.out_dir import clear_owned, export_files
 
     tensors, modules = peft_tensors(model, base_keys(base, model))
     config = {"peft_type": "LORA", "task_type": task_type(base), "base_model_name_or_path": base,

@@ -1,16 +1,16 @@
 """Activation bytes autograd keeps per block and per output head, for one micro-batch of T
 tokens, derived from what core's blocks save for backward (see the comments; the unit tests hold
-the formula within 25% of a measurement with ``core.memory.SavedTensorBytes``).
+the formula within 25% of a measurement with ``core.costs.saved_bytes.SavedTensorBytes``).
 
 ``b`` is the activation dtype size; norms, softmax statistics, the router and the loss keep fp32.
 Attention assumes a fused kernel (flash / flex / Transformer Engine: no score matrix); what the
 CPU's SDPA keeps on top is :func:`cpu_sdpa_extra_bytes`. What an attention keeps is its shape's
-(``kept_bytes``, ``frozen_savings`` of the protocol in ``core/shapes.py``: GQA, MLA); the recompute
+(``kept_bytes``, ``frozen_savings`` of the protocol in ``core/costs/shapes.py``: GQA, MLA); the recompute
 modes keep the same for every kind (:func:`block_bytes`).
 """
 from __future__ import annotations
 
-from core.shapes import F32, BlockShape, FFNShape, ModelShapes, VisionShape, conv_out, norm_bytes
+from core.costs.shapes import F32, BlockShape, FFNShape, ModelShapes, VisionShape, conv_out, norm_bytes
 
 
 def swiglu_bytes(T: int, inter: int, b: int, clamped: bool) -> int:
@@ -39,7 +39,7 @@ def ffn_bytes(hidden: int, f: FFNShape, T: int, b: int) -> int:
 
 def frozen_savings(hidden: int, s: BlockShape, T: int, b: int, lora: tuple) -> int:
     """What a block keeps less when its base is frozen (LoRA: ``lora`` is ``(rank, targets)``,
-    ``core/lora.py``), and what its adapters keep more. autograd saves a matmul's input only for
+    ``core/finetune/lora.py``), and what its adapters keep more. autograd saves a matmul's input only for
     its weight's gradient and a norm's normalised output only for its scale's, so a frozen norm
     drops that fp32 output, and a frozen projection with no adapter drops its input: the
     attention's (its shape's ``frozen_savings``: GQA's normed input and gated output, MLA's

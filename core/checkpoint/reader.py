@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from core.checkpoint_dir import CheckpointError
+from core.checkpoint.directory import CheckpointError
 
 METADATA_FILE = ".metadata"
 

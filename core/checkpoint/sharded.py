@@ -5,7 +5,7 @@ Layout on disk::
     SAVE/iter_0000200/          model + optimizer tensors (DCP), extra_rank{r}.pt, meta.json
     SAVE/latest                 "iter_0000200", updated last
 
-A LoRA run (``core/lora.py``) saves its adapters, their optimizer state and the buffers only: the
+A LoRA run (``core/finetune/lora.py``) saves its adapters, their optimizer state and the buffers only: the
 frozen base is named by its identity in ``meta.json`` (``training/checkpoints.py``).
 
 Keys are layout-independent: every tensor is stored under its global parameter name, and
@@ -15,14 +15,14 @@ another pipeline or expert-parallel layout asks for the keys it owns and gets th
 checkpoint saved at PP2 x EP2 loads at PP1. Replicated tensors are written once (DCP dedups).
 
 A save goes to ``iter_N.tmp``; when every rank has written its part, rank 0 writes
-``meta.json`` and publishes it (``core/checkpoint_dir.py``: renames, ``latest``, pruning, all
+``meta.json`` and publishes it (``core/checkpoint/directory.py``: renames, ``latest``, pruning, all
 ordered so a kill at any point leaves ``latest`` on a complete checkpoint). A save that fails
 on any rank (disk full, DCP error) fails on every rank with a ``CheckpointError`` and its
 ``.tmp`` is removed. ``--async-save``: DCP stages the tensors in host memory and writes them in a
 background thread; the publication happens when every rank's write has finished
 (``finish_save``), at the latest before the next save or the exit.
 
-Loading reads nothing it trusts (``core/checkpoint_reader.py``): a corrupted, truncated or
+Loading reads nothing it trusts (``core/checkpoint/reader.py``): a corrupted, truncated or
 crafted file is a ``CheckpointError`` naming it, on every rank.
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from core.checkpoint_dir import CheckpointError, discard, iter_name, prepare, publish, resolve
-from core.checkpoint_reader import SafeReader, read_extra, read_meta, reading
+from core.checkpoint.directory import CheckpointError, discard, iter_name, prepare, publish, resolve
+from core.checkpoint.reader import SafeReader, read_extra, read_meta, reading
 from core.model_api import iter_params, persistent_tensors
 from core.optim.masters import masters_of
 

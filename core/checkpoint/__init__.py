@@ -1,0 +1,3 @@
+"""Checkpoints in and out: training checkpoints (sharded, atomic, read without running code),
+their directory protocol, Hugging Face safetensors import and export, and the export folders'
+policy."""

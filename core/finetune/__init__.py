@@ -1,0 +1,1 @@
+"""Training part of a model: LoRA adapters (and their merged or PEFT export) and frozen parts."""
