@@ -20,17 +20,18 @@ class CommRecord:
     """What a rank's expert-parallel all-to-alls did, when asked (tests and benchmarks; off by
     default): ``events``, ``(tag, what)`` in issue order (``what``: ``"counts"``, ``"start"``,
     ``"wait"``, ``"grad.start"``, ``"grad.wait"``), and ``blocked_s``, the host seconds spent
-    inside those calls (on gloo the time the all-to-alls were exposed; on CUDA only the launches,
-    as a wait there blocks the compute stream, not the host)."""
+    inside those calls by ``what`` (on gloo the time the all-to-alls were exposed, the waits for a
+    slower peer included; on CUDA only the launches, as a wait there blocks the compute stream,
+    not the host)."""
 
     def __init__(self):
         self.events: list = []
-        self.blocked_s = 0.0
+        self.blocked_s: dict = {}
 
     def timed(self, tag: str, what: str, fn):
         t0 = time.perf_counter()
         out = fn()
-        self.blocked_s += time.perf_counter() - t0
+        self.blocked_s[what] = self.blocked_s.get(what, 0.0) + time.perf_counter() - t0
         self.events.append((tag, what))
         return out
 
