@@ -489,8 +489,6 @@ def _check_moe_overlap(args, sizes: ParallelSizes) -> None:
         raise ValueError(f"{flag} needs --moe-dispatcher alltoall (the all-gather dispatcher has no phases)")
     refused = [("--context-parallel-size > 1", sizes.cp > 1),
                ("--recompute-granularity selective", mem.recompute_granularity == "selective"),
-               ("--recompute-chunks > 1", mem.recompute_chunks > 1),
-               ("--offload-recompute-inputs", mem.offload_recompute_inputs),
                ("--compile", m.compile)]
     for what, on in refused:
         if on:

@@ -1,4 +1,5 @@
-"""``--overlap-moe-expert-parallel-comm`` at EP2, PP2 x EP2 and --bf16 FSDP EP2: three steps
+"""``--overlap-moe-expert-parallel-comm`` at EP2, PP2 x EP2 and --bf16 FSDP EP2 (and LoRA with
+FSDP gathered once and full recompute, and chunked recompute, at EP2): three steps
 give the plain schedule's losses and grad norms, every EP rank issues its all-to-alls in the same
 order (what NCCL needs to not deadlock: one communicator runs its collectives in issue order),
 and a resume repeats the uninterrupted run bitwise (overlap_cases.check_overlap).
@@ -21,6 +22,14 @@ CASES = {  # name: (world, fn, (pp, ep, flags))
     "ep2": (2, check_overlap, (1, 2)),
     "bf16_fsdp_ep2": (2, check_overlap, (1, 2, ("--bf16", "--data-parallel-sharding", "fsdp"), 1e-3, 1e-5)),
     "pp2_ep2": (4, check_overlap, (2, 2)),
+    # what else it composes with: LoRA adapters (grouped ones on the experts) with FSDP gathering
+    # once per step and full recompute (the rerun issues the forward's all-to-alls again); full
+    # recompute a pack at a time with its inputs offloaded (two chunks inside each pack)
+    "ep2_lora_fsdp_gather_once_recompute": (2, check_overlap, (1, 2, (
+        "--lora-rank", "4", "--data-parallel-sharding", "fsdp", "--fsdp-gather-once", "--recompute-granularity", "full"))),
+    "ep2_recompute_chunks_offload": (2, check_overlap, (1, 2, (
+        "--recompute-granularity", "full", "--recompute-chunks", "2", "--micro-batch-size", "2",
+        "--offload-recompute-inputs"))),
 }
 
 

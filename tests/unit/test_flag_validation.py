@@ -88,8 +88,6 @@ EP2 = [*OVERLAP, "--expert-model-parallel-size", "2"]
     ([*EP2, "--moe-dispatcher", "allgather"], 2, "needs --moe-dispatcher alltoall"),
     ([*EP2, "--context-parallel-size", "2"], 2, "with --context-parallel-size > 1 is not supported"),
     ([*EP2, "--recompute-granularity", "selective"], 2, "with --recompute-granularity selective"),
-    ([*EP2, "--recompute-granularity", "full", "--recompute-chunks", "2", "--micro-batch-size", "2",
-      "--global-batch-size", "4"], 2, "with --recompute-chunks > 1"),
     ([*EP2, "--compile"], 2, "with --compile is not supported"),
 ])
 def test_moe_overlap_refuses_what_it_does_not_serve_by_name(flags, world, message):
