@@ -19,6 +19,7 @@ from data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from core.compile import COMPILE_BACKENDS
 from core.finetune.lora import LoraSettings
 from core.memory_mode import MemoryMode, RunFacts
+from core.moe.overlap import check_overlap
 from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from models import registry
@@ -157,11 +158,9 @@ class ParallelArgs:
     pipeline_layout: str = option(None, "layers per virtual stage, e.g. 14,14,14,3 (default: the "
                                         "split that minimises the slowest stage's FLOPs, counting "
                                         "the head and MTP depths on the last stage)")
-    overlap_moe_expert_parallel_comm: bool = option(False, "hide the expert-parallel all-to-alls (forward and "
-                                                            "backward) behind compute: each MoE layer runs its "
-                                                            "micro-batch as two chunks of whole documents, one "
-                                                            "computing while the other's tokens travel (same "
-                                                            "numbers; docs/parallelism.md)")
+    overlap_moe_expert_parallel_comm: bool = option(False, "hide the expert all-to-alls (forward and backward): "
+                                                            "each MoE layer runs two chunks of whole documents, "
+                                                            "one computing while the other's tokens travel")
     distributed_timeout_minutes: float = option(10.0, "a collective or pipeline transfer that waits "
                                                       "this long for a frozen or dead rank ends the "
                                                       "run with an error (every process group)")
@@ -410,7 +409,9 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
                           vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size)
     sizes.validate(cfg.num_layers, cfg.num_experts)
     _check_context_parallel(args, sizes.cp)
-    _check_moe_overlap(args, sizes)
+    if p.overlap_moe_expert_parallel_comm:  # what the overlapped schedule serves (core/moe/overlap.py)
+        check_overlap(sizes.ep, sizes.cp, args.model.moe_dispatcher, args.memory.recompute_granularity,
+                      args.model.compile)
     stage_layers(cfg, sizes.pp * sizes.vpp, p.pipeline_layout, d.seq_length)
     per_step = d.micro_batch_size * sizes.dp
     if d.global_batch_size % per_step:
@@ -474,25 +475,6 @@ def _check_context_parallel(args, cp: int) -> None:
     if m.attention_backend not in ("auto", "sdpa", "varlen"):
         raise ValueError(f"--attention-backend {m.attention_backend} does not support --context-parallel-size > 1: "
                          "use auto (varlen on CUDA, sdpa on CPU)")
-
-
-def _check_moe_overlap(args, sizes: ParallelSizes) -> None:
-    """What --overlap-moe-expert-parallel-comm serves (core/moe/overlap.py), and what it refuses."""
-    if not args.parallel.overlap_moe_expert_parallel_comm:
-        return
-    m, mem = args.model, args.memory
-    flag = "--overlap-moe-expert-parallel-comm"
-    if sizes.ep == 1:
-        raise ValueError(f"{flag} needs --expert-model-parallel-size > 1: with every expert local there is no "
-                         "all-to-all to hide")
-    if m.moe_dispatcher != "alltoall":
-        raise ValueError(f"{flag} needs --moe-dispatcher alltoall (the all-gather dispatcher has no phases)")
-    refused = [("--context-parallel-size > 1", sizes.cp > 1),
-               ("--recompute-granularity selective", mem.recompute_granularity == "selective"),
-               ("--compile", m.compile)]
-    for what, on in refused:
-        if on:
-            raise ValueError(f"{flag} with {what} is not supported (not built yet): drop one of the two")
 
 
 def _check_against_model(args, cfg) -> None:

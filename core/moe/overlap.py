@@ -99,6 +99,21 @@ def overlapped_forward(block, x_TH, ropes: dict, layout: DocLayout, valid_T):
     return torch.cat(out), router_stats(counts, prob_sum, n, moe.router.top_k)
 
 
+def check_overlap(ep: int, cp: int, dispatcher: str, recompute: str, compile: bool) -> None:
+    """What ``--overlap-moe-expert-parallel-comm`` serves; ``ValueError`` naming the flag pair
+    for what it refuses."""
+    flag = "--overlap-moe-expert-parallel-comm"
+    if ep == 1:
+        raise ValueError(f"{flag} needs --expert-model-parallel-size > 1: with every expert local there is no "
+                         "all-to-all to hide")
+    if dispatcher != "alltoall":
+        raise ValueError(f"{flag} needs --moe-dispatcher alltoall (the all-gather dispatcher has no phases)")
+    for what, on in (("--context-parallel-size > 1", cp > 1), ("--compile", compile),
+                     ("--recompute-granularity selective", recompute == "selective")):
+        if on:
+            raise ValueError(f"{flag} with {what} is not supported (not built yet): drop one of the two")
+
+
 def apply_moe_overlap(chunk: torch.nn.Module) -> int:
     """Run the chunk's all-to-all MoE blocks by the overlapped schedule (after expert
     parallelism is applied); returns how many blocks do."""
