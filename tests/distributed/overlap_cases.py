@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from core.distributed.collectives import CommRecord
+from core.packed_seq import PackedSeqParams
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
 from tests.distributed.parallel_cases import micro_batches, run_args, settings, tiny_config
@@ -35,10 +36,20 @@ def _steps(chunks, ps, cfg, steps, first: int = 0, dtype=torch.float32):
     return out
 
 
-def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6):
+def one_document(b):
+    """The micro-batch ``b`` relabelled as one document (its overlapped chunk B is empty)."""
+    T = b.tokens.shape[0]
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    b.packed_seq_params = PackedSeqParams(cu, cu, T, "thd", (0, T), (0, T))
+    b.position_ids = torch.arange(T)
+    return b
+
+
+def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, one_doc=False):
     """Three steps with the flag give the plain schedule's losses and grad norms (``loss_tol``
     relative, ``first_tol`` the first step's loss: fp32 sums over two chunks in another order,
-    measured <= 3e-8; see the bf16 case for its own); every EP rank issued its
+    measured <= 3e-8; see the bf16 case for its own); ``one_doc``: the last DP rank's first
+    micro-batch is one document (B empty there, its all-to-alls still matched); every EP rank issued its
     all-to-alls in the same order (tokens counts differ per rank: its own packs); a run resumed
     from the flagged run's state after step 1 repeats steps 2-3 bitwise."""
     cfg = tiny_config()
@@ -47,6 +58,8 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6):
     M = max(2, pp)
     packs = int(flags[flags.index("--micro-batch-size") + 1]) if "--micro-batch-size" in flags else 1
     steps = [micro_batches(sizes.dp, M, cfg.vocab_size, seed=s, packs=packs) for s in range(STEPS)]
+    if one_doc:
+        one_document(steps[0][-1][0])
     dtype = torch.bfloat16 if "--bf16" in flags else torch.float32
     plain = _steps(_build(cfg, ps, pp, ep, flags), ps, cfg, steps, dtype=dtype)
 

@@ -56,19 +56,32 @@ def _loss(model, b):
     return out
 
 
-@pytest.mark.parametrize("docs", ["several", "one"])
-def test_overlapped_schedule_gives_the_plain_numbers(group, docs):
-    """Loss, aux loss, expert load and every gradient equal the plain schedule's: fp32 sums over
-    two chunks in another order (1e-6 relative; measured ~1e-7). ``one``: a pack that is one
-    document (B empty, its all-to-alls still run)."""
+def test_overlapped_schedule_gives_the_plain_numbers_and_hides_the_backwards_all_to_alls(group):
+    """Loss, aux loss, expert load and every gradient (MTP depth included) equal the plain
+    schedule's: fp32 sums over two chunks in another order (1e-6 relative; measured ~1e-7).
+    And the backward's order as autograd runs it (recorded, not assumed): between the issue of a
+    chunk's gradient all-to-all and its wait, the other chunk's all-to-all is issued (B's
+    combine), its expert backward runs (A's combine, B's dispatch) or its dispatch's wait and
+    attention (A's dispatch), in every MoE layer. Without the start / wait pair in the backward
+    each gradient all-to-all is waited as soon as it is issued. (A one-document pack, B empty:
+    tests/distributed/overlap_cases.py.)"""
+    record = CommRecord()
+    plain, over = _model(group), _model(group, record, overlap=True)
+    seen = {}
+
+    def mark(m, args, out):
+        tag = next(d.dispatcher.tag for d in over.moe_layers() if d.experts is m)
+        chunk = "AB"[seen.setdefault(tag, 0) % 2]
+        seen[tag] += 1
+        out.register_hook(lambda g: record.events.append((f"{tag}{chunk}", "experts.grad")))
+
+    for layer in over.moe_layers():
+        layer.experts.register_forward_hook(mark)
     b = micro_batches(1, 1, tiny_config().vocab_size)[0][0]
-    if docs == "one":
-        T = b.tokens.shape[0]
-        cu = torch.tensor([0, T], dtype=torch.int32)
-        b.packed_seq_params = PackedSeqParams(cu, cu, T, "thd", (0, T), (0, T))
-        b.position_ids = torch.arange(T)
-    plain, over = _model(group), _model(group, overlap=True)
-    a, o = _loss(plain, b), _loss(over, b)
+    a = _loss(plain, b)
+    o = over(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
+    forward = list(record.events)
+    (o.loss_sum + 0.3 * sum(o.mtp_loss_sums) + 0.01 * o.aux_loss).backward()
     for x, y in ((a.loss_sum, o.loss_sum), (a.aux_loss, o.aux_loss)):
         x, y = float(x.detach()), float(y.detach())
         assert abs(x - y) <= 1e-6 * abs(x), (x, y)
@@ -77,36 +90,13 @@ def test_overlapped_schedule_gives_the_plain_numbers(group, docs):
         err = float((p.grad - q.grad).abs().max() / p.grad.abs().max().clamp(min=1e-30))
         assert err <= 1e-6, f"{name}: {err:.2e}"
 
-
-def test_backward_runs_the_other_chunks_experts_while_a_gradient_travels(group):
-    """The backward's order as autograd runs it (not assumed): between the issue of a chunk's
-    gradient all-to-all and its wait, the other chunk's expert backward runs, for the combine
-    and for the dispatch of every MoE layer; and every collective is waited before the next
-    layer's are issued in the forward order they were issued in (what every rank repeats)."""
-    record = CommRecord()
-    model = _model(group, record, overlap=True)
-    seen = {}
-
-    def mark(m, args, out):
-        tag = next(d.dispatcher.tag for d in model.moe_layers() if d.experts is m)
-        chunk = "AB"[seen.setdefault(tag, 0) % 2]
-        seen[tag] += 1
-        out.register_hook(lambda g: record.events.append((f"{tag}{chunk}", "experts.grad")))
-
-    for layer in model.moe_layers():
-        layer.experts.register_forward_hook(mark)
-    b = micro_batches(1, 1, tiny_config().vocab_size)[0][0]
-    out = model(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
-    forward = list(record.events)
-    (out.loss_sum + 0.01 * out.aux_loss).backward()
     backward = record.events[len(forward):]
     assert [w for _, w in forward[:4]] == ["counts", "start", "counts", "start"]  # both dispatches in flight
     at = {e: i for i, e in enumerate(backward)}
-    for i in range(len(model.moe_layers())):
-        for flight, other in ((f"L{i}.A.combine", f"L{i}.B"), (f"L{i}.B.dispatch", f"L{i}.A"),
-                              (f"L{i}.A.dispatch", f"L{i}.B")):
-            if flight == f"L{i}.A.dispatch":  # hidden by B's attention: check B's dispatch waited meanwhile
-                other_event = (f"L{i}.B.dispatch", "grad.wait")
-            else:
-                other_event = (other, "experts.grad")
-            assert at[(flight, "grad.start")] < at[other_event] < at[(flight, "grad.wait")], (flight, backward)
+    for i in range(len(over.moe_layers())):
+        L = f"L{i}."
+        for flight, meanwhile in ((f"{L}B.combine", (f"{L}A.combine", "grad.start")),  # both in flight
+                                  (f"{L}A.combine", (f"{L}B", "experts.grad")),
+                                  (f"{L}B.dispatch", (f"{L}A", "experts.grad")),
+                                  (f"{L}A.dispatch", (f"{L}B.dispatch", "grad.wait"))):
+            assert at[(flight, "grad.start")] < at[meanwhile] < at[(flight, "grad.wait")], (flight, backward)
