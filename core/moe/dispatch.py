@@ -164,12 +164,14 @@ class AllToAllDispatcher:
 
         return all_to_all_wait(d.rows, d.there)
 
-    def combine_start(self, d: Dispatched, experts_module, x_recv: torch.Tensor) -> None:
-        """Run the local experts on the received rows and start sending the outputs home."""
+    def combine_start(self, d: Dispatched, experts_module, x_recv: torch.Tensor, after=None) -> None:
+        """Run the local experts on the received rows and start sending the outputs home
+        (``after``: applied to the experts' output first, e.g. an autograd marker)."""
         from core.distributed.collectives import all_to_all_start
 
         order, local_counts = sort_by_local_expert(d.recv_counts, sum(d.there.splits[1]))
         y = experts_module(_rows_vary(x_recv.index_select(0, order)), local_counts)
+        y = y if after is None else after(y)
         y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
         d.rows = all_to_all_start(y_back, d.back)
 

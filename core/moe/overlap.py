@@ -38,7 +38,9 @@ as ``--recompute-chunks`` does (``core/moe/router.py:router_stats``).
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
+from core.distributed import fsdp_internals as fsdp
 from core.moe.dispatch import AllToAllDispatcher
 from core.moe.layer import MoELayer
 from core.moe.router import router_stats
@@ -77,26 +79,62 @@ def overlapped_forward(block, x_TH, ropes: dict, layout: DocLayout, valid_T):
     parts = _chunks(layout)
     xs = x_TH.split([b - a for a, b, _ in parts])
     res, normed, flights, stats = [], [], [], []
-    for name, (a, b, sub), x in zip("AB", parts, xs):  # steps 1-2
-        if sub is not None:
-            h, y = block.attention_block(x, _slice(ropes, a, b), sub)
-        else:  # an empty chunk: no attention, but its all-to-alls still run
-            h, y = x, block.post_attention_layernorm(x)
-        weights, experts, s = moe.router(y, valid_T[a:b])
-        flights.append(d.dispatch_start(y, weights, experts, chunk=name))
-        res.append(h)
-        normed.append(y)
-        stats.append(s)
-    shared = [None, None]
-    if moe.shared_expert is not None:  # step 3
-        shared[0] = moe.shared_expert(normed[0])
-    for f in flights:  # steps 4-5
-        d.combine_start(f, moe.experts, d.dispatch_wait(f))
+    # FSDP units inside the MoE layer (the fp32 router, the experts over expert-DP) run once per
+    # chunk: gathered once for both in the forward; the experts' reduction is held in the backward
+    inner = [m for m in (moe.router, moe.experts) if isinstance(m, FSDPModule)]
+    experts = [moe.experts] if moe.experts in inner else []
+    held: list = []  # the experts unit's gradient settings while it is held (backward)
+    with fsdp.gathered_through_forward(inner):
+        for name, (a, b, sub), x in zip("AB", parts, xs):  # steps 1-2
+            if sub is not None:
+                h, y = block.attention_block(x, _slice(ropes, a, b), sub)
+            else:  # an empty chunk: no attention, but its all-to-alls still run
+                h, y = x, block.post_attention_layernorm(x)
+            weights, chosen, s = moe.router(y, valid_T[a:b])
+            flights.append(d.dispatch_start(y, weights, chosen, chunk=name))
+            res.append(h)
+            normed.append(y)
+            stats.append(s)
+        shared = [None, None]
+        if moe.shared_expert is not None:  # step 3
+            shared[0] = moe.shared_expert(normed[0])
+        for k, f in enumerate(flights):  # steps 4-5
+            release = (lambda y: _Hold.apply(y, experts, held, False)) if experts and k == 0 else None
+            d.combine_start(f, moe.experts, d.dispatch_wait(f), after=release)
     if moe.shared_expert is not None:  # step 6
         shared[1] = moe.shared_expert(normed[1])
     out = [h + moe.output(d.combine_wait(f), s) for h, f, s in zip(res, flights, shared)]  # step 7
     counts, prob_sum, n = (stats[0][k] + stats[1][k] for k in ("tokens_per_expert", "prob_sum", "valid_tokens"))
-    return torch.cat(out), router_stats(counts, prob_sum, n, moe.router.top_k)
+    y = torch.cat(out)
+    return _Hold.apply(y, experts, held, True) if experts else y, router_stats(counts, prob_sum, n, moe.router.top_k)
+
+
+class _Hold(torch.autograd.Function):
+    """Identity whose backward holds (``hold``) or releases an FSDP unit's gradient reduction and
+    reshard. The experts unit runs twice (A, then B); FSDP would reduce-scatter and reshard after
+    each run's backward (B's first) and all-gather again for A's. Held from the block's output
+    (the first node of its backward) to A's experts output (after B's experts backward, before
+    A's), the unit gathers once and reduces once, B's gradient waiting in FSDP's accumulator (as
+    ``--recompute-chunks`` holds its chunks'). The router is not held (its outputs reach the
+    backward by several paths, so no node is sure to run between its two runs' backwards): it
+    gathers once more per backward, ``E x hidden`` fp32."""
+
+    @staticmethod
+    def forward(ctx, y, units: list, held: list, hold: bool):
+        ctx.units, ctx.held, ctx.hold = units, held, hold
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.hold:
+            ctx.held[:] = [fsdp.gradient_settings(u) for u in ctx.units]
+            settings = [(False, False)] * len(ctx.units)
+        else:
+            settings = ctx.held
+        for u, (reduce, reshard) in zip(ctx.units, settings):
+            u.set_requires_gradient_sync(reduce, recurse=False)
+            u.set_reshard_after_backward(reshard, recurse=False)
+        return g, None, None, None
 
 
 def check_overlap(ep: int, cp: int, dispatcher: str, recompute: str, compile: bool) -> None:

@@ -1,8 +1,10 @@
-"""``--overlap-moe-expert-parallel-comm`` at EP2, PP2 x EP2 and --bf16 FSDP EP2 (and LoRA with
+"""``--overlap-moe-expert-parallel-comm`` at EP2, PP2 x EP2 and --bf16 FSDP EP2 (DP4, the experts
+sharded over expert-DP 2) (and LoRA with
 FSDP gathered once and full recompute, and chunked recompute, at EP2): three steps
 give the plain schedule's losses and grad norms, every EP rank issues its all-to-alls in the same
 order (what NCCL needs to not deadlock: one communicator runs its collectives in issue order),
-and a resume repeats the uninterrupted run bitwise (overlap_cases.check_overlap).
+FSDP gathers the experts once per forward and once per backward and reduces them once (the
+router once more per backward: counted), and a resume repeats the uninterrupted run bitwise (overlap_cases.check_overlap).
 
 fp32: 1e-6 relative (measured <= 3e-8: the same sums over two chunks in another order). --bf16
 is looser and its cause is known: the first step's loss differs by 1.5e-6 because the CPU sdpa
@@ -20,7 +22,7 @@ from tests.distributed.overlap_cases import check_overlap
 
 CASES = {  # name: (world, fn, (pp, ep, flags))
     "ep2": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, True)),  # rank 1 starts on a one-document pack
-    "bf16_fsdp_ep2": (2, check_overlap, (1, 2, ("--bf16", "--data-parallel-sharding", "fsdp"), 1e-3, 1e-5)),
+    "bf16_fsdp_ep2": (4, check_overlap, (1, 2, ("--bf16", "--data-parallel-sharding", "fsdp"), 1e-3, 1e-5)),
     "pp2_ep2": (4, check_overlap, (2, 2)),
     # what else it composes with: LoRA adapters (grouped ones on the experts) with FSDP gathering
     # once per step and full recompute (the rerun issues the forward's all-to-alls again); full
