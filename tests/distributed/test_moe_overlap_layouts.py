@@ -1,19 +1,19 @@
 """``--overlap-moe-expert-parallel-comm`` at EP2, PP2 x EP2 and --bf16 FSDP EP2 (DP4, the experts
-sharded over expert-DP 2) (and LoRA with
-FSDP gathered once and full recompute, and chunked recompute, at EP2): three steps
-give the plain schedule's losses and grad norms, every EP rank issues its all-to-alls in the same
+sharded over expert-DP 2), and at EP2 with LoRA, FSDP gathered once and full recompute, and with
+chunked recompute: three steps give the plain schedule's losses and grad norms, every EP rank issues its all-to-alls in the same
 order (what NCCL needs to not deadlock: one communicator runs its collectives in issue order),
 FSDP gathers the experts once per forward and once per backward and reduces them once (the
-router once more per backward: counted), and a resume repeats the uninterrupted run bitwise (overlap_cases.check_overlap).
+router once more per backward: counted), and a resume repeats the uninterrupted run bitwise
+(overlap_cases.check_overlap).
 
 fp32: 1e-6 relative (measured <= 3e-8: the same sums over two chunks in another order). --bf16
-is looser and its cause is known: the first step's loss differs by 1.5e-6 because the CPU sdpa
-backend cuts a chunk's documents into other band pieces than the whole pack's (masked bf16 keys
-in other blocks; CUDA's varlen kernel is per document), and each parameter's gradient is the
-bf16 sum of its two chunks' bf16 gradients, one rounding more than one GEMM's (measured 7e-4 on
-the grad norm, 1.2e-4 on the third loss): 1e-5 on the first loss, 1e-3 after it, the bound of
-tests/e2e/test_bf16.py's layouts. Summing the chunks' gradients in fp32 (as --recompute-chunks
-does) would close it."""
+is looser and its cause is known: the CPU sdpa backend cuts a chunk's documents into other band
+pieces than the whole pack's (masked bf16 keys in other blocks; CUDA's varlen kernel is per
+document), and a dense weight's gradient in a block is the bf16 sum of its two chunks' bf16
+gradients, one rounding more than one GEMM's (the experts' sum waits in FSDP's fp32 accumulator).
+Measured: 2.2e-7 on the first loss, 7e-5 on the later ones, 6e-4 on the grad norm; 1e-5 on the
+first loss, 1e-3 after it (the bound of tests/e2e/test_bf16.py's layouts). Summing every
+chunk gradient in fp32 (as --recompute-chunks does) would close it."""
 from __future__ import annotations
 
 import pytest
