@@ -346,6 +346,29 @@ def test_a_step_without_images_on_any_rank_skips_the_tower_bitwise(checkpoint, m
     assert not torch.equal(params[qkv], dict(base.named_parameters())[qkv])  # decayed by a zero-gradient step
 
 
+def test_mtp_depths_embed_the_placeholder_tokens_not_the_image_features(checkpoint):
+    """Each MTP depth combines the trunk's hidden state with the embedding of the token k ahead:
+    for an image placeholder that is the <im_patch> token's embedding, as transformers' MtpModel
+    embeds its drafting inputs (docs/vlm.md, "MTP depths and images"), not the image's feature."""
+    model = ours(checkpoint[0])
+    tokens, labels, pos, psp, images = pack(documents())
+    seen = {}
+    for k, depth in model.mtp.items():
+        depth.enorm.register_forward_pre_hook(lambda m, a, k=k: seen.setdefault(k, a[0].detach()))
+    with torch.no_grad():
+        model(tokens, pos, psp, labels=labels, images=images)
+        features = model.embed(tokens, images)
+    placeholder = model.embed_tokens.weight[IMG]
+    assert set(seen) == set(model.mtp) and len(seen) == 2
+    for k, x in seen.items():
+        shift = int(k) + 1  # depth k (from 0) reads the token k + 1 ahead; all image runs lie inside documents
+        at = (tokens == IMG).nonzero()[:, 0] - shift
+        at = at[(at >= 0) & (tokens[at + shift] == IMG) & (pos[at + shift] == pos[at] + shift)]
+        assert len(at) > 0
+        assert torch.equal(x[at], placeholder.expand(len(at), -1))
+        assert not torch.equal(x[at], features[at + shift])  # the tower's features are elsewhere
+
+
 def test_vision_flops_count_what_the_tower_runs():
     """The planner's vision FLOPs (core.costs.flops.vision_view_flops of the config's shape) equal
     torch's FLOP counter on the tower and projector (on meta: every GEMM, convolution and
