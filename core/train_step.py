@@ -62,7 +62,9 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     """Forward and backward of ``batches`` (this DP rank's micro-batches, on the host) through
     the pipeline schedule, gradient sync, global norm, clipping, the optimizer update and the
     router-bias update; nothing is updated when the loss or the norm is not finite, or when the
-    step has no target token."""
+    step has no target token. A step without an image on any rank of the first stage's dp x cp
+    group does not run the vision tower (``_global_counts``); its parameters step on a zero
+    gradient, as after the idle pass that ran before."""
     optimizer.zero_grad(set_to_none=True)
     # before the forward: FSDP's shards, not gathered copies; a frozen base (LoRA) has no
     # gradient to reduce, clip or count
