@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from core.cli import (AT_LEAST_0, AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_OPEN,  # noqa: F401
                       add_to_parser, flag_name, from_namespace, option)
@@ -192,7 +192,7 @@ class MemoryArgs(MemoryMode):
     @property
     def mode(self) -> MemoryMode:
         """The memory flags alone (without the dry run)."""
-        return MemoryMode(**{name: getattr(self, name) for name in MemoryMode.flag_names()})
+        return MemoryMode.of(self)
 
 
 @dataclass
@@ -220,6 +220,15 @@ class OptimArgs:
                                  choices=("rms", "spectral", "none"))
     dion_momentum: float = option(0.95, "Dion momentum / error-feedback factor")
     dion_rank_fraction: float = option(0.25, "Dion rank as a fraction of min(out, in)")
+    # the flags registered optimizers bring (OptimizerSpec.flags, core/optim/registry.py), by name
+    own: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __getattr__(self, name: str):
+        """A registered optimizer's own flag (``own``), read like the section's fields."""
+        own = self.__dict__.get("own", {})
+        if name in own:
+            return own[name]
+        raise AttributeError(name)
 
     def __post_init__(self):
         require(self, lr=POSITIVE, min_lr=NON_NEGATIVE, adamw_lr=POSITIVE, weight_decay=NON_NEGATIVE,
@@ -375,6 +384,8 @@ def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
         "Launch with torchrun; the layout's DP size is world / (pp x cp), EP carved out of DP x CP."))
     for title, cls in SECTIONS.items():
         add_to_parser(parser, cls, title, optional=() if require_data else ("data_path",))
+    for spec in optimizers.with_flags():  # registered optimizers' own flags
+        add_to_parser(parser, spec.flags, f"optimizer {spec.name}")
     return parser
 
 
@@ -385,6 +396,11 @@ def sections(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> argpars
     try:
         for title, cls in SECTIONS.items():
             setattr(out, title, from_namespace(cls, ns))
+        for spec in optimizers.with_flags():
+            if all(f.name in ns for f in fields(spec.flags)):  # registered after the parser was built: defaults
+                out.optim.own.update(vars(from_namespace(spec.flags, ns)))
+            else:
+                out.optim.own.update(spec.flag_defaults())
     except ValueError as e:
         parser.error(str(e))
     return out
@@ -439,10 +455,8 @@ def validate_plan(args, world: int) -> RunLayout:
 
 def run_facts(args, sizes: ParallelSizes, num_microbatches: int) -> RunFacts:
     """What the memory mode is checked against: this layout, the optimizer and its flags."""
-    return RunFacts(dense_replicas=sizes.dp * sizes.cp, num_microbatches=num_microbatches,
-                    micro_batch_size=args.data.micro_batch_size, context_parallel=sizes.cp,
-                    compile=args.model.compile, optimizer=args.optim.optimizer, optimizer_options=args.optim,
-                    lora=_lora(args).enabled)
+    return RunFacts.of(sizes.dp, sizes.cp, num_microbatches, args.data.micro_batch_size, args.optim,
+                       compile=args.model.compile, lora=_lora(args).enabled)
 
 
 def _lora(args) -> LoraSettings:

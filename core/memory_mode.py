@@ -298,16 +298,21 @@ class MemoryMode:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def of(cls, flags) -> "MemoryMode":
+        """The mode of anything with the memory flags as attributes (the parsed memory section)."""
+        return cls(**{name: getattr(flags, name) for name in cls.flag_names()})
+
+    @classmethod
     def every(cls, **fixed) -> list["MemoryMode"]:
         """Every combination of the memory flags' discrete values (booleans, choices, and the
         numbers 0/1 for recompute layers and 1/2 for chunks) that ``check_flags`` accepts, with
-        ``fixed`` fields held."""
+        ``fixed`` fields held (a tuple: the values that field takes instead)."""
         values = {"bf16": (False, True), "store_param_remainders": (False, True),
                   "optimizer_in_backward": (False, True), "data_parallel_sharding": SHARDING_MODES,
                   "fsdp_gather_once": (False, True), "cpu_offload": OFFLOAD_MODES,
                   "recompute_granularity": RECOMPUTE_MODES, "recompute_num_layers": (0, 1),
                   "recompute_chunks": (1, 2), "offload_recompute_inputs": (False, True)}
-        values.update({k: (v,) for k, v in fixed.items()})
+        values.update({k: v if isinstance(v, tuple) else (v,) for k, v in fixed.items()})
         out = []
         for combo in itertools.product(*values.values()):
             try:
@@ -446,7 +451,7 @@ class RecomputePlacement:
         """The block runs through ``chunked_recompute`` (token chunks, or inputs kept on the host)."""
         return self.chunks > 1 or self.offload_inputs
 
-    def layers(self, chunk_layers: int) -> int:
+    def num_selected(self, chunk_layers: int) -> int:
         """How many of a chunk's ``chunk_layers`` decoder layers are selected (its first N)."""
         return min(self.num_layers, chunk_layers) if self.num_layers > 0 else chunk_layers
 

@@ -130,7 +130,7 @@ def apply_recompute(chunk: nn.Module, granularity: str | RecomputePlacement, num
     if rc.runs_chunked and not rc.full:
         raise ValueError("--recompute-chunks and --offload-recompute-inputs need --recompute-granularity full")
     layers = [m for i, m in chunk.blocks() if i >= 0]
-    chosen = layers[:rc.layers(len(layers))]
+    chosen = layers[:rc.num_selected(len(layers))]
     extra = [m for i, m in chunk.blocks() if i < 0] if rc.recomputes_extra(len(layers)) else []
     shared = shared if shared is not None else ChunkedRecompute()
     for block in chosen + extra:
