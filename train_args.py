@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from core.cli import (AT_LEAST_0, AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_OPEN,  # noqa: F401
                       add_to_parser, flag_name, from_namespace, option)
@@ -220,14 +220,11 @@ class OptimArgs:
                                  choices=("rms", "spectral", "none"))
     dion_momentum: float = option(0.95, "Dion momentum / error-feedback factor")
     dion_rank_fraction: float = option(0.25, "Dion rank as a fraction of min(out, in)")
-    # the flags registered optimizers bring (OptimizerSpec.flags, core/optim/registry.py), by name
-    own: dict = field(default_factory=dict, init=False, repr=False)
+    own: dict = field(default_factory=dict, init=False, repr=False)  # registered optimizers' own flags
 
-    def __getattr__(self, name: str):
-        """A registered optimizer's own flag (``own``), read like the section's fields."""
-        own = self.__dict__.get("own", {})
-        if name in own:
-            return own[name]
+    def __getattr__(self, name: str):  # an own flag reads like the section's fields
+        if name in self.__dict__.get("own", {}):
+            return self.__dict__["own"][name]
         raise AttributeError(name)
 
     def __post_init__(self):
@@ -384,8 +381,7 @@ def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
         "Launch with torchrun; the layout's DP size is world / (pp x cp), EP carved out of DP x CP."))
     for title, cls in SECTIONS.items():
         add_to_parser(parser, cls, title, optional=() if require_data else ("data_path",))
-    for spec in optimizers.with_flags():  # registered optimizers' own flags
-        add_to_parser(parser, spec.flags, f"optimizer {spec.name}")
+    optimizers.add_flags(parser)  # registered optimizers' own flags
     return parser
 
 
@@ -396,11 +392,7 @@ def sections(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> argpars
     try:
         for title, cls in SECTIONS.items():
             setattr(out, title, from_namespace(cls, ns))
-        for spec in optimizers.with_flags():
-            if all(f.name in ns for f in fields(spec.flags)):  # registered after the parser was built: defaults
-                out.optim.own.update(vars(from_namespace(spec.flags, ns)))
-            else:
-                out.optim.own.update(spec.flag_defaults())
+        out.optim.own.update(optimizers.flag_values(ns))
     except ValueError as e:
         parser.error(str(e))
     return out

@@ -163,6 +163,26 @@ def with_flags() -> list[OptimizerSpec]:
     return [s for s in _REGISTRY.values() if s.flags is not None]
 
 
+def add_flags(parser) -> None:
+    """Each registered optimizer's own flags, in a group of its own (``--help`` lists them)."""
+    from core.cli import add_to_parser
+
+    for spec in with_flags():
+        add_to_parser(parser, spec.flags, f"optimizer {spec.name}")
+
+
+def flag_values(ns) -> dict:
+    """The registered optimizers' own flags from the parsed ``ns`` (their defaults where the parser
+    was built before the registration); their dataclasses' checks raise ``ValueError``."""
+    from core.cli import from_namespace
+
+    out = {}
+    for spec in with_flags():
+        parsed = all(f.name in ns for f in dataclasses.fields(spec.flags))
+        out.update(vars(from_namespace(spec.flags, ns)) if parsed else spec.flag_defaults())
+    return out
+
+
 class Registered:
     """``choices`` for argparse that follows the registry (an optimizer registered after the
     parser was built is still accepted and listed)."""
