@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.cli import (AT_LEAST_0, AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_OPEN,  # noqa: F401
                       add_to_parser, flag_name, from_namespace, option)
@@ -196,7 +196,7 @@ class MemoryArgs(MemoryMode):
     @property
     def mode(self) -> MemoryMode:
         """The memory flags alone (without the dry run)."""
-        return MemoryMode(**{name: getattr(self, name) for name in MemoryMode.flag_names()})
+        return MemoryMode.of(self)
 
 
 @dataclass
@@ -224,6 +224,12 @@ class OptimArgs:
                                  choices=("rms", "spectral", "none"))
     dion_momentum: float = option(0.95, "Dion momentum / error-feedback factor")
     dion_rank_fraction: float = option(0.25, "Dion rank as a fraction of min(out, in)")
+    own: dict = field(default_factory=dict, init=False, repr=False)  # registered optimizers' own flags
+
+    def __getattr__(self, name: str):  # an own flag reads like the section's fields
+        if name in self.__dict__.get("own", {}):
+            return self.__dict__["own"][name]
+        raise AttributeError(name)
 
     def __post_init__(self):
         require(self, lr=POSITIVE, min_lr=NON_NEGATIVE, adamw_lr=POSITIVE, weight_decay=NON_NEGATIVE,
@@ -379,6 +385,7 @@ def build_parser(require_data: bool = True, prog: str = "pretrain_step37.py",
         "Launch with torchrun; the layout's DP size is world / (pp x cp), EP carved out of DP x CP."))
     for title, cls in SECTIONS.items():
         add_to_parser(parser, cls, title, optional=() if require_data else ("data_path",))
+    optimizers.add_flags(parser)  # registered optimizers' own flags
     return parser
 
 
@@ -389,6 +396,7 @@ def sections(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> argpars
     try:
         for title, cls in SECTIONS.items():
             setattr(out, title, from_namespace(cls, ns))
+        out.optim.own.update(optimizers.flag_values(ns))
     except ValueError as e:
         parser.error(str(e))
     return out
@@ -446,10 +454,8 @@ def validate_plan(args, world: int) -> RunLayout:
 
 def run_facts(args, sizes: ParallelSizes, num_microbatches: int) -> RunFacts:
     """What the memory mode is checked against: this layout, the optimizer and its flags."""
-    return RunFacts(dense_replicas=sizes.dp * sizes.cp, num_microbatches=num_microbatches,
-                    micro_batch_size=args.data.micro_batch_size, context_parallel=sizes.cp,
-                    compile=args.model.compile, optimizer=args.optim.optimizer, optimizer_options=args.optim,
-                    lora=_lora(args).enabled)
+    return RunFacts.of(sizes.dp, sizes.cp, num_microbatches, args.data.micro_batch_size, args.optim,
+                       compile=args.model.compile, lora=_lora(args).enabled)
 
 
 def _lora(args) -> LoraSettings:

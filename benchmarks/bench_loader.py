@@ -24,6 +24,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSOR = os.path.join(ROOT, "tests", "fixtures", "step3p7_processor")
+sys.path.insert(0, ROOT)  # run as a script: the repository's packages (tools, data, models)
 
 
 def photo(rng: np.random.Generator, w: int, h: int) -> bytes:
@@ -73,12 +75,18 @@ def make_dataset(d: str, rows: int, images: int, w: int, h: int) -> tuple[str, f
     return prefix + "_text_document", sum(sizes) / len(sizes)
 
 
+def command(prefix: str, workers, args, log_dir: str) -> list[str]:
+    """The training command of one setting."""
+    return ["pretrain_step37.py", "--model-preset", "step37-tiny-vlm",
+            "--tokenizer-type", "huggingface", "--tokenizer-model", os.path.relpath(PROCESSOR, ROOT),
+            "--data-path", prefix, "--seq-length", str(args.seq_length),
+            "--global-batch-size", str(args.global_batch_size), "--micro-batch-size", "1",
+            "--train-iters", str(args.iters), "--optimizer", "adamw", "--lr", "1e-3", "--log-interval", "1",
+            "--num-workers", str(workers), "--log-dir", log_dir]
+
+
 def run(prefix: str, workers: int, args, log_dir: str) -> list[dict]:
-    cmd = [sys.executable, "pretrain_step37.py", "--model-preset", "step37-tiny-vlm",
-           "--tokenizer-type", "huggingface", "--tokenizer-model", PROCESSOR, "--data-path", prefix,
-           "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
-           "--micro-batch-size", "1", "--train-iters", str(args.iters), "--optimizer", "adamw",
-           "--lr", "1e-3", "--log-interval", "1", "--num-workers", str(workers), "--log-dir", log_dir]
+    cmd = [sys.executable, *command(prefix, workers, args, log_dir)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
     env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -105,6 +113,9 @@ def main(argv=None) -> int:
               f"{jpeg / 1e3:.0f} kB), preprocessed in {time.perf_counter() - t0:.1f} s; packs of "
               f"{args.seq_length} tokens, {args.global_batch_size} micro-batches of 1 pack per step, "
               f"{args.iters} steps (the first left out); {os.cpu_count()} CPU core(s)")
+        print("$ python benchmarks/bench_loader.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv)))
+        print("each setting: OMP_NUM_THREADS=1 python " + " ".join(
+            command("DIR/out/photos_text_document", "N", args, "DIR/logN")))
         print("| --num-workers | data wait per step (s) | step time (s) | wait / step | images per step |")
         print("|---|---|---|---|---|")
         for n in args.workers:

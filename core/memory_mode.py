@@ -262,7 +262,24 @@ class MemoryMode:
                                          optimizer_state="none") for k, r in roles.items()} if lora else {}
         return Placement(roles=roles, frozen=frozen, shard=shard, self_meshes=self_meshes, gather_once=gather_once,
                          sync_every_microbatch=resident, host_masters=self.host_masters,
-                         remainders=self.store_param_remainders, bf16=self.bf16, pin_offloaded=not resident)
+                         remainders=self.store_param_remainders, bf16=self.bf16, pin_offloaded=not resident,
+                         recompute_placement=self.recompute_placement, in_backward=self.optimizer_in_backward)
+
+    @property
+    def recompute_placement(self) -> "RecomputePlacement":
+        """Which blocks recompute what (``Placement.recompute_placement``): what ``apply_recompute`` sets on
+        the blocks and the planner books."""
+        return RecomputePlacement(self.recompute_granularity, self.recompute_num_layers, self.recompute_chunks,
+                                  self.offload_recompute_inputs)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the layers compute in (and activations, buffers and gathered copies take)."""
+        return "bf16" if self.bf16 else "fp32"
+
+    @property
+    def activation_bytes(self) -> int:
+        return 2 if self.bf16 else 4
 
     def flags(self, always: tuple = (), skip: tuple = ()) -> list[str]:
         """The command-line flags that select this mode: those off their default (and the fields
@@ -281,16 +298,21 @@ class MemoryMode:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def of(cls, flags) -> "MemoryMode":
+        """The mode of anything with the memory flags as attributes (the parsed memory section)."""
+        return cls(**{name: getattr(flags, name) for name in cls.flag_names()})
+
+    @classmethod
     def every(cls, **fixed) -> list["MemoryMode"]:
         """Every combination of the memory flags' discrete values (booleans, choices, and the
         numbers 0/1 for recompute layers and 1/2 for chunks) that ``check_flags`` accepts, with
-        ``fixed`` fields held."""
+        ``fixed`` fields held (a tuple: the values that field takes instead)."""
         values = {"bf16": (False, True), "store_param_remainders": (False, True),
                   "optimizer_in_backward": (False, True), "data_parallel_sharding": SHARDING_MODES,
                   "fsdp_gather_once": (False, True), "cpu_offload": OFFLOAD_MODES,
                   "recompute_granularity": RECOMPUTE_MODES, "recompute_num_layers": (0, 1),
                   "recompute_chunks": (1, 2), "offload_recompute_inputs": (False, True)}
-        values.update({k: (v,) for k, v in fixed.items()})
+        values.update({k: v if isinstance(v, tuple) else (v,) for k, v in fixed.items()})
         out = []
         for combo in itertools.product(*values.values()):
             try:
@@ -313,6 +335,18 @@ class RunFacts:
     optimizer: str = "adamw"
     optimizer_options: object = None
     lora: bool = False           # --lora-rank > 0: a frozen base with trained adapters (core/finetune/lora.py)
+
+    @classmethod
+    def of(cls, dp: int, cp: int, num_microbatches: int, micro_batch_size: int, optim, *, compile: bool = False,
+           lora: bool = False) -> "RunFacts":
+        """The one constructor: validation (``train_args.validate``) and the planner (each
+        candidate of the search, ``PlanInputs.run_facts``) build what they check from the layout
+        (``dp`` x ``cp`` ranks holding dense copies), the batch, and ``optim``: anything with the
+        optimizer's name (``optimizer``) and its options as attributes (``OptimArgs``, the
+        planner's ``OptimOptions``)."""
+        return cls(dense_replicas=dp * cp, num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
+                   context_parallel=cp, compile=compile, optimizer=optim.optimizer, optimizer_options=optim,
+                   lora=lora)
 
 
 @dataclass(frozen=True)
@@ -348,6 +382,8 @@ class Placement:
     bf16: bool                   # bf16 compute copies (FSDP mixed precision)
     pin_offloaded: bool          # offloaded shards in pinned memory (they cross PCIe per micro-batch)
     frozen: dict = dataclasses.field(default_factory=dict)  # LoRA: the frozen base per kind (RolePlacement)
+    recompute_placement: "RecomputePlacement" = None  # which blocks recompute what (MemoryMode's)
+    in_backward: bool = False    # matrices step inside the backward; their gradients are freed at once
 
     @property
     def wraps(self) -> bool:
@@ -374,3 +410,67 @@ class Placement:
     def copies_weights_per_microbatch(self) -> bool:
         """Host-to-device copies of offloaded shards on every forward and backward."""
         return self.gather_per_microbatch and any(self.offloaded.values())
+
+
+@dataclass(frozen=True)
+class RecomputePlacement:
+    """Activation recompute under a mode: which blocks of a chunk recompute, at what granularity,
+    in how many token chunks, with their kept inputs where. ``core/transformer/block.apply_recompute``
+    sets it on the blocks; the planner's memory and time models book the same blocks.
+
+    | granularity | a recomputed block keeps                | its backward holds again      |
+    | none        | everything                              | nothing                       |
+    | selective   | all but attention and FFN internals     | those internals, one at a time|
+    | full        | its input (on the host: offload_inputs) | the whole block, a chunk at a time |
+    """
+
+    granularity: str = "none"   # none | selective | full
+    num_layers: int = 0         # the first N decoder layers of each chunk (0: all, and the extra blocks)
+    chunks: int = 1             # full: token chunks run one after another (core/transformer/chunked.py)
+    offload_inputs: bool = False  # full: kept inputs in pinned host memory
+
+    @property
+    def on(self) -> bool:
+        return self.granularity != "none"
+
+    @property
+    def full(self) -> bool:
+        return self.granularity == "full"
+
+    @property
+    def selective(self) -> bool:
+        return self.granularity == "selective"
+
+    @property
+    def chunked(self) -> bool:
+        """Full recompute a token chunk at a time (gradients summed over the chunks)."""
+        return self.chunks > 1
+
+    @property
+    def runs_chunked(self) -> bool:
+        """The block runs through ``chunked_recompute`` (token chunks, or inputs kept on the host)."""
+        return self.chunks > 1 or self.offload_inputs
+
+    def num_selected(self, chunk_layers: int) -> int:
+        """How many of a chunk's ``chunk_layers`` decoder layers are selected (its first N)."""
+        return min(self.num_layers, chunk_layers) if self.num_layers > 0 else chunk_layers
+
+    def layer(self, k: int) -> str:
+        """The granularity of a chunk's ``k``-th decoder layer."""
+        return self.granularity if self.num_layers <= 0 or k < self.num_layers else "none"
+
+    def recomputes_extra(self, chunk_layers: int) -> bool:
+        """Whether the extra blocks after the chunk's layers (MTP depths) are selected: when all
+        of its layers are."""
+        return self.num_layers <= 0 or self.num_layers >= chunk_layers
+
+    def extra(self, chunk_layers: int) -> str:
+        """The granularity of the extra blocks of a chunk of ``chunk_layers`` decoder layers."""
+        return self.granularity if self.recomputes_extra(chunk_layers) else "none"
+
+    def block(self, granularity: str | None = None) -> "RecomputePlacement":
+        """One block's setting (``granularity`` for it, default this one's): chunks and input
+        offload only under full recompute."""
+        g = self.granularity if granularity is None else granularity
+        full = g == "full"
+        return RecomputePlacement(g, 0, self.chunks if full else 1, self.offload_inputs if full else False)

@@ -16,7 +16,12 @@ chunk of a model implements:
 - ``forward(tokens, position_ids, packed_seq_params, *, hidden=None, labels=None)``: with
   ``labels`` (the training path) it returns a :class:`StageOutput`. Every stage receives the
   whole micro-batch and uses what its role needs. The first stage also gets ``images=``
-  (``core.packed_seq.ImageInputs``) when the micro-batch has images, and only then.
+  (``core.packed_seq.ImageInputs``) when the micro-batch has images, an idle one
+  (``ImageInputs.idle()``: run a vision tower's collectives, write nothing) when it has none but
+  another rank of its data-parallel group has, and nothing when no rank of the group has;
+- ``image_parameters() -> list``: (optional) the parameters only images reach, in the order a
+  backward makes their gradients final: a step in which the tower does not run steps them on a
+  zero gradient under ``--optimizer-in-backward``, as after an idle pass (``core/train_step.py``).
 
 The last stage's heads (final norm, head, extra blocks) read of the trunk only the output of its
 last decoder layer (the first element of that block's output): core hooks its gradient, whole

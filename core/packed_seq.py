@@ -80,6 +80,12 @@ class ImageInputs:
     int) goes to each: ``feats.index_select(0, feature_index)`` is written at
     ``feature_positions``. ``feature_index`` None (the default; always without CP) means all the
     tower's features, in order.
+
+    ``ImageInputs.idle()`` holds no image: a first-stage micro-batch without images whose step
+    has images on another rank of the stage's data-parallel group (``core/train_step.py``) gets
+    it, so that a sharded tower runs its collectives idle, in step with that rank's real pass. A
+    micro-batch gets no ``ImageInputs`` at all when no rank of the group has an image that step:
+    the tower runs nowhere.
     """
     pixel_values: torch.Tensor                # float32 (bf16 under --bf16) [N, 3, S, S]
     pixel_values_local: torch.Tensor | None   # as pixel_values, [M, 3, P, P], M == sum(num_local_patches)
@@ -106,6 +112,16 @@ class ImageInputs:
                                  f"feature_positions ({self.feature_positions.shape[0]})")
             if not isinstance(self.num_features, int):
                 raise ValueError("ImageInputs.num_features (a host int) must come with feature_index")
+
+    @classmethod
+    def idle(cls, device: torch.device | str = "cpu") -> "ImageInputs":
+        """No image: the tower runs idle (the class docstring)."""
+        return cls(torch.empty(0, 3, 0, 0, device=device), None, (),
+                   torch.empty(0, dtype=torch.int64, device=device))
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.num_local_patches  # no image (a host fact)
 
     @property
     def tower_features(self) -> int:

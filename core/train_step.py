@@ -62,12 +62,14 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     """Forward and backward of ``batches`` (this DP rank's micro-batches, on the host) through
     the pipeline schedule, gradient sync, global norm, clipping, the optimizer update and the
     router-bias update; nothing is updated when the loss or the norm is not finite, or when the
-    step has no target token."""
+    step has no target token. A step without an image on any rank of the first stage's dp x cp
+    group does not run the vision tower (``_global_counts``); its parameters step on a zero
+    gradient, as after the idle pass that ran before."""
     optimizer.zero_grad(set_to_none=True)
     # before the forward: FSDP's shards, not gathered copies; a frozen base (LoRA) has no
     # gradient to reduce, clip or count
     params = [(p, spec) for p, spec in specs_of(chunks) if p.requires_grad]
-    targets, tokens, flops = _global_counts(batches, ps, s.flops_of)
+    targets, tokens, flops, images = _global_counts(batches, ps, s.flops_of)
     in_backward = getattr(optimizer, "in_backward", None)  # core/optim/in_backward.py
     if in_backward is not None:
         in_backward.begin(active=targets > 0)  # no targets: nothing steps (weight decay would)
@@ -80,10 +82,12 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
                                 hidden_size=s.hidden_size, dtype=s.dtype, device=device,
                                 mtp_loss_scale=s.mtp_loss_scale, aux_coeff=s.aux_loss_coeff,
                                 carry_numel=s.model_aux_experts + 1 if s.model_aux_experts else 0,
-                                nan_on_nonfinite_loss=in_backward is not None)
+                                nan_on_nonfinite_loss=in_backward is not None, idle_vision=images > 0)
     schedule = build_schedule(ps.sizes.pp, ps.sizes.vpp, len(batches))
     stats = executor.run(schedule, on_device.get, targets, len(batches) * ps.sizes.dp)
     if in_backward is not None:
+        if not images:  # the tower's matrices step on a zero gradient, as after an idle pass
+            in_backward.step_unreached([p for c in chunks for p in _image_parameters(c) if p.requires_grad])
         in_backward.end()  # matrices held for a balanced split of Newton-Schulz step now
 
     sync_gradients(params, ps)
@@ -142,16 +146,30 @@ def _without_images(batch):
     return dataclasses.replace(batch, images=None)
 
 
-def _global_counts(batches: list, ps: ParallelState, flops_of) -> tuple[int, int, float]:
-    """Target and real-token counts and model FLOPs of the step over all DP ranks, from the
-    host-side batches (one all-reduce of host values; under context parallelism each batch is
-    a shard, summed over DP x CP)."""
+def _image_parameters(chunk) -> list:
+    return chunk.image_parameters() if hasattr(chunk, "image_parameters") else []
+
+
+def _global_counts(batches: list, ps: ParallelState, flops_of) -> tuple[int, int, float, int]:
+    """Target and real-token counts, model FLOPs and images of the step over all DP ranks, from
+    the host-side batches (one all-reduce of host values; under context parallelism each batch is
+    a shard, summed over DP x CP).
+
+    The image count decides the vision tower's idle pass. The tower runs on the first pipeline
+    stage only, whose ranks are exactly this all-reduce's group there (dp x cp; EP ranks are DP
+    ranks), and its FSDP units shard over that same group (``core/distributed/fsdp.py``). So all
+    ranks that hold the tower, and every FSDP group of its units, see the same count: with none,
+    all of them skip the tower together (no gather, no reduce-scatter anywhere); with some, a rank
+    without images runs it idle. Other stages hold no images (``data.loader``'s ``with_images``)
+    and no tower: their count is 0 and reads nothing."""
     counts = torch.tensor([sum(int(b.num_target_tokens) for b in batches),
                            sum(int(b.packed_seq_params.cu_seqlens[-1]) for b in batches),
-                           sum(flops_of(b) for b in batches) if flops_of else 0.0], dtype=torch.float64)
+                           sum(flops_of(b) for b in batches) if flops_of else 0.0,
+                           sum(len(b.images.num_local_patches) for b in batches
+                               if getattr(b, "images", None) is not None)], dtype=torch.float64)
     if ps.sizes.dp * ps.sizes.cp > 1:
         dist.all_reduce(counts, group=ps.group("dp_cp"))
-    return int(counts[0]), int(counts[1]), float(counts[2])
+    return int(counts[0]), int(counts[1]), float(counts[2]), int(counts[3])
 
 
 def _reduce_expert_load(load: dict, ps: ParallelState) -> dict:

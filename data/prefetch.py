@@ -78,11 +78,11 @@ class _MicroBatches(Dataset):
 
 
 class _CountFrom(Sampler):
-    def __init__(self, start: int):
-        self.start = start
+    def __init__(self, start: int, end: int | None = None):
+        self.start, self.end = start, end
 
     def __iter__(self):
-        return itertools.count(self.start)
+        return itertools.count(self.start) if self.end is None else iter(range(self.start, self.end))
 
 
 def _exit(code) -> str:
@@ -103,12 +103,13 @@ def _worker_init(_worker_id: int) -> None:
 class MicroBatchFeed:
     """Iterator of ``loader``'s micro-batches from ``loader.consumed`` on, built by
     ``num_workers`` processes (0: on the calling thread when asked, as ``next(loader)``).
-    Advances ``loader.consumed`` by one per micro-batch handed out."""
+    Advances ``loader.consumed`` by one per micro-batch handed out. ``end``: the workers build
+    nothing from micro-batch ``end`` on (an evaluation's fixed range; None: the stream never ends)."""
 
-    def __init__(self, loader, num_workers: int, *, timeout: float = WORKER_TIMEOUT_S):
+    def __init__(self, loader, num_workers: int, *, timeout: float = WORKER_TIMEOUT_S, end: int | None = None):
         if num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
-        self.loader, self.num_workers, self.timeout = loader, num_workers, timeout
+        self.loader, self.num_workers, self.timeout, self.end = loader, num_workers, timeout, end
         self._iter, self._next = None, None
 
     def __iter__(self):
@@ -116,6 +117,8 @@ class MicroBatchFeed:
 
     def __next__(self):
         m = self.loader.consumed
+        if self.end is not None and m >= self.end:
+            raise StopIteration
         if self.num_workers == 0:
             batch = self.loader.micro_batch(m)
         else:
@@ -131,7 +134,7 @@ class MicroBatchFeed:
 
     def _start(self, m: int) -> None:
         self.close()
-        data = DataLoader(_MicroBatches(self.loader), batch_size=None, sampler=_CountFrom(m),
+        data = DataLoader(_MicroBatches(self.loader), batch_size=None, sampler=_CountFrom(m, self.end),
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
                           timeout=min(POLL_S, self.timeout), prefetch_factor=PREFETCH_FACTOR,
                           worker_init_fn=_worker_init, multiprocessing_context="fork",

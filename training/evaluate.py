@@ -9,6 +9,12 @@ reduced over the world once per evaluation.
 Evaluating changes nothing the training reads: no gradient, no optimizer or router-bias
 update, its own loader, and the RNG state restored afterwards. FSDP units gathered for the
 forwards are resharded at the end.
+
+With ``--num-workers N`` the validation micro-batches come through the same path as the
+training ones (``data/prefetch.MicroBatchFeed``: built in N worker processes, images decoded
+there, pinned on CUDA), over the evaluation's fixed range: the workers start at each evaluation,
+build nothing past its last micro-batch, and stop when it ends (no process and no prefetched
+batch held between evaluations). The batches are the training thread's, bit for bit.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from core.parallel_state import ParallelState, local_device
 from core.pipeline.executor import PipelineExecutor
 from core.pipeline.schedules import Action, build_schedule
 from core.train_step import StepSettings
+from data.prefetch import MicroBatchFeed
 
 
 def forward_only_schedule(pp: int, vpp: int, num_microbatches: int) -> list[list[Action]]:
@@ -45,20 +52,26 @@ def forward_only(chunks: list, ps: ParallelState, batches: list, s: StepSettings
 
 
 def evaluate(chunks: list, ps: ParallelState, loader, num_microbatches: int, eval_iters: int,
-             s: StepSettings) -> dict:
+             s: StepSettings, num_workers: int = 0) -> dict:
     """Validation metrics over ``eval_iters`` global batches: the loader's first
-    ``eval_iters * num_microbatches`` micro-batches on this DP rank (the same ones every call).
-    Collective over the world; every rank gets the same numbers."""
+    ``eval_iters * num_microbatches`` micro-batches on this DP rank (the same ones every call),
+    built in ``num_workers`` worker processes (0: here). Collective over the world; every rank
+    gets the same numbers."""
     t0 = time.perf_counter()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     total = None
+    position = loader.consumed
+    loader.consumed = 0
+    feed = MicroBatchFeed(loader, num_workers, end=eval_iters * num_microbatches)
     try:
-        for k in range(eval_iters):
-            batches = [loader.micro_batch(k * num_microbatches + m) for m in range(num_microbatches)]
+        for _ in range(eval_iters):
+            batches = [next(feed) for _ in range(num_microbatches)]
             parts = forward_only(chunks, ps, batches, s)
             total = parts if total is None else [a + b for a, b in zip(total, parts)]
     finally:
+        feed.close()
+        loader.consumed = position
         reshard(chunks)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:

@@ -88,10 +88,9 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             apply_context_parallel(chunk, comm)
         apply_lora(chunk, lora)
         freeze_parts(chunk, m.frozen_parts)
-        if (lora.enabled or m.frozen_parts) and mem.bf16:  # a stage may hold no adapter: still frozen
+        if (lora.enabled or m.frozen_parts) and placement.bf16:  # a stage may hold no adapter: still frozen
             frozen_to_bf16(chunk)  # a frozen parameter's one copy is its bf16 compute weight
-        apply_recompute(chunk, mem.recompute_granularity, mem.recompute_num_layers, mem.recompute_chunks,
-                        mem.offload_recompute_inputs, shared=chunked)
+        apply_recompute(chunk, placement.recompute_placement, shared=chunked)
         apply_fsdp(chunk, ps, placement, device.type)
         if m.compile:
             apply_compile(chunk, m.compile_backend)

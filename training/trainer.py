@@ -199,7 +199,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Validation loss over --eval-iters global batches (collective)."""
-        m = evaluate(self.chunks, self.ps, self.valid, self.M, self.args.eval.eval_iters, self.settings)
+        m = evaluate(self.chunks, self.ps, self.valid, self.M, self.args.eval.eval_iters, self.settings,
+                     self.args.data.num_workers)  # the validation batches built in workers too
         self.log.log_eval(self.iteration, m)
         self.evaluated_at = self.iteration
         return m

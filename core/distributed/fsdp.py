@@ -130,8 +130,8 @@ def backward_prefetch_order(chunk: torch.nn.Module, is_unit=None) -> list:
     blocks = [b for _, b in chunk.blocks()]
     out = []
     for i, block in enumerate(blocks):
-        if getattr(block, "recompute_chunks", 1) <= 1 or getattr(block, "recompute", "none") != "full" \
-                or not is_unit(block):
+        rc = getattr(block, "recompute_placement", None)  # core/transformer/block.apply_recompute's
+        if rc is None or not (rc.full and rc.chunked) or not is_unit(block):
             continue
         inner = [m for m in block.modules() if m is not block and is_unit(m)]
         before = [blocks[i - 1]] if i > 0 and is_unit(blocks[i - 1]) else []

@@ -60,10 +60,12 @@ class InBackwardSteps:
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)   # matrices left unchanged
         spec_of = {id(p): spec for p, spec in specs}
         self.params = []
+        self._hooks = {}  # id(parameter) -> its hook (step_unreached calls it)
         for group in muon.param_groups:
             for p in group["params"]:
                 counted = owns(p, spec_of[id(p)], ps)
-                p.register_post_accumulate_grad_hook(self._hook(group, counted))
+                self._hooks[id(p)] = self._hook(group, counted)
+                p.register_post_accumulate_grad_hook(self._hooks[id(p)])
                 self.params.append(p)
 
         self.active = True
@@ -77,6 +79,17 @@ class InBackwardSteps:
         self.nonfinite.zero_()
         self.active = active
         self.held = {}
+
+    def step_unreached(self, params: list) -> None:
+        """After a backward that did not reach ``params`` (a vision tower skipped on every rank of
+        its group: ``core/train_step.py``): those of them that step here step on a zero gradient,
+        in the order given (the order the backward would have made their gradients final), as
+        they would have after an idle pass; weight decay still applies to them."""
+        for p in params:
+            hook = self._hooks.get(id(p))
+            if hook is not None and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                hook(p)
 
     def _hook(self, group: dict, counted: bool):
         def step(p) -> None:

@@ -8,16 +8,29 @@ embeddings or heads, ``core/optim/build.classify``); embeddings, heads, norms an
 go to AdamW. An optimizer registered with ``matrices=False`` (``adamw``) takes no matrix group:
 everything goes to AdamW.
 
-A new optimizer (a test registers SGD from the test tree) is one ``register(OptimizerSpec(...))``
-call, made before the flags are parsed (``--model-module`` may make it):
+A new optimizer (a test registers SGD from the test tree) is one file: its flags (a dataclass of
+``core.cli.option`` fields, added to the training flags while it is registered) and one
+``register(OptimizerSpec(...))`` call, made before the flags are parsed (``--model-module`` may
+make it):
 
-    register(OptimizerSpec("sgd", build=lambda groups, cfg, masters: torch.optim.SGD(groups, lr=cfg.lr),
-                           state_bytes=lambda shape, numel, opts: 0,
+    @dataclass
+    class SGDFlags:
+        sgd_momentum: float = option(0.0, "SGD momentum (0: no buffer)")
+
+    register(OptimizerSpec("sgd", flags=SGDFlags,
+                           build=lambda groups, cfg, masters: torch.optim.SGD(groups, lr=cfg.lr,
+                                                                              momentum=cfg.sgd_momentum),
+                           state_bytes=lambda shape, numel, opts: 4 * numel if opts.sgd_momentum else 0,
                            step_flops=lambda shape, opts: 0.0, step_bytes=lambda opts: 12,
                            refuses={"remainders": "it updates the parameters in their own dtype"}))
+
+Its declarations read ``opts``: the optimizer's declared options (``options``, the shared
+optimizer flags it reads, and its own ``flags``) as attributes: ``OptimOptions`` in the planner
+(``PlanInputs.optim``), the parsed ``OptimArgs`` in the trainer.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -47,7 +60,10 @@ class OptimizerSpec:
     these options, else why not (refused outright when ``"in_backward"`` is in ``refuses``).
     ``splits_row_shards``: the time model deals row-sharded matrices out to owners
     (``core/optim/muon_split.py``) instead of ``step_flops`` on every rank.
-    ``opts`` is anything with the optimizer flags as attributes (``OptimArgs``, ``PlanInputs``)."""
+    ``options``: the shared optimizer flags (``OptimArgs`` fields) its declarations read;
+    ``flags``: a dataclass of flags of its own (``core.cli.option`` fields, named for the
+    optimizer), parsed into the optimizer section while it is registered.
+    ``opts`` is anything with the declared options as attributes (``OptimArgs``, ``OptimOptions``)."""
 
     name: str
     build: Callable | None = None
@@ -58,6 +74,16 @@ class OptimizerSpec:
     in_backward: Callable | None = None
     matrices: bool = True
     splits_row_shards: bool = False
+    options: tuple = ()
+    flags: type | None = None
+
+    def option_names(self) -> tuple:
+        """Every option its declarations read: the shared ones, then its own flags."""
+        return self.options + tuple(f.name for f in dataclasses.fields(self.flags)) if self.flags else self.options
+
+    def flag_defaults(self) -> dict:
+        """Its own flags' defaults."""
+        return {f.name: f.default for f in dataclasses.fields(self.flags)} if self.flags else {}
 
     def refusal(self, feature: str, opts=None) -> str | None:
         """Why this optimizer cannot serve ``feature`` (with these options), or None."""
@@ -71,6 +97,46 @@ class OptimizerSpec:
             return (f"--optimizer {self.name} with {FEATURES[feature]} is not supported: "
                     f"{self.refuses[feature]}")
         return None
+
+
+@dataclass(frozen=True)
+class OptimOptions:
+    """An optimizer and the values of the options it declares (``OptimizerSpec.option_names``),
+    readable as attributes: what the planner holds (``PlanInputs.optim``) and passes to the
+    declarations as ``opts``. Hashable (the planner caches per optimizer and options)."""
+
+    optimizer: str
+    values: tuple = ()  # (name, value) pairs in the declaration's order
+
+    @classmethod
+    def of(cls, optimizer: str, source=None, defaults: dict | None = None) -> "OptimOptions":
+        """The declared options of ``optimizer``, each read from ``source`` (e.g. ``OptimArgs``),
+        else from ``defaults``, else the optimizer's own flag default."""
+        spec, defaults = get(optimizer), {**get(optimizer).flag_defaults(), **(defaults or {})}
+        values = []
+        for name in spec.option_names():
+            if hasattr(source, name):
+                values.append((name, getattr(source, name)))
+            elif name in defaults:
+                values.append((name, defaults[name]))
+            else:
+                raise ValueError(f"--optimizer {optimizer}: no value for its option --{name.replace('_', '-')}")
+        return cls(optimizer, tuple(values))
+
+    @property
+    def spec(self) -> OptimizerSpec:
+        return get(self.optimizer)
+
+    def as_dict(self) -> dict:
+        return dict(self.values)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "values":
+            raise AttributeError(name)
+        for k, v in self.values:
+            if k == name:
+                return v
+        raise AttributeError(f"--optimizer {self.optimizer} declares no option {name!r}")
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
@@ -90,6 +156,31 @@ def get(name: str) -> OptimizerSpec:
 
 def names() -> list[str]:
     return list(_REGISTRY)
+
+
+def with_flags() -> list[OptimizerSpec]:
+    """The registered optimizers that bring flags of their own."""
+    return [s for s in _REGISTRY.values() if s.flags is not None]
+
+
+def add_flags(parser) -> None:
+    """Each registered optimizer's own flags, in a group of its own (``--help`` lists them)."""
+    from core.cli import add_to_parser
+
+    for spec in with_flags():
+        add_to_parser(parser, spec.flags, f"optimizer {spec.name}")
+
+
+def flag_values(ns) -> dict:
+    """The registered optimizers' own flags from the parsed ``ns`` (their defaults where the parser
+    was built before the registration); their dataclasses' checks raise ``ValueError``."""
+    from core.cli import from_namespace
+
+    out = {}
+    for spec in with_flags():
+        parsed = all(f.name in ns for f in dataclasses.fields(spec.flags))
+        out.update(vars(from_namespace(spec.flags, ns)) if parsed else spec.flag_defaults())
+    return out
 
 
 class Registered:
@@ -165,12 +256,12 @@ register(OptimizerSpec(
     step_flops=_muon_flops,
     # p read and written (decay, update), the update read; a momentum buffer adds 12
     step_bytes=lambda opts: 12 + 12 * (opts.muon_momentum > 0),
-    in_backward=_muon_in_backward, splits_row_shards=True,
+    in_backward=_muon_in_backward, splits_row_shards=True, options=("muon_momentum", "muon_ns_steps", "clip_grad"),
     refuses={"lora": "LoRA adapters train with AdamW (the frozen base has nothing for Muon to step): use "
                      "--optimizer adamw"}))
 register(OptimizerSpec(
     "dion", build=_build_dion, state_bytes=_dion_state, step_flops=_dion_flops,
-    step_bytes=lambda opts: 24,
+    step_bytes=lambda opts: 24, options=("dion_rank_fraction",),
     refuses={"fsdp": "its power iteration needs whole matrices (sharded Dion is not built yet): use muon or "
                      "adamw",
              "remainders": "it updates bf16 parameters without their fp32 masters: use muon or adamw",

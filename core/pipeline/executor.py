@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from core.distributed.fsdp import set_gradient_sync
 from core.moe.aux import model_aux_share
+from core.packed_seq import ImageInputs
 from core.parallel_state import ParallelState
 from core.pipeline.p2p import P2POp, plan_all
 from core.pipeline.schedules import Action
@@ -65,8 +66,14 @@ class StepStats:
 class PipelineExecutor:
     def __init__(self, chunks: list, pstate: ParallelState, *, seq_tokens: int, hidden_size: int,
                  dtype: torch.dtype = torch.float32, device="cpu", mtp_loss_scale: float = 0.0,
-                 aux_coeff: float = 0.0, carry_numel: int = 0, nan_on_nonfinite_loss: bool = False):
+                 aux_coeff: float = 0.0, carry_numel: int = 0, nan_on_nonfinite_loss: bool = False,
+                 idle_vision: bool = True):
+        """``idle_vision``: a first-stage micro-batch without images gets ``ImageInputs.idle()`` (a
+        vision tower runs idle, its collectives in step with a data-parallel rank that has images);
+        False when no rank of the stage's data-parallel group has an image this step
+        (``core/train_step.py``): it gets none, and the tower does not run."""
         self.chunks, self.ps = chunks, pstate
+        self.idle_vision = idle_vision
         # optimizer in backward: a non-finite loss makes every gradient NaN, so no matrix steps
         self.nan_on_nonfinite_loss = nan_on_nonfinite_loss
         self.carry_numel = carry_numel if aux_coeff else 0  # router statistics riding on each message
@@ -183,9 +190,12 @@ class PipelineExecutor:
         inp = None if stage == 0 else self._inbox.pop(("F", a.microbatch, stage))
         if inp is not None and torch.is_grad_enabled():
             inp.requires_grad_()
-        # a micro-batch's images (image + text packs) go to the first stage only, and only when
-        # there are some: a text-only call is the same call as before images existed
+        # a micro-batch's images (image + text packs) go to the first stage only; without any, an
+        # idle ImageInputs when the tower must run its collectives (see __init__); a text-only
+        # step of the whole group makes the same call as before images existed
         images = getattr(batch, "images", None) if stage == 0 else None
+        if images is None and stage == 0 and self.idle_vision:
+            images = ImageInputs.idle(self.device)
         out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
                     labels=batch.labels, **({"images": images} if images is not None else {}))
         stats.add(a.chunk, out)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from core.memory_mode import RecomputePlacement
 from core.transformer.axial_rotary import apply_pair_rotary
 
 
@@ -101,10 +102,14 @@ class ViTMLP(nn.Module):
 
 class ViTLayer(nn.Module):
     """One pre-norm encoder layer (see the module docstring); ``layer_scale=None``: no scale.
-    ``recompute`` (set by ``core.transformer.block.apply_recompute``): ``full`` keeps only the
-    layer's input for backward, ``selective`` drops the attention's and the MLP's internals."""
+    ``recompute_placement`` (set by ``core.transformer.block.apply_recompute``): ``full`` keeps only
+    the layer's input for backward, ``selective`` drops the attention's and the MLP's internals."""
 
-    recompute: str = "none"
+    recompute_placement: RecomputePlacement = RecomputePlacement()
+
+    @property
+    def recompute(self) -> str:
+        return self.recompute_placement.granularity
 
     def __init__(self, hidden: int, num_heads: int, intermediate: int, *, act: str = "gelu",
                  eps: float = 1e-5, layer_scale: float | None = None, interleaved_rope: bool = True):
@@ -125,12 +130,12 @@ class ViTLayer(nn.Module):
         return self._run(x_BNH, rope)
 
     def _run(self, x_BNH, rope):
-        if self.recompute == "full" and torch.is_grad_enabled():
+        if self.recompute_placement.full and torch.is_grad_enabled():
             return checkpoint(self._one, x_BNH, rope, use_reentrant=False)
         return self._one(x_BNH, rope)
 
     def _one(self, x_BNH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        selective = self.recompute == "selective" and torch.is_grad_enabled()
+        selective = self.recompute_placement.selective and torch.is_grad_enabled()
         h = self.norm1(x_BNH)
         h = checkpoint(self.attn, h, rope, use_reentrant=False) if selective else self.attn(h, rope)
         x_BNH = x_BNH + self.scale1(h)

@@ -88,11 +88,17 @@ class DecoderLM(nn.Module):
 
     def embed(self, tokens: torch.Tensor, images=None) -> torch.Tensor:
         """The first stage's input embeddings ``[T, hidden]``; a family with a vision tower
-        writes image features into them (``images``: ``core.packed_seq.ImageInputs``)."""
-        if images is not None:
+        writes image features into them (``images``: ``core.packed_seq.ImageInputs``; an idle one,
+        which holds no image, has nothing to write)."""
+        if images is not None and not images.is_idle:
             raise ValueError(f"{type(self).__name__} has no vision tower: this micro-batch carries images "
                              "(image + text data needs a model whose config has a vision tower)")
         return self.embed_tokens(tokens)
+
+    def image_parameters(self) -> list[nn.Parameter]:
+        """The parameters only images reach (a vision tower's), in the order a backward makes
+        their gradients final; none without a tower (``core/model_api.py``)."""
+        return []
 
     def extra_blocks(self) -> list[tuple[int, nn.Module]]:
         mtp = getattr(self, "mtp", None)

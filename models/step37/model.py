@@ -6,10 +6,12 @@ SwiGLU or sigmoid-routed MoE with a shared expert, SwiGLU clamps, multi-token pr
 With a vision tower in the config (Step-3.7 VLM), the first stage (the chunk with the input
 embedding) also holds ``vision_model`` and ``multi_modal_projector`` (``models/step37/vision.py``)
 and, given a micro-batch's ``images``, writes their projected features over the embeddings of
-the image placeholders. A first-stage micro-batch without images still runs the tower once on a
-zero 5 x 5-patch image whose features are written nowhere (``vision.idle_pass``): its logits are
-unchanged bit for bit, and every data-parallel rank runs the same FSDP collectives for the
-tower's units whether its micro-batch has images or not.
+the image placeholders. A first-stage micro-batch without images does not run the tower, unless
+it gets an idle ``ImageInputs`` (``ImageInputs.idle()``: another data-parallel rank has images
+this step): then the tower runs once on a zero 5 x 5-patch image whose features are written
+nowhere (``vision.idle_pass``), its logits unchanged bit for bit, so that every data-parallel
+rank runs the same FSDP collectives for the tower's units whether its micro-batch has images or
+not (``core/train_step.py`` decides).
 """
 from __future__ import annotations
 
@@ -89,7 +91,9 @@ class Step37Model(DecoderLM):
         if self.vision_model is None:
             return super().embed(tokens, images)
         x = self.embed_tokens(tokens)
-        if images is None:
+        if images is None:  # no rank of the data-parallel group has an image: no tower
+            return x
+        if images.is_idle:  # another rank has: the tower's collectives, no feature written
             return idle_pass(self.vision_model, self.multi_modal_projector, x)
         feats = image_features(self.vision_model, self.multi_modal_projector, images)
         return write_features(x, feats, images)
@@ -111,6 +115,18 @@ class Step37Model(DecoderLM):
             units = [FSDPUnit(b, "dp") for b in self.vision_model.blocks] + [
                 FSDPUnit(self.vision_model, "dp"), FSDPUnit(self.multi_modal_projector, "dp")]
         return units + super().fsdp_units()
+
+    def image_parameters(self) -> list[nn.Parameter]:
+        """Projector, vision layers last to first, then the tower's own (patch and position
+        embeddings, norm, downsamplers): the order FSDP finishes their units' gradients in a
+        backward (``fsdp_units``, reversed), each unit's parameters in their own order."""
+        if self.vision_model is None:
+            return []
+        tower = self.vision_model
+        in_layers = {id(p) for p in tower.blocks.parameters()}
+        return [*self.multi_modal_projector.parameters(),
+                *(p for block in reversed(tower.blocks) for p in block.parameters()),
+                *(p for p in tower.parameters() if id(p) not in in_layers)]
 
     def param_parts(self) -> dict[str, list[str]]:
         """Parameter names by part, for freezing one: ``vision`` (tower and downsamplers),

@@ -13,7 +13,8 @@ rotate-half order on its own load, which gives the same attention.
 
 One micro-batch's images (``core.packed_seq.ImageInputs``): the global views are one batch, the
 crops another, both through the tower in one call (each of its FSDP units gathers once per
-micro-batch, with images or without: ``idle_pass``); each image contributes its crops'
+micro-batch, with images or idle: ``idle_pass``; not at all in a step without images on any
+rank of the data-parallel group); each image contributes its crops'
 features, then its global view's, in image order, and these replace the token embeddings at
 ``feature_positions`` (an ``index_copy`` with host-made indices: no device sync). Under context
 parallelism every CP rank encodes all its micro-batch's images and keeps the features its shard

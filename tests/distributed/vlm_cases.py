@@ -4,7 +4,9 @@ micro-batches:
 * ``fsdp``: two data-parallel ranks, FSDP2 over the vision tower's units (and full recompute,
   the vision layers' included), one rank's
   micro-batches with images and the other's without any: the rank without images still runs
-  the tower's gathers and reduce-scatters (its idle pass), so nothing hangs;
+  the tower's gathers and reduce-scatters (its idle pass), so nothing hangs; then a third step
+  with no image on either rank: neither runs the tower (no gather, no reduce-scatter on any rank
+  of its FSDP group), and its parameters step on a zero gradient as after an idle pass;
 * ``pp``: two pipeline stages, the images on the first only (the tower lives there), every
   micro-batch with images."""
 from __future__ import annotations
@@ -24,13 +26,14 @@ from tests.unit.test_vlm_model import documents, pack
 from training.parallelize import parallelize
 
 STEPS = 2
+TEXT_STEP = 2  # fsdp: the step without any image
 
 
 def _batches(dp_rank: int, step: int, images_everywhere: bool) -> list:
     out = []
     for m in range(2):
         docs = documents(seed=10 * step + 2 * dp_rank + m)
-        if dp_rank == 1 and not images_everywhere:
+        if (dp_rank == 1 or step == TEXT_STEP) and not images_everywhere:
             docs = [d for d in docs if not d[1]] * 3  # text only: no image on this rank
         tokens, labels, pos, psp, images = pack(docs)
         out.append(THDBatch(tokens, labels, pos, psp, images))
@@ -42,7 +45,8 @@ def check_vlm(rank, world, layout: str):
     pp = 2 if layout == "pp" else 1
     sizes = ParallelSizes(world, pp=pp)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
-    steps = [[_batches(d, s, layout == "pp") for d in range(sizes.dp)] for s in range(STEPS)]
+    n_steps = STEPS + (layout == "fsdp")
+    steps = [[_batches(d, s, layout == "pp") for d in range(sizes.dp)] for s in range(n_steps)]
 
     ref = Step37Model(cfg, seed=0)
     ref_opt, _ = build_optimizer([ref], _optim_cfg("adamw"))
@@ -57,7 +61,7 @@ def check_vlm(rank, world, layout: str):
             ((out.loss_sum + s.mtp_loss_scale * sum(out.mtp_loss_sums)) / n).backward()
             total += float(out.loss_sum.detach())
         ref_opt.step()
-        ref_opt.zero_grad()
+        ref_opt.zero_grad(set_to_none=False)  # a tower not run steps on a zero gradient, as train_step's
         ref_losses.append(total / n)
 
     flags = ["--data-parallel-sharding", "fsdp", "--recompute-granularity", "full"] if layout == "fsdp" else []
@@ -66,8 +70,14 @@ def check_vlm(rank, world, layout: str):
         assert any(isinstance(p, DTensor) for p in chunks[0].vision_model.parameters())
     assert (chunks[0].vision_model is not None) == (ps.pp_rank == 0)
     opt, _ = build_optimizer(chunks, _optim_cfg("adamw"))
+    tower_runs = []
+    if ps.pp_rank == 0:
+        chunks[0].vision_model.register_forward_pre_hook(lambda *a: tower_runs.append(1))
     for step, batches in enumerate(steps):
+        before = len(tower_runs)
         m = train_step(chunks, ps, opt, batches[ps.dp_rank], s)
+        if ps.pp_rank == 0:  # recompute runs the tower's forward again in the backward
+            assert (len(tower_runs) == before) == (step == TEXT_STEP and layout == "fsdp"), (step, tower_runs)
         # fp32, the same terms summed in another order
         assert abs(m.loss - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, m.loss, ref_losses[step])
     want = dict(ref.named_parameters())
@@ -79,5 +89,5 @@ def check_vlm(rank, world, layout: str):
         # gradients AdamW divides by eps (1e-4), which scales their summation noise ~100x; a
         # gradient lost or doubled on a rank moves a tensor by O(1)
         tol = 5e-5 if name == "embed_tokens.weight" else 1e-5
-        assert err < tol, f"rank {rank}: {name} differs after {STEPS} steps (relative {err:.2e})"
+        assert err < tol, f"rank {rank}: {name} differs after {n_steps} steps (relative {err:.2e})"
     dist.barrier()

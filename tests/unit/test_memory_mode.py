@@ -4,11 +4,13 @@ costs and refusals."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from core.cli import UNIT_OPEN, option
 from core.memory_mode import MemoryMode
 from core.optim import registry
 from core.optim.build import build_optimizer, classify
@@ -16,7 +18,7 @@ from core.parallel_state import ParallelSizes, ParallelState
 from models.step37 import Step37Config
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
-from train_args import MemoryArgs, parse, validate
+from train_args import MemoryArgs, parse, require, validate
 from training.planner.memory import PlanInputs, plan
 from training.parallelize import build_chunks
 from training.planner.search import memory_modes
@@ -25,7 +27,8 @@ from training.planner.shares import rank_shares
 # ------------------------------------------------------------ an optimizer from the test tree
 
 class PlainSGD(torch.optim.Optimizer):
-    """SGD with a momentum buffer: what an optimizer of matrices needs to declare and no more."""
+    """SGD with a momentum buffer (none at momentum 0): what an optimizer of matrices needs to
+    declare and no more."""
 
     def __init__(self, params, lr: float, momentum: float):
         super().__init__(params, dict(lr=lr, momentum=momentum))
@@ -36,16 +39,29 @@ class PlainSGD(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                p.add_(buf, alpha=-group["lr"])
+                update = p.grad
+                if group["momentum"]:
+                    update = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                    update.mul_(group["momentum"]).add_(p.grad)
+                p.add_(update, alpha=-group["lr"])
+
+
+@dataclasses.dataclass
+class SGDFlags:
+    """Its own flag (``--test-sgd-momentum``), in the training flags while it is registered."""
+
+    test_sgd_momentum: float = option(0.9, "test SGD's momentum (0: no buffer)")
+
+    def __post_init__(self):
+        require(self, test_sgd_momentum=UNIT_OPEN)
 
 
 SGD = registry.OptimizerSpec(
-    "test-sgd", build=lambda groups, cfg, masters: PlainSGD(groups, lr=cfg.lr, momentum=0.9),
-    state_bytes=lambda shape, numel, opts: 4 * numel,        # its momentum buffer, fp32
+    "test-sgd", flags=SGDFlags,
+    build=lambda groups, cfg, masters: PlainSGD(groups, lr=cfg.lr, momentum=cfg.test_sgd_momentum),
+    state_bytes=lambda shape, numel, opts: 4 * numel if opts.test_sgd_momentum else 0,  # the buffer, fp32
     step_flops=lambda shape, opts: 2.0 * torch.Size(shape).numel(),  # declared: 2 FLOPs a weight
-    step_bytes=lambda opts: 24,
+    step_bytes=lambda opts: 24 if opts.test_sgd_momentum else 12,
     refuses={"remainders": "it updates the parameters in their own dtype", "fsdp": "not tried"})
 
 
@@ -56,9 +72,9 @@ def sgd():
     registry.unregister(SGD.name)
 
 
-def _optim(name):
+def _optim(name, **own):
     return SimpleNamespace(optimizer=name, lr=0.05, adamw_lr=None, weight_decay=0.0, adam_beta1=0.9,
-                           adam_beta2=0.95, adam_eps=1e-8)
+                           adam_beta2=0.95, adam_eps=1e-8, test_sgd_momentum=0.9, **own)
 
 
 def test_a_registered_optimizer_trains_and_is_planned_by_its_declaration(sgd):
@@ -103,6 +119,42 @@ def test_a_registered_optimizer_trains_and_is_planned_by_its_declaration(sgd):
     work = optimizer_work(share, 1, 1, sgd.name, 5, 0.25)
     declared = sum(2.0 * s.t.numel() for s in share.tensors if classify(s.spec, s.t, sgd.name) == "matrix")
     assert work["dense"]["flops"] + work["expert"]["flops"] == declared > 0
+
+
+def test_a_registered_optimizers_own_option_is_a_flag_and_planned_with(sgd, capsys):
+    """The test SGD's own option (one dataclass in its registration): ``--test-sgd-momentum`` is
+    a training flag (checked by its dataclass), the planner's inputs hold it (``PlanInputs.optim``,
+    in the JSON), and the optimizer state it books follows it: momentum 0 allocates no buffer and
+    books none; momentum 0.9 books 4 bytes per matrix element more (the allocated buffers)."""
+    from tools import plan_memory
+    from training.planner.run import plan_inputs
+
+    flags = ["--data-path", "unused", "--optimizer", sgd.name, "--seq-length", "64", "--global-batch-size", "1"]
+    args = parse([*flags, "--test-sgd-momentum", "0"])
+    assert args.optim.test_sgd_momentum == 0.0 and parse(flags).optim.test_sgd_momentum == 0.9
+    with pytest.raises(SystemExit):
+        parse([*flags, "--test-sgd-momentum", "1.5"])
+    assert "--test-sgd-momentum must be in [0, 1), got 1.5" in capsys.readouterr().err
+    inp = plan_inputs(args, validate(args, world=1, check_files=False))
+    assert inp.optim.test_sgd_momentum == 0.0 and inp.optimizer == sgd.name
+
+    cfg = Step37Config.preset("tiny")
+    chunk = build_chunks(cfg, ParallelState(ParallelSizes(1), 0, {}), seq_length=64)[0]
+    opt, _ = build_optimizer([chunk], args.optim)
+    assert opt.optimizers[sgd.name].param_groups[0]["momentum"] == 0.0
+    tokens, pos, psp = thd([40, 24], seed=3)
+    out = chunk(tokens, pos, psp, labels=labels_for(tokens, [40, 24]))
+    ((out.loss_sum + sum(out.mtp_loss_sums)) / out.num_tokens).backward()
+    opt.step()
+    nbytes = lambda o: sum(t.numel() * t.element_size() for st in o.state.values() for t in st.values())
+    assert nbytes(opt.optimizers[sgd.name]) == 0
+    still, moving = plan(cfg, inp)[0], plan(cfg, dataclasses.replace(inp, test_sgd_momentum=0.9))[0]
+    assert still.device["optimizer"] == nbytes(opt.optimizers["adamw"])
+    matrices = sum(p.numel() for g in opt.optimizers[sgd.name].param_groups for p in g["params"])
+    assert moving.device["optimizer"] - still.device["optimizer"] == 4 * matrices > 0
+
+    assert plan_memory.main(["--world-size", "1", *flags[2:], "--test-sgd-momentum", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["test_sgd_momentum"] == 0.0
 
 
 # ------------------------------------------------------------- validation and search agree

@@ -82,6 +82,28 @@ def test_workers_give_the_training_threads_batches_in_order_and_resume_exactly(i
     assert all(_same(a, b) for a, b in zip(ref[3:5] + ref[5:7], after))
 
 
+def test_evaluation_reads_the_same_batches_through_the_workers(image_prefix):
+    """training.evaluate with --num-workers 2: the validation micro-batches come through the
+    workers over the evaluation's range (the feed ends there), the same ones as built here: the
+    same loss bit for bit; the loader's position is left as it was."""
+    from core.parallel_state import ParallelSizes, ParallelState
+    from core.train_step import StepSettings
+    from models.step37 import Step37Config, Step37Model
+    from training.evaluate import evaluate
+
+    loader = _loader(image_prefix)
+    feed = MicroBatchFeed(loader, 2, end=3)
+    assert len(list(feed)) == 3 and loader.consumed == 3  # a bounded feed stops at its end
+    assert any(loader.micro_batch(m).images is not None for m in range(2))  # what the evaluation reads
+    feed.close()
+    cfg = Step37Config.preset("step37-tiny-vlm")
+    model = Step37Model(cfg, seed=0)
+    ps, s = ParallelState(ParallelSizes(1), 0, {}), StepSettings(hidden_size=cfg.hidden_size, mtp_depths=cfg.num_mtp_layers)
+    here, workers = (evaluate([model], ps, loader, 2, 1, s, num_workers=n) for n in (0, 2))
+    assert here["valid_loss"] == workers["valid_loss"] and here["valid_targets"] == workers["valid_targets"] > 0
+    assert loader.consumed == 3
+
+
 def test_an_error_in_a_worker_is_the_training_threads_error(image_prefix, tmp_path):
     """A damaged image read by a worker stops the stream with the error --num-workers 0 gives
     (naming the images file, the image and its document), not torch's wrapped traceback."""

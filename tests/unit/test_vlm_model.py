@@ -195,9 +195,10 @@ def test_one_documents_image_changes_no_other_document(checkpoint):
 
 
 def test_text_only_packs_are_unchanged(checkpoint):
-    """Without images, the VLM (whose first stage still runs its tower on an idle zero patch)
-    gives bit for bit the text decoder's logits and loss, and every vision parameter a (zero)
-    gradient, so data-parallel ranks without images run the same collectives."""
+    """Without images, the VLM gives bit for bit the text decoder's logits and loss, without
+    running its tower (no vision gradient) or, given an idle ImageInputs, running it on a zero
+    patch (every vision parameter a zero gradient), so data-parallel ranks without images run
+    the same collectives as one with."""
     path, _ = checkpoint
     vlm, text = ours(path), ours(path, vision=None)
     assert text.vision_model is None and not any(n.startswith("vision_model.") for n, _ in text.named_parameters())
@@ -210,7 +211,12 @@ def test_text_only_packs_are_unchanged(checkpoint):
     assert torch.equal(a.loss_sum, b.loss_sum)
     a.loss_sum.backward()
     vision = [p for n, p in vlm.named_parameters() if n.startswith(("vision_model.", "multi_modal_projector."))]
-    assert vision and all(p.grad is not None and not p.grad.any() for p in vision)
+    assert vision and all(p.grad is None for p in vision)
+    assert sorted(map(id, vlm.image_parameters())) == sorted(map(id, vision))
+    idle = vlm(tokens, pos, psp, labels=labels, images=ImageInputs.idle())
+    assert torch.equal(idle.loss_sum, b.loss_sum)
+    idle.loss_sum.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in vision)
     t2, _, p2, psp2, im2 = pack(documents())
     with pytest.raises(ValueError, match="has no vision tower"):
         text(t2, p2, psp2, images=im2)
@@ -290,6 +296,77 @@ def test_train_step_takes_images_from_the_micro_batch(checkpoint):
         else:
             assert_close_rel(p.grad, want, rel=1e-6)  # the same operations
     assert model.vision_model.blocks[0].attn.qkv.weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon_in_backward"])
+def test_a_step_without_images_on_any_rank_skips_the_tower_bitwise(checkpoint, monkeypatch, optimizer):
+    """core.train_step, two text-only steps: no rank of the group has an image, so the tower's
+    forward is never called, and losses and parameters equal bit for bit those of the idle pass
+    (forced here by the step's host all-reduce reporting an image on another rank): the tower's
+    parameters step on a zero gradient either way (AdamW: weight decay and moments; Muon inside
+    the backward under --optimizer-in-backward: weight decay)."""
+    import copy
+    from types import SimpleNamespace
+
+    import core.train_step as ts
+    from core.model_api import specs_of
+    from core.optim.build import build_optimizer
+    from core.optim.in_backward import InBackwardSteps
+    from core.parallel_state import ParallelSizes, ParallelState
+    from data.thd import THDBatch
+
+    base = ours(checkpoint[0])
+    ps = ParallelState(ParallelSizes(1), 0, {})
+    cfg = SimpleNamespace(optimizer=optimizer.split("_")[0], lr=1e-2, adamw_lr=1e-2, weight_decay=0.1,
+                          adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, muon_momentum=0.0, muon_nesterov=True,
+                          muon_ns_steps=5, muon_ns_method="quintic", muon_lr_adjust="rms", muon_ns_dtype="fp32",
+                          dion_momentum=0.9, dion_rank_fraction=0.5)
+    seeds = (7, 8) if optimizer == "adamw" else (7,)  # Newton-Schulz in fp32 is slow on the CPU
+    text = [[THDBatch(*pack([d for d in documents(seed=s) if not d[1]] * 3)[:4], None)] for s in seeds]
+    real = ts._global_counts
+    runs = {}
+    for skip in (True, False):
+        if not skip:  # another rank of the group has an image: this one runs the tower idle
+            monkeypatch.setattr(ts, "_global_counts", lambda *a: (*real(*a)[:3], 1))
+        model = copy.deepcopy(base)
+        opt, _ = build_optimizer([model], cfg)
+        if optimizer == "muon_in_backward":
+            opt.in_backward = InBackwardSteps(opt.optimizers["muon"], specs_of([model]), ps)
+        calls = []
+        model.vision_model.register_forward_pre_hook(lambda *a: calls.append(1))
+        s = ts.StepSettings(hidden_size=model.config.hidden_size, mtp_depths=model.config.num_mtp_layers)
+        losses = [ts.train_step([model], ps, opt, batches, s).loss for batches in text]
+        runs[skip] = losses, dict(model.named_parameters()), len(calls)
+    (losses, params, calls), (idle_losses, idle_params, idle_calls) = runs[True], runs[False]
+    assert calls == 0 and idle_calls == len(seeds)
+    assert losses == idle_losses
+    for n, p in params.items():
+        assert torch.equal(p, idle_params[n]), n
+    qkv = "vision_model.blocks.0.attn.qkv.weight"  # a Muon matrix under muon_in_backward
+    assert not torch.equal(params[qkv], dict(base.named_parameters())[qkv])  # decayed by a zero-gradient step
+
+
+def test_mtp_depths_embed_the_placeholder_tokens_not_the_image_features(checkpoint):
+    """Each MTP depth combines the trunk's hidden state with the embedding of the token k ahead:
+    for an image placeholder that is the <im_patch> token's embedding, as transformers' MtpModel
+    embeds its drafting inputs (docs/vlm.md, "MTP depths and images"), not the image's feature."""
+    model = ours(checkpoint[0])
+    tokens, labels, pos, psp, images = pack(documents())
+    seen = {}
+    for k, depth in model.mtp.items():
+        depth.enorm.register_forward_pre_hook(lambda m, a, k=k: seen.setdefault(k, a[0].detach()))
+    with torch.no_grad():
+        model(tokens, pos, psp, labels=labels, images=images)
+        features = model.embed(tokens, images)
+    placeholder = model.embed_tokens.weight[IMG]
+    assert set(seen) == set(model.mtp) and len(seen) == 2
+    for k, x in seen.items():
+        shift = int(k) + 1  # depth k (from 0) reads the token k + 1 ahead; all image runs lie inside documents
+        at = (tokens == IMG).nonzero()[:, 0] - shift
+        at = at[(at >= 0) & (tokens[at + shift] == IMG) & (pos[at + shift] == pos[at] + shift)]
+        assert len(at) > 0
+        assert torch.equal(x[at], placeholder.expand(len(at), -1))
+        assert not torch.equal(x[at], features[at + shift])  # the tower's features are elsewhere
 
 
 def test_vision_flops_count_what_the_tower_runs():

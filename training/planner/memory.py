@@ -32,19 +32,22 @@ plus a halo of up to ``2 (window - 1)`` on sliding ones), with one full layer's 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from types import SimpleNamespace
 
 from core.costs.activations import block_bytes, extra_block_bytes, head_bytes
 from core.context_parallel.costs import gathered_bytes, key_buffer_bytes
 from core.finetune.lora import DEFAULT_TARGETS
-from core.memory_mode import KINDS, OFFLOAD_MODES, RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, Placement, RunFacts
+from core.memory_mode import (KINDS, OFFLOAD_MODES, RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, Placement,
+                              RecomputePlacement, RunFacts)
 from core.optim import registry as optimizers
+from core.optim.registry import OptimOptions
 from core.optim.build import classify
 from core.optim.host_masters import STAGING
 from core.parallel_state import ParallelSizes
-from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
 from training.planner.shares import ROOT, ChunkShare, block_numel, schedule_facts
 from training.planner.vision import ImageMix, planned_shares, vision_bytes, vision_working_set
@@ -54,34 +57,30 @@ MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer s
 HOST_STAGING = STAGING  # --cpu-offload masters: pinned bytes per element, one slab per rank (host_masters.py)
 
 
+# PlanInputs takes (and reads back) the training flags' names for its mode's fields and its
+# optimizer's options as keywords, and two older names of its own (``sharding``, ``recompute``)
+MODE_KEYS = {"sharding": "data_parallel_sharding", "recompute": "recompute_granularity",
+             **{f: f for f in MemoryMode.flag_names()}}
+CHOICES = {"data_parallel_sharding": SHARDING_MODES, "cpu_offload": OFFLOAD_MODES, "recompute_granularity": RECOMPUTE_MODES}
+# the planner's values for the built-in optimizers' options where none are given
+OPTION_DEFAULTS = dict(muon_momentum=0.0, muon_ns_steps=5, dion_rank_fraction=0.25, clip_grad=1.0)
+
+
 @dataclass
-class PlanInputs:
+class _PlanFields:
     pp: int = 1
     vpp: int = 1
     ep: int = 1
     dp: int = 1
     cp: int = 1                     # context-parallel ranks per pack (DP is the rest)
-    sharding: str = "none"          # none | fsdp
-    fsdp_gather_once: bool = False  # keep every layer of the stage gathered for the whole step
-    cpu_offload: str = "none"       # none | all | experts | optimizer
-    recompute: str = "none"         # none | selective | full
-    recompute_num_layers: int = 0   # first N layers of each chunk; 0: all
-    recompute_chunks: int = 1       # full recompute, a token chunk at a time (core/transformer/chunked.py)
-    offload_recompute_inputs: bool = False  # the recomputed blocks' kept inputs in host memory
+    mode: MemoryMode = field(default_factory=MemoryMode)  # the memory flags (core/memory_mode.py)
+    optim: OptimOptions = field(default_factory=lambda: OptimOptions.of("muon", defaults=OPTION_DEFAULTS))
     seq_length: int = 8192
     micro_batch_size: int = 1
     num_microbatches: int = 8       # per pipeline per iteration
-    optimizer: str = "muon"         # adamw | muon | dion
-    muon_momentum: float = 0.0
-    muon_ns_steps: int = 5
-    dion_rank_fraction: float = 0.25
-    bf16: bool = False              # bf16 compute over fp32 master weights and gradients
-    store_param_remainders: bool = False  # bf16 weight + int16 remainder = the fp32 master
-    optimizer_in_backward: bool = False   # matrices step in the backward; their gradients freed at once
     device_gb: float = 141.0
     pipeline_layout: str | None = None
     moe_dispatcher: str = "alltoall"      # alltoall | allgather (the time model's overlap)
-    clip_grad: float = 1.0                # (--optimizer-in-backward with Muon's momentum needs 0)
     compile: bool = False                 # (--compile refuses chunked recompute)
     lora_rank: int = 0                    # LoRA: adapters of this rank on a frozen base (core/finetune/lora.py)
     lora_targets: str = DEFAULT_TARGETS   # what they adapt (--lora-targets)
@@ -89,12 +88,45 @@ class PlanInputs:
     image_crops_per_image: float = 0.0
     freeze_vision: bool = False
 
+
+class PlanInputs(_PlanFields):
+    """What the planner plans: the layout, the batch, the memory mode (``mode``: the training
+    flags' memory section, ``core/memory_mode.MemoryMode``) and the optimizer with its declared
+    options (``optim``: ``core/optim/registry.OptimOptions``). The mode's fields and the options
+    may also be given (and read) by their flag names, ``sharding`` and ``recompute`` for
+    ``data_parallel_sharding`` and ``recompute_granularity``, and ``optimizer`` for the name:
+    ``PlanInputs(recompute="full", optimizer="muon", muon_momentum=0.9)``."""
+
+    def __init__(self, **kw):
+        given = {k: kw.pop(k) for k in list(kw) if k in MODE_KEYS}
+        for k, v in given.items():  # a choice's error names the keyword given
+            allowed = CHOICES.get(MODE_KEYS[k], (v,))
+            if v not in allowed:
+                raise ValueError(f"--{k.replace('_', '-')} {v!r}: expected one of {', '.join(allowed)}")
+        mode = {MODE_KEYS[k]: v for k, v in given.items()}
+        if mode:
+            kw["mode"] = dataclasses.replace(kw.get("mode") or MemoryMode(), **mode)  # the table's own rules
+        name, given = kw.pop("optimizer", None), {k: kw.pop(k) for k in list(kw) if k in _option_names()}
+        if name is not None or given:
+            old = kw.get("optim") or OptimOptions.of("muon", defaults=OPTION_DEFAULTS)
+            if name is not None and name not in optimizers.names():
+                optimizers.get(name)  # the flag's error
+            kw["optim"] = OptimOptions.of(name or old.optimizer, SimpleNamespace(**given),
+                                          defaults={**OPTION_DEFAULTS, **old.as_dict()})
+        super().__init__(**kw)
+        self.__post_init__()  # (the fields' dataclass has none of its own to call)
+
+    def __getattr__(self, name: str):
+        """The mode's fields and the optimizer's options by their flag names."""
+        if name in MODE_KEYS:
+            return getattr(self.__dict__["mode"], MODE_KEYS[name])
+        if name == "optimizer":
+            return self.__dict__["optim"].optimizer
+        if "optim" in self.__dict__ and name in _option_names():
+            return dict(self.__dict__["optim"].values).get(name, OPTION_DEFAULTS.get(name))
+        raise AttributeError(name)
+
     def __post_init__(self):
-        for name, allowed in (("sharding", SHARDING_MODES), ("cpu_offload", OFFLOAD_MODES),
-                              ("recompute", RECOMPUTE_MODES), ("optimizer", optimizers.names())):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected one of "
-                                 f"{', '.join(allowed)}")
         # the flags' own rules and the chunks' cut (core/memory_mode.py); the rest of the layout's
         # rules are the search's and validation's (MemoryMode.check over run_facts)
         self.mode.check_chunks(self.micro_batch_size)
@@ -103,23 +135,28 @@ class PlanInputs:
             raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
                              f"= {2 * self.cp}")
 
+    def as_json(self) -> dict:
+        """The inputs as JSON, flat, under the flags' names (``sharding``, ``recompute``: the
+        two short ones); a text-only plan without the image fields."""
+        layout = ("pp", "vpp", "ep", "dp", "cp")
+        rest = [f.name for f in dataclasses.fields(_PlanFields) if f.name not in (*layout, "mode", "optim")]
+        mode = {"sharding" if k == "data_parallel_sharding" else "recompute" if k == "recompute_granularity" else k: v
+                for k, v in dataclasses.asdict(self.mode).items()}
+        out = {**{k: getattr(self, k) for k in layout}, **mode, "optimizer": self.optimizer,
+               **{k: getattr(self, k) for k in OPTION_DEFAULTS}, **self.optim.as_dict(),
+               **{k: getattr(self, k) for k in rest}}
+        return {k: v for k, v in out.items() if self.image_token_share or k not in IMAGE_FIELDS}
+
     @property
-    def mode(self) -> MemoryMode:
-        """These inputs' memory mode (the training flags' names)."""
-        return MemoryMode(bf16=self.bf16, store_param_remainders=self.store_param_remainders,
-                          optimizer_in_backward=self.optimizer_in_backward, data_parallel_sharding=self.sharding,
-                          fsdp_gather_once=self.fsdp_gather_once, cpu_offload=self.cpu_offload,
-                          recompute_granularity=self.recompute, recompute_num_layers=self.recompute_num_layers,
-                          recompute_chunks=self.recompute_chunks,
-                          offload_recompute_inputs=self.offload_recompute_inputs)
+    def recompute_placement(self) -> RecomputePlacement:
+        """Which blocks recompute what (the mode's placement, as ``apply_recompute`` sets it)."""
+        return self.mode.recompute_placement
 
     @property
     def run_facts(self) -> RunFacts:
         """What the mode is checked against (``MemoryMode.check``): as validation builds it."""
-        return RunFacts(dense_replicas=self.dp * self.cp, num_microbatches=self.num_microbatches,
-                        micro_batch_size=self.micro_batch_size, context_parallel=self.cp,
-                        compile=self.compile, optimizer=self.optimizer, optimizer_options=self,
-                        lora=self.lora_rank > 0)
+        return RunFacts.of(self.dp, self.cp, self.num_microbatches, self.micro_batch_size, self.optim,
+                           compile=self.compile, lora=self.lora_rank > 0)
 
     @property
     def lora(self) -> tuple:
@@ -128,7 +165,7 @@ class PlanInputs:
 
     @property
     def optimizer_spec(self):
-        return optimizers.get(self.optimizer)
+        return self.optim.spec
 
     @property
     def bf16_params(self) -> bool:
@@ -158,11 +195,19 @@ class PlanInputs:
     @property
     def chunk_tokens(self) -> int:
         """Tokens a recomputed block's backward holds at once: its chunk's (``--recompute-chunks``)."""
-        return self.local_tokens // self.recompute_chunks
+        return self.local_tokens // self.recompute_placement.chunks
 
     @property
     def act_bytes(self) -> int:
-        return 2 if self.bf16 else 4
+        return self.mode.activation_bytes
+
+
+IMAGE_FIELDS = ("image_token_share", "image_crops_per_image", "freeze_vision")
+
+
+def _option_names() -> set:
+    """Every option name a registered optimizer declares, and the built-in ones' planner defaults."""
+    return {n for name in optimizers.names() for n in optimizers.get(name).option_names()} | set(OPTION_DEFAULTS)
 
 
 COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
@@ -202,18 +247,18 @@ def _shard_numel(t, world: int) -> int:
     return math.ceil(t.shape[0] / world) * (t.numel() // t.shape[0])
 
 
-def _optimizer_bytes(spec, t, numel: int, inp: PlanInputs) -> int:
-    if classify(spec, t, inp.optimizer) != "matrix":
+def _optimizer_bytes(spec, t, numel: int, optim: OptimOptions) -> int:
+    if classify(spec, t, optim.optimizer) != "matrix":
         return 2 * numel * MASTER + 4  # AdamW moments + fp32 step counter
-    return inp.optimizer_spec.state_bytes(t.shape, numel, inp)  # as the optimizer declares
+    return optim.spec.state_bytes(t.shape, numel, optim)  # as the optimizer declares, with its options
 
 
 @lru_cache(maxsize=4096)
-def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str, momentum: float,
-          dion_fraction: float) -> dict:
+def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optim: OptimOptions) -> dict:
     """Per kind: parameters whole (``numel``; ``fp32``: those computing in fp32 under bf16) and
-    as this rank's shards (``shard``), and the optimizer state of the shards in bytes."""
-    inp = PlanInputs(optimizer=optimizer, muon_momentum=momentum, dion_rank_fraction=dion_fraction)
+    as this rank's shards (``shard``), and the optimizer state of the shards in bytes (``optim``:
+    the optimizer and its declared options)."""
+    optimizer = optim.optimizer
     out = {k: {"numel": 0, "fp32": 0, "shard": 0, "optimizer": 0, "fp32_shard": 0, "matrix_shard": 0,
                "frozen_numel": 0, "frozen_shard": 0, "frozen_fp32_shard": 0} for k in KINDS}
     for s in chunk.tensors:
@@ -229,28 +274,27 @@ def tally(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str
             out[kind]["frozen_fp32_shard"] += numel if s.fp32 else 0
             continue
         out[kind]["matrix_shard"] += numel if classify(s.spec, s.t, optimizer) == "matrix" else 0
-        out[kind]["optimizer"] += _optimizer_bytes(s.spec, s.t, numel, inp)
+        out[kind]["optimizer"] += _optimizer_bytes(s.spec, s.t, numel, optim)
     return out
 
 
-def _gradient_bytes(t: dict, inp: PlanInputs) -> int:
+def _gradient_bytes(t: dict, inp: PlanInputs, pl: Placement) -> int:
     """One kind's sharded gradients kept until the optimizer step: bf16 for remainder-stored
     parameters (fp32 routers stay fp32); none for the matrices stepped in the backward."""
-    keep = t["shard"] - t["frozen_shard"] - (t["matrix_shard"] if inp.optimizer_in_backward else 0)
+    keep = t["shard"] - t["frozen_shard"] - t["matrix_shard"] * pl.in_backward
     fp32 = t["fp32_shard"] - t["frozen_fp32_shard"]
     return (keep - fp32) * inp.grad_bytes + fp32 * MASTER
 
 
 def _parameter_bytes(t: dict, inp: PlanInputs) -> int:
     """One kind's stored parameters: fp32 (or bf16 + remainder) masters; a frozen LoRA base its
-    one copy, bf16 under ``bf16`` (``core.finetune.lora.frozen_to_bf16``; its fp32 routers stay fp32)."""
-    frozen_bf16 = (t["frozen_shard"] - t["frozen_fp32_shard"]) if inp.bf16 else 0
-    return t["shard"] * MASTER - frozen_bf16 * (MASTER - 2)
+    one copy, in the compute dtype (``core.finetune.lora.frozen_to_bf16``; its fp32 routers stay fp32)."""
+    frozen = t["frozen_shard"] - t["frozen_fp32_shard"]
+    return t["shard"] * MASTER - frozen * (MASTER - inp.act_bytes)
 
 
 def chunk_tally(chunk: ChunkShare, inp: PlanInputs, pl: Placement) -> dict:
-    return tally(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
-                 inp.muon_momentum, inp.dion_rank_fraction)
+    return tally(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optim)
 
 
 def _managed_blocks(chunk: ChunkShare, pl: Placement) -> dict:
@@ -325,17 +369,17 @@ def _stored(chunks: list, inp: PlanInputs, pl: Placement, dev: dict, host: dict,
                 host["parameters"] += bf16 * MASTER          # the fp32 master, pageable: as allocated
                 host["gradients"] += bf16 * HOST_STAGING     # the pinned slab's slot: update in, new weight out
                 host["optimizer"] += t[kind]["optimizer"]
-                dev["gradients"] += _gradient_bytes(t[kind], inp)
+                dev["gradients"] += _gradient_bytes(t[kind], inp, pl)
             else:
                 where["parameters"] += _parameter_bytes(t[kind], inp)  # fp32, or bf16 + 2-byte remainder
-                where["gradients"] += _gradient_bytes(t[kind], inp)
+                where["gradients"] += _gradient_bytes(t[kind], inp, pl)
                 where["optimizer"] += t[kind]["optimizer"]
             r.parameters += t[kind]["shard"]
             if pl.managed[kind]:
                 m.numel += t[kind]["numel"]
                 m.trained += t[kind]["numel"] - t[kind]["frozen_numel"]
                 m.fp32 += t[kind]["fp32"]
-                m.device_grads += 0 if pl.offloaded[kind] else _gradient_bytes(t[kind], inp)
+                m.device_grads += 0 if pl.offloaded[kind] else _gradient_bytes(t[kind], inp, pl)
         blocks = _managed_blocks(chunk, pl)
         m.largest_block = max([m.largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
         m.root += blocks.get(ROOT, 0)
@@ -379,11 +423,11 @@ def _unsharded_grads(chunks: list, inp: PlanInputs, pl: Placement, m: _Managed) 
         else:
             total = max(m.largest_block, m.root) * (b + MASTER if b < MASTER else MASTER)
     plain = max((n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT), default=0)
-    if inp.recompute_chunks > 1:
+    if pl.recompute_placement.chunked:
         tensor = max((x.t.numel() for c in chunks for x in c.tensors
                       if x.block is not ROOT and not pl.managed["expert" if x.expert else "dense"]), default=0)
         total += plain * (MASTER - b) + tensor * b
-    if inp.optimizer_in_backward:
+    if pl.in_backward:
         total += 2 * plain * b
     return total, overlap
 
@@ -423,15 +467,15 @@ def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
 def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
     """What a recomputed layer holds again during its backward: its whole activations less what
     recompute kept (one layer at a time, the largest of the chunk; recomputed MTP depths too)."""
-    if inp.recompute == "none":
+    rc = inp.recompute_placement
+    if not rc.on:
         return 0
     shapes = shapes_of(cfg)
-    n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
     kv = lambda i: key_buffer_bytes(shapes.block(i).attention, inp.tokens, inp.cp, b)  # gathered again
-    sets = [block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, inp.recompute)
-            + kv(int(i)) for i in chunk.layers[:n]]
-    if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
-        sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, inp.recompute)
+    sets = [block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, rc.granularity)
+            + kv(int(i)) for i in chunk.layers[:rc.num_selected(len(chunk.layers))]]
+    if chunk.last and rc.recomputes_extra(len(chunk.layers)):
+        sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, rc.granularity)
                  + kv(-1 - k) for k in range(len(shapes.extra))]
     if chunk.first:
         sets.append(vision_working_set(cfg, inp))
@@ -445,14 +489,12 @@ def _cp_key_buffers(cfg, chunk, inp: PlanInputs) -> tuple[int, int]:
     (transient, once per rank)."""
     if inp.cp == 1:
         return 0, 0
-    shapes, T, b = shapes_of(cfg), inp.tokens, inp.act_bytes
-    n = len(chunk.layers) if inp.recompute_num_layers <= 0 else inp.recompute_num_layers
+    shapes, T, b, rc = shapes_of(cfg), inp.tokens, inp.act_bytes, inp.recompute_placement
     kept = sum(key_buffer_bytes(shapes.block(int(i)).attention, T, inp.cp, b)
-               for k, i in enumerate(chunk.layers) if inp.recompute == "none" or k >= n)
+               for k, i in enumerate(chunk.layers) if rc.layer(k) == "none")
     blocks = [shapes.block(int(i)) for i in chunk.layers]
     if chunk.last:
-        extra_kept = inp.recompute == "none" or not recomputes_extra_blocks(inp.recompute_num_layers,
-                                                                            len(chunk.layers))
+        extra_kept = rc.extra(len(chunk.layers)) == "none"
         kept += sum(key_buffer_bytes(s.attention, T, inp.cp, b) for s in shapes.extra) if extra_kept else 0
         blocks += list(shapes.extra)
     return kept, max((gathered_bytes(s.attention, T, inp.cp, b) for s in blocks), default=0)
@@ -462,10 +504,9 @@ def kept_inputs(cfg, chunk, inp: PlanInputs) -> int:
     """Bytes of one micro-batch's inputs that the chunk's fully recomputed blocks keep for their
     backward: a decoder layer's hidden state, an MTP depth's shifted embedding and previous
     hidden state (what ``--offload-recompute-inputs`` copies out and back)."""
-    one = inp.local_tokens * cfg.hidden_size * inp.act_bytes
-    n = inp.recompute_num_layers if inp.recompute_num_layers > 0 else len(chunk.layers)
-    inputs = min(n, len(chunk.layers)) * one
-    if chunk.last and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+    one, rc = inp.local_tokens * cfg.hidden_size * inp.act_bytes, inp.recompute_placement
+    inputs = rc.num_selected(len(chunk.layers)) * one
+    if chunk.last and rc.recomputes_extra(len(chunk.layers)):
         inputs += 2 * len(shapes_of(cfg).extra) * one
     return inputs
 
@@ -473,23 +514,22 @@ def kept_inputs(cfg, chunk, inp: PlanInputs) -> int:
 def offloaded_inputs(cfg, chunk, inp: PlanInputs) -> int:
     """Bytes ``--offload-recompute-inputs`` keeps in host memory for one micro-batch: the kept
     inputs less the one block's (two tensors at most) back on the device for its backward."""
-    if not inp.offload_recompute_inputs:
+    if not inp.recompute_placement.offload_inputs:
         return 0
     return max(kept_inputs(cfg, chunk, inp) - 2 * inp.local_tokens * cfg.hidden_size * inp.act_bytes, 0)
 
 
 def _chunk_activations(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
-    shapes, total = shapes_of(cfg), 0
+    shapes, total, rc = shapes_of(cfg), 0, inp.recompute_placement
     for k, i in enumerate(chunk.layers):
-        mode = inp.recompute if (inp.recompute_num_layers <= 0 or k < inp.recompute_num_layers) else "none"
-        total += block_bytes(shapes, int(i), T, b, mode, inp.lora)
+        total += block_bytes(shapes, int(i), T, b, rc.layer(k), inp.lora)
     if not chunk.first:
         total += T * cfg.hidden_size * b  # the received hidden state waits for its gradient
     else:
         total += vision_bytes(cfg, inp)  # the image encoder's (0 without images)
     if chunk.last:
         total += head_bytes(shapes, T, b)
-        extra = inp.recompute if recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)) else "none"
+        extra = rc.extra(len(chunk.layers))
         for k in range(len(shapes.extra)):  # extra (MTP) blocks: as apply_recompute sets them
             total += extra_block_bytes(shapes, k, T, b, extra, inp.lora)
     return total

@@ -9,6 +9,8 @@ import json
 import math
 from dataclasses import asdict
 
+from core.memory_mode import MemoryMode
+from core.optim.registry import OptimOptions
 from models.registry import shapes_of
 from training.planner.memory import GB, PlanInputs, as_dict, format_table, plan
 from training.planner.timing import BREAKDOWN, StepTime, TimeAssumptions, peak_tflops, plan_time
@@ -47,31 +49,17 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                            p.expert_model_parallel_size, p.context_parallel_size)
         dp = ep // math.gcd(ep, cp)  # the fewest DP ranks that EP can be carved out of (with CP)
         M = 1
-    return PlanInputs(pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, sharding=m.data_parallel_sharding,
-                      cpu_offload=m.cpu_offload, fsdp_gather_once=m.fsdp_gather_once,
-                      recompute=m.recompute_granularity, recompute_num_layers=m.recompute_num_layers,
-                      recompute_chunks=m.recompute_chunks, offload_recompute_inputs=m.offload_recompute_inputs,
+    return PlanInputs(pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, mode=MemoryMode.of(m), optim=OptimOptions.of(o.optimizer, o),
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
-                      num_microbatches=M, optimizer=o.optimizer, muon_momentum=o.muon_momentum,
-                      muon_ns_steps=o.muon_ns_steps, dion_rank_fraction=o.dion_rank_fraction,
-                      bf16=m.bf16, store_param_remainders=m.store_param_remainders,
-                      optimizer_in_backward=m.optimizer_in_backward, device_gb=device_gb,
-                      pipeline_layout=p.pipeline_layout, moe_dispatcher=args.model.moe_dispatcher,
-                      clip_grad=o.clip_grad, compile=args.model.compile, **_lora_fields(args), **_image_fields(args))
+                      num_microbatches=M, device_gb=device_gb, pipeline_layout=p.pipeline_layout,
+                      moe_dispatcher=args.model.moe_dispatcher, compile=args.model.compile,
+                      **_lora_fields(args), **_image_fields(args))
 
 
 def _lora_fields(args) -> dict:
     """The LoRA flags the planner reads (none for a namespace without the section)."""
     lora = getattr(args, "lora", None)
     return dict(lora_rank=lora.lora_rank, lora_targets=lora.lora_targets) if lora is not None else {}
-
-
-IMAGE_FIELDS = ("image_token_share", "image_crops_per_image", "freeze_vision")
-
-
-def _inputs_dict(inp: PlanInputs) -> dict:
-    """The inputs as JSON; a text-only plan without the image fields (as before them)."""
-    return {k: v for k, v in vars(inp).items() if inp.image_token_share or k not in IMAGE_FIELDS}
 
 
 def _image_fields(args) -> dict:
@@ -105,7 +93,7 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
     st = plan_time(layout.config, inp, assumptions, peak, args.data.global_batch_size)
     s = layout.sizes
     if as_json:
-        print(json.dumps({"world_size": s.world, "inputs": _inputs_dict(inp), "ranks": every_rank(ranks, layout),
+        print(json.dumps({"world_size": s.world, "inputs": inp.as_json(), "ranks": every_rank(ranks, layout),
                           "time": time_dict(st)}, indent=2))
         return 0
     cp = f" x cp {s.cp}" if s.cp > 1 else ""

@@ -11,9 +11,9 @@ chunks and shapes.
 """
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 
 from core.memory_mode import SHARDING_MODES, MemoryMode, RunFacts
 
@@ -106,7 +106,7 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                         continue
                     for mode in memory_modes(base, dp * cp, mbs, cp, M):
                         out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, micro_batch_size=mbs,
-                                           num_microbatches=M, pipeline_layout=None, **plan_fields(mode)))
+                                           num_microbatches=M, pipeline_layout=None, mode=mode))
     return out
 
 
@@ -125,40 +125,26 @@ SEARCH_OFFLOAD_ORDER = ("none", "experts", "all", "optimizer", "masters")
 
 
 def memory_modes(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> list[MemoryMode]:
-    """Every memory mode (``core/memory_mode.py``) that runs on this layout (``MemoryMode.check``
-    accepts it, with the base's precision, optimizer and its options, as validation would), less
-    those that would run like another one listed (``MemoryMode.runs_like_another``); recompute as
-    ``_recompute_modes`` lists it."""
-    out = []
-    for offload, sharding, once, inb, rem in itertools.product(SEARCH_OFFLOAD_ORDER, SHARDING_MODES, (False, True),
-                                                               (False, True), (False, True)):
-        for rc, chunks, off in _recompute_modes(mbs, cp, M):
-            try:
-                mode = MemoryMode(bf16=base.bf16, store_param_remainders=rem, optimizer_in_backward=inb,
-                                  data_parallel_sharding=sharding, fsdp_gather_once=once, cpu_offload=offload,
-                                  recompute_granularity=rc, recompute_num_layers=0, recompute_chunks=chunks,
-                                  offload_recompute_inputs=off)
-            except ValueError:  # the flags alone refuse it
-                continue
-            if not mode.runs_like_another(replicas) and mode.allows(run_facts(base, replicas, mbs, cp, M)):
-                out.append(mode)
-    return out
+    """Every memory mode of the table (``MemoryMode.every``, with the base's precision) that runs
+    on this layout (``MemoryMode.check`` accepts it, with the base's optimizer and its options, as
+    validation would), less those that would run like another one listed
+    (``MemoryMode.runs_like_another``); recompute as ``_recompute_modes`` lists it."""
+    facts = RunFacts.of(replicas // cp, cp, M, mbs, base.optim, compile=base.compile, lora=base.lora_rank > 0)
+    return [mode for mode in _table_modes(base.mode.bf16, tuple(_recompute_modes(mbs, cp, M)))
+            if not mode.runs_like_another(replicas) and mode.allows(facts)]
 
 
-def run_facts(base: PlanInputs, replicas: int, mbs: int, cp: int, M: int) -> RunFacts:
-    """What a mode is checked against on this layout (``PlanInputs.run_facts`` of the candidate)."""
-    return RunFacts(dense_replicas=replicas, num_microbatches=M, micro_batch_size=mbs, context_parallel=cp,
-                    compile=base.compile, optimizer=base.optimizer, optimizer_options=base,
-                    lora=base.lora_rank > 0)
-
-
-def plan_fields(mode: MemoryMode) -> dict:
-    """``PlanInputs``' fields for a memory mode."""
-    return dict(sharding=mode.data_parallel_sharding, cpu_offload=mode.cpu_offload,
-                fsdp_gather_once=mode.fsdp_gather_once, recompute=mode.recompute_granularity,
-                recompute_num_layers=mode.recompute_num_layers, recompute_chunks=mode.recompute_chunks,
-                offload_recompute_inputs=mode.offload_recompute_inputs,
-                store_param_remainders=mode.store_param_remainders, optimizer_in_backward=mode.optimizer_in_backward)
+@lru_cache(maxsize=64)
+def _table_modes(bf16: bool, recompute: tuple) -> tuple:
+    """The table's modes at this precision whose recompute is one of ``recompute`` (granularity,
+    chunks, offloaded inputs), in the order the search lists them (``SEARCH_OFFLOAD_ORDER``,
+    sharding, gather-once, in-backward, remainders, then ``recompute``'s)."""
+    modes = MemoryMode.every(bf16=bf16, recompute_num_layers=0,
+                             recompute_chunks=tuple(sorted({c for _, c, _ in recompute})))
+    rc = lambda m: (m.recompute_granularity, m.recompute_chunks, m.offload_recompute_inputs)
+    order = lambda m: (SEARCH_OFFLOAD_ORDER.index(m.cpu_offload), SHARDING_MODES.index(m.data_parallel_sharding),
+                       m.fsdp_gather_once, m.optimizer_in_backward, m.store_param_remainders, recompute.index(rc(m)))
+    return tuple(sorted((m for m in modes if rc(m) in recompute), key=order))
 
 
 # device memory a layout must leave free to rank as fitting: what the plan does not count (the
@@ -183,9 +169,10 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
     device = max(r.device_total for r in ranks) / GB
     host = max(nodes.values()) / GB
     fits = device <= inp.device_gb - reserve_gb(inp.device_gb, reserve) and (host_gb <= 0 or host <= host_gb)
-    return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, inp.sharding, inp.cpu_offload, inp.fsdp_gather_once,
-               inp.recompute, inp.recompute_chunks, inp.offload_recompute_inputs,
-               inp.store_param_remainders, inp.optimizer_in_backward,
+    m = inp.mode
+    return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, m.data_parallel_sharding, m.cpu_offload, m.fsdp_gather_once,
+               m.recompute_granularity, m.recompute_chunks, m.offload_recompute_inputs,
+               m.store_param_remainders, m.optimizer_in_backward,
                inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
                st.mfu, st.bubble, fits, layout_for(cfg, inp))

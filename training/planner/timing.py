@@ -63,14 +63,13 @@ from functools import lru_cache
 from core.cli import POSITIVE, option
 from core.context_parallel.costs import exchange_bytes, expand_flops
 from core.costs.flops import PEAK_TFLOPS, device_peak_tflops, model_costs
-from core.optim import registry as optimizers
 from core.optim.build import classify
 from core.optim.muon_split import batches, ns_flops, owners
+from core.optim.registry import OptimOptions
 from core.pipeline.simulate import plan_makespan
-from core.transformer.block import recomputes_extra_blocks
 from models.registry import shapes_of
-from training.planner.memory import (KINDS, MASTER, PlanInputs, Placement, _parameter_bytes, _shard_numel, chunk_tally,
-                                  kept_inputs, placement)
+from training.planner.memory import (KINDS, MASTER, OPTION_DEFAULTS, PlanInputs, Placement, _parameter_bytes,
+                                     _shard_numel, chunk_tally, kept_inputs, placement)
 from training.planner.lora import lora_flops
 from training.planner.shares import ChunkShare, schedule_facts
 from training.planner.vision import planned_shares, vision_flops
@@ -155,10 +154,8 @@ def _stage_flops(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float]
     """Forward FLOPs per token of the chunk, and those its recompute repeats."""
     c = _costs(cfg, inp.seq_length)
     fwd = sum(c.blocks[i] for i in chunk.layers) + (c.last_extra if chunk.last else 0.0)
-    redo = 0.0
-    if inp.recompute != "none":
-        n = inp.recompute_num_layers or len(chunk.layers)
-        redo = sum(c.blocks[i] for i in chunk.layers[:n])
+    rc = inp.recompute_placement
+    redo = sum(c.blocks[i] for i in chunk.layers[:rc.num_selected(len(chunk.layers))]) if rc.on else 0.0
     return fwd, redo + (_last_stage_redo(cfg, chunk, inp) if chunk.last else 0.0)
 
 
@@ -169,9 +166,10 @@ def _last_stage_redo(cfg, chunk: ChunkShare, inp: PlanInputs) -> float:
     shapes, c = shapes_of(cfg), _costs(cfg, inp.seq_length)
     head = 2 * shapes.hidden * shapes.vocab
     redo = head * (1 + sum(1 for b in shapes.extra if b.head))
-    if inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+    rc = inp.recompute_placement
+    if rc.extra(len(chunk.layers)) != "none":
         for b, flops in zip(shapes.extra, c.extra):
-            proj = 2 * b.input_proj * shapes.hidden if inp.recompute == "selective" else 0
+            proj = 2 * b.input_proj * shapes.hidden if rc.selective else 0
             redo += flops - (head if b.head else 0) - proj
     return redo
 
@@ -181,12 +179,12 @@ def _moe_blocks(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[set, set]:
     them recomputed."""
     shapes = shapes_of(cfg)
     moe = {i for i in chunk.layers if shapes.blocks[i].ffn.moe}
-    n = inp.recompute_num_layers or len(chunk.layers)
-    redo = set() if inp.recompute == "none" else moe & set(chunk.layers[:n])
+    rc = inp.recompute_placement
+    redo = moe & set(chunk.layers[:rc.num_selected(len(chunk.layers))]) if rc.on else set()
     if chunk.last:
         extra = {-1 - k for k, b in enumerate(shapes.extra) if b.ffn.moe}
         moe |= extra
-        if inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers)):
+        if rc.extra(len(chunk.layers)) != "none":
             redo |= extra
     return moe, redo
 
@@ -198,16 +196,19 @@ def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=4096)
-def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str,
-                   ns_steps: int, dion_fraction: float, in_backward: bool = False) -> dict:
+def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str | OptimOptions,
+                   ns_steps: int = 5, dion_fraction: float = 0.25, in_backward: bool = False) -> dict:
     """Per kind: AdamW and matrix shard parameters, this rank's FLOPs of orthogonalising (Newton-
     Schulz per iteration ``4 m^2 n + 2 m^3`` for m <= n; Dion ``8 m n r``), the parameters of the
     row-sharded matrices whose Newton-Schulz is split over their mesh (``split``), and the tied
     parameters' shards. Muon under FSDP (``core/optim/muon_split.py``): a stack of whole experts
     is orthogonalised where it is (1/D of the stack's FLOPs); row-sharded matrices are dealt out to
     owners in batches, and a batch takes as long as its busiest owner (``split_ns_flops``)."""
-    spec = optimizers.get(optimizer)
-    opts = SimpleNamespace(muon_ns_steps=ns_steps, dion_rank_fraction=dion_fraction)
+    opts = optimizer if isinstance(optimizer, OptimOptions) else \
+        OptimOptions.of(optimizer, SimpleNamespace(muon_ns_steps=ns_steps, dion_rank_fraction=dion_fraction),
+                        defaults=OPTION_DEFAULTS)
+    spec, optimizer = opts.spec, opts.optimizer
+    ns_steps = getattr(opts, "muon_ns_steps", ns_steps)
     out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0, "split": 0} for k in KINDS}
     split: dict = {k: [] for k in KINDS}
     for s in chunk.tensors:
@@ -401,12 +402,11 @@ def _cp_exchanges(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[float, float
 def _cp_per_layer(cfg, chunk: ChunkShare, inp: PlanInputs, cost) -> tuple[float, float]:
     """``cost(attention shape, T, cp)`` summed over the chunk's attention layers (its extra blocks
     on the last stage) for one micro-batch's forward, and over those its recompute repeats."""
-    shapes, T = shapes_of(cfg), inp.tokens
-    n = inp.recompute_num_layers or len(chunk.layers)
-    moved = [(cost(shapes.blocks[i].attention, T, inp.cp), inp.recompute != "none" and k < n)
+    shapes, T, rc = shapes_of(cfg), inp.tokens, inp.recompute_placement
+    moved = [(cost(shapes.blocks[i].attention, T, inp.cp), rc.layer(k) != "none")
              for k, i in enumerate(chunk.layers)]
     if chunk.last:
-        redo = inp.recompute != "none" and recomputes_extra_blocks(inp.recompute_num_layers, len(chunk.layers))
+        redo = rc.extra(len(chunk.layers)) != "none"
         moved += [(cost(x.attention, T, inp.cp), redo) for x in shapes.extra]
     return float(sum(x for x, _ in moved)), float(sum(x for x, r in moved if r))
 
@@ -415,8 +415,8 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
                         bw: dict, eff: float, step: _Ledger) -> None:
     """All-reduce of gradients FSDP does not shard, the tied embedding's, and the optimizer."""
     replicas = {"dense": inp.sizes.dp * inp.sizes.cp, "expert": inp.sizes.expert_dp}
-    work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optimizer,
-                          inp.muon_ns_steps, inp.dion_rank_fraction, inp.optimizer_in_backward)
+    work = optimizer_work(chunk, pl.shard_world["dense"], pl.shard_world["expert"], inp.optim,
+                          in_backward=pl.in_backward)
     pcie, host, hbm = a.pcie_gb_s * 1e9, a.host_gb_s * 1e9, a.hbm_gb_s * 1e9
     for k in KINDS:
         g, w = replicas[k], work[k]
@@ -428,13 +428,13 @@ def _sync_and_optimizer(chunk: ChunkShare, t: dict, inp: PlanInputs, a: TimeAssu
         if pl.host_masters:
             _split_traffic(w, pl.shard_world[k], bw[_group(k, inp)], step)
             _host_masters_step(w, inp, pcie, host, eff, step,
-                               len({x.block for x in chunk.tensors if x.block is not None}))
+                               len({x.block for x in chunk.tensors if x.block is not None}), pl.in_backward)
             continue
         memory = host if pl.offloaded[k] else hbm
         step.seconds["optimizer"] += w["adamw"] * ADAMW_BYTES / memory
         if not w["matrix"]:
             continue
-        step.seconds["optimizer"] += w["matrix"] * inp.optimizer_spec.step_bytes(inp) / memory
+        step.seconds["optimizer"] += w["matrix"] * inp.optim.spec.step_bytes(inp.optim) / memory
         _orthogonalise(w, inp, eff, step)
         _split_traffic(w, pl.shard_world[k], bw[_group(k, inp)], step)
         if pl.offloaded[k]:  # gradient (or momentum) shard to the GPU, the update back
@@ -456,7 +456,7 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
     dispatch's backward after; matrices FSDP manages step after the block's reduce-scatter (in
     the next block's waits), the others when their gradient is accumulated; a row-sharded batch
     (``muon_split``) when its last matrix's hook closes it. Nothing after the last wait hides."""
-    if not inp.optimizer_in_backward or inp.optimizer != "muon":
+    if not pl.in_backward or inp.optimizer != "muon":
         return 0.0
     T, H, b = inp.tokens, cfg.hidden_size, inp.act_bytes
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep / bw["ep"]
@@ -474,11 +474,11 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
         if world > 1 and s.t.dim() == 2:
             split[kind].append(s)
             continue
-        flops = ns_flops(s.t.shape, inp.muon_ns_steps) / (world if s.t.dim() == 3 else 1)
+        flops = ns_flops(s.t.shape, inp.optim.muon_ns_steps) / (world if s.t.dim() == 3 else 1)
         book = end if pl.managed[kind] else mid
         book[s.block] = book.get(s.block, 0.0) + flops / eff
     for kind, tensors in split.items():
-        for closing, busiest in split_batches(tensors, pl.shard_world[kind], inp.muon_ns_steps, True):
+        for closing, busiest in split_batches(tensors, pl.shard_world[kind], inp.optim.muon_ns_steps, True):
             end[closing.block] = end.get(closing.block, 0.0) + busiest / eff
     backlog = hidden = 0.0
 
@@ -508,7 +508,7 @@ def _split_traffic(w: dict, world: int, bytes_per_s: float, step: _Ledger) -> No
 
 
 def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: float, step: _Ledger,
-                       units: int) -> None:
+                       units: int, in_backward: bool) -> None:
     """``cpu_offload="masters"`` (``core/optim/host_masters.py``), per kind: Muon's
     Newton-Schulz on the GPU; on worker threads each matrix's bf16 update to the host (2 bytes),
     its host update (fp32 master read and written, the update read, the new bf16 weight written:
@@ -520,7 +520,7 @@ def _host_masters_step(w: dict, inp: PlanInputs, pcie: float, host: float, eff: 
     _orthogonalise(w, inp, eff, step)
     matrix_s = w["matrix"] * (4 / pcie + 12 / host)
     step.bytes[HD] += 4 * w["matrix"]
-    if inp.optimizer_in_backward:
+    if in_backward:
         step.behind_backward += matrix_s
         step.tail += matrix_s / max(1, units)
     else:
@@ -540,7 +540,7 @@ def rank_work(cfg, chunks: list, inp: PlanInputs, a: TimeAssumptions, pl: Placem
     for chunk in chunks:
         t = chunk_tally(chunk, inp, pl)
         f, bk = _chunk_passes(cfg, chunk, inp, eff, bw)
-        if inp.offload_recompute_inputs:  # out on a stream of its own (bytes only), back on the compute stream
+        if pl.recompute_placement.offload_inputs:  # out on a stream of its own (bytes only), back on the compute stream
             kept = kept_inputs(cfg, chunk, inp)
             f.bytes[HD] += kept
             bk.move("host-device", kept, a.pcie_gb_s * 1e9, HD)

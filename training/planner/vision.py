@@ -142,7 +142,7 @@ def vision_flops(cfg, inp) -> VisionFlops:
         return VisionFlops(fwd)
     if part == "projector":
         return VisionFlops(fwd, k * per_image["projector"])
-    return VisionFlops(fwd, 2 * fwd, k * per_image["layers"] if inp.recompute != "none" else 0.0)
+    return VisionFlops(fwd, 2 * fwd, k * per_image["layers"] if inp.recompute_placement.on else 0.0)
 
 
 def vision_bytes(cfg, inp) -> int:
@@ -151,7 +151,8 @@ def vision_bytes(cfg, inp) -> int:
     v = shapes_of(cfg).vision
     if not has_images(inp) or v is None:
         return 0
-    per_image = sum(n * vision_view_bytes(v, size, inp.act_bytes, inp.recompute, trained_part(inp))
+    granularity = inp.recompute_placement.granularity
+    per_image = sum(n * vision_view_bytes(v, size, inp.act_bytes, granularity, trained_part(inp))
                     for size, n in _views(v, inp))
     return round(images_per_token(v, inp) * inp.tokens * per_image)  # every CP rank: the whole pack's
 
@@ -160,11 +161,12 @@ def vision_working_set(cfg, inp) -> int:
     """What one recomputed ViT block holds again in its backward, for the micro-batch's views
     (they run as one batch): its whole activations less what recompute kept."""
     v = shapes_of(cfg).vision
-    if not has_images(inp) or v is None or inp.recompute == "none" or trained_part(inp) != "all":
+    rc = inp.recompute_placement
+    if not has_images(inp) or v is None or not rc.on or trained_part(inp) != "all":
         return 0
     b, k = inp.act_bytes, images_per_token(v, inp) * inp.tokens
     return round(k * sum(n * (vit_layer_bytes(v, v.patches(size), b) - vit_layer_bytes(v, v.patches(size), b,
-                                                                                          inp.recompute))
+                                                                                          rc.granularity))
                          for size, n in _views(v, inp)))
 
 
