@@ -48,11 +48,12 @@ def one_document(b):
     return b
 
 
-def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, one_doc=False):
+def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, one_doc=False, resume=True):
     """Three steps with the flag give the plain schedule's losses and grad norms (``loss_tol``
     relative, ``first_tol`` the first step's loss: fp32 sums over two chunks in another order,
     measured <= 3e-8; see the bf16 case for its own); ``one_doc``: the last DP rank's first
-    micro-batch is one document (B empty there, its all-to-alls still matched); every EP rank issued its
+    micro-batch is one document (B empty there, its all-to-alls still matched); ``resume``: check
+    the resume too (the acceptance layouts; the others save its two steps); every EP rank issued its
     all-to-alls in the same order (tokens counts differ per rank: its own packs); a run resumed
     from the flagged run's state after step 1 repeats steps 2-3 bitwise."""
     cfg = tiny_config()
@@ -96,6 +97,8 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, 
     assert len(mine) == ep and all(ev == mine[0] for ev in mine), f"rank {rank}: EP ranks issued different orders"
     assert any(w == "grad.start" for _, w in record.events)
 
+    if not resume:
+        return dist.barrier()
     resumed = _build(cfg, ps, pp, ep, (*flags, OVERLAP))
     for c, state in zip(resumed, snapshot):
         c.load_state_dict(state)
