@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import os
 import sys
+from dataclasses import fields
+from types import SimpleNamespace
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,8 +35,11 @@ if __package__ in (None, ""):
 from core.cli import add_to_parser, from_namespace  # noqa: E402
 from training.planner.timing import TimeAssumptions  # noqa: E402
 from train_args import SECTIONS, build_parser, model_config, sections, validate_plan  # noqa: E402
+from training.planner.overlap import FLAG  # noqa: E402
 from training.planner.run import DEFAULT_DEVICE_GB, check_plannable, report, search_report  # noqa: E402
 from training.planner.vision import add_image_flags, image_mix  # noqa: E402
+
+OVERLAP_FIELD = FLAG[2:].replace("-", "_")
 
 
 def build_planner_parser():
@@ -58,9 +63,17 @@ def build_planner_parser():
                    help="--search: host memory per node in GB that a layout may use (default: 2000, "
                         "a DGX H200's 2 TB; 0: no limit)")
     add_image_flags(parser)
+    if not _trainer_flag(OVERLAP_FIELD):  # the planner's own until pretrain_step37.py takes it
+        g.add_argument(FLAG, action="store_true", help="plan the expert-parallel all-to-alls of two chunks of "
+                       "each micro-batch hidden behind each other's compute (training/planner/overlap.py)")
     if "time" not in SECTIONS:  # pretrain_step37.py's flags do not carry the time model (yet)
         add_to_parser(parser, TimeAssumptions, "time model")
     return parser
+
+
+def _trainer_flag(name: str) -> bool:
+    """Whether a section of pretrain_step37.py's flags has this field."""
+    return any(name in {f.name for f in fields(cls)} for cls in SECTIONS.values())
 
 
 def planned(argv=None):
@@ -79,6 +92,8 @@ def planned(argv=None):
         raise ValueError(f"--host-gb must be a finite number >= 0 (0: no limit), got {ns.host_gb:g}")
     assumptions = getattr(args, "time", None) or from_namespace(TimeAssumptions, ns)
     args.images = image_mix(ns)
+    if not _trainer_flag(OVERLAP_FIELD):
+        args.overlap = SimpleNamespace(**{OVERLAP_FIELD: ns.overlap_moe_expert_parallel_comm})
     if not ns.search:
         return ns, args, assumptions, validate_plan(args, ns.world_size)
     check_plannable(args, model_config(args))

@@ -57,7 +57,13 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                       bf16=m.bf16, store_param_remainders=m.store_param_remainders,
                       optimizer_in_backward=m.optimizer_in_backward, device_gb=device_gb,
                       pipeline_layout=p.pipeline_layout, moe_dispatcher=args.model.moe_dispatcher,
-                      clip_grad=o.clip_grad, compile=args.model.compile, **_lora_fields(args), **_image_fields(args))
+                      clip_grad=o.clip_grad, compile=args.model.compile, overlap_moe_expert_parallel_comm=_overlap(args),
+                      **_lora_fields(args), **_image_fields(args))
+
+
+def _overlap(args) -> bool:
+    """``--overlap-moe-expert-parallel-comm``, from whichever section of the flags holds it."""
+    return any(getattr(x, "overlap_moe_expert_parallel_comm", False) for x in vars(args).values())
 
 
 def _lora_fields(args) -> dict:
