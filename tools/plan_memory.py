@@ -11,8 +11,9 @@ be pasted after ``--world-size N``; --data-path and the tokenizer flags are acce
         --recompute-granularity full --data-parallel-sharding fsdp --cpu-offload all [--json]
 
 With ``--search`` it lists every layout of the world size (pipeline and virtual stages, EP,
-sharding, offload, gather-once, recompute, micro-batch size) that fits, fastest first; the
-model, sequence length, global batch, precision and optimizer stay as given:
+sharding, offload, gather-once, recompute, micro-batch size; with
+``--overlap-moe-expert-parallel-comm`` the all-to-all overlap on and off) that fits, fastest
+first; the model, sequence length, global batch, precision and optimizer stay as given:
 
     python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \\
         --seq-length 8192 --global-batch-size 64 --bf16 --optimizer muon --muon-momentum 0
@@ -53,7 +54,8 @@ def build_planner_parser():
     g.add_argument("--json", action="store_true", help="print JSON: one entry per rank, or with "
                                                        "--search every layout")
     g.add_argument("--search", action="store_true", help="rank every layout of --world-size that fits, "
-                                                         "fastest first (the layout flags given are ignored)")
+                                                         "fastest first (the layout flags given are ignored; "
+                                                         f"with {FLAG}, each EP layout with and without it)")
     g.add_argument("--top", type=int, default=20, help="rows of the --search table (default: 20)")
     g.add_argument("--reserve-gb", type=float, default=None,
                    help="--search: device memory a layout must leave free to count as fitting, for what "
