@@ -79,9 +79,10 @@ def test_the_overlap_holds_chunk_bs_combine_beside_the_next_layers_buffers():
 
 
 def test_search_asked_for_the_flag_lists_both_values_under_expert_parallelism():
-    """With the flag among the searched flags: the overlapped twin of every fitting EP layout (it
-    needs more memory than the plain one and nothing else), none without EP, its flags ending
-    with the flag; without it, the plain schedule only."""
+    """With the flag among the searched flags: the overlapped twin of every fitting EP layout that
+    the trainer serves it on (it needs more memory than the plain one and nothing else; selective
+    recompute and CP are refused: core.moe.overlap.check_overlap), none without EP, its flags
+    ending with the flag; without it, the plain schedule only."""
     from training.planner.search import search
 
     base = PlanInputs(seq_length=64, optimizer="adamw", device_gb=1.0, overlap_moe_expert_parallel_comm=True)
@@ -91,7 +92,9 @@ def test_search_asked_for_the_flag_lists_both_values_under_expert_parallelism():
     assert twins and all(r.ep == 2 and r.fits for r in twins)
     layout = lambda r: replace(r, overlap_moe_expert_parallel_comm=False, device_gb=0, step_s=0,
                                tokens_per_s_per_gpu=0, mfu=0, idle=0)
-    plain = [layout(r) for r in rows if not r.overlap_moe_expert_parallel_comm and r.fits and r.ep == 2]
+    served = lambda r: r.recompute != "selective" and r.cp == 1
+    plain = [layout(r) for r in rows if not r.overlap_moe_expert_parallel_comm and r.fits and r.ep == 2 and served(r)]
+    assert any(not served(r) for r in rows if r.ep == 2)  # the refused ones are there, without a twin
     assert sorted(map(str, map(layout, twins))) == sorted(map(str, plain))
     best = next(r for r in rows if r.ep == 2)  # slow links: the overlap wins
     assert best.overlap_moe_expert_parallel_comm and best.flags().endswith(FLAG)
