@@ -81,6 +81,25 @@ def test_lora_adapters_train_through_chunked_blocks():
         assert (grads[n] - ref[n]).abs().max() <= 1e-5 * scale and (plain[n] - ref[n]).abs().max() <= 1e-5 * scale, n
 
 
+def test_a_stage_whose_output_reaches_no_trainable_parameter_is_an_error(monkeypatch):
+    """The guard that would have caught it: the trainer's step (one process, the last stage)
+    stops at the forward instead of skipping the backward of a loss that needs no gradient."""
+    import core.transformer.chunked
+    from core.parallel_state import ParallelSizes, ParallelState
+    from core.train_step import StepSettings, train_step
+    from data.thd import THDBatch
+
+    monkeypatch.setattr(core.transformer.chunked, "_anchor", lambda block, tensors: ())  # the defect
+    model = _lora37("full", 2)
+    tokens, pos, psp = thd(LENGTHS, seed=3)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(RuntimeError, match=r"pipeline stage 0: the output needs no gradient but reaches \d+ "
+                                           "trainable parameters, so nothing would train; .*--recompute-chunks"):
+        train_step([model], ParallelState(ParallelSizes(1), 0, {}), opt,
+                   [THDBatch(tokens, labels_for(tokens, LENGTHS), pos, psp)],
+                   StepSettings(hidden_size=model.config.hidden_size, mtp_depths=2))
+
+
 def test_a_chunk_rerun_is_really_chunked():
     """Each decoder layer's attention runs once per chunk in the forward and again in the
     backward, on chunks of whole documents."""
