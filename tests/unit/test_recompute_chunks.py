@@ -57,11 +57,12 @@ def test_chunked_recompute_gives_the_unchunked_losses_statistics_and_gradients(c
 
 def _lora37(recompute: str, chunks: int = 1):
     """Tiny Step-3.7 with MoE MTP depths under LoRA: a frozen base (the embedding too, so no
-    block input needs a gradient), adapters everywhere, every weight random (B too)."""
+    block input needs a gradient), adapters everywhere, every weight random (B too); chunked
+    with its inputs offloaded (the same Function)."""
     model = _step37(mtp_mlp_layer_types=["sparse", "sparse"])
     apply_lora(model, LoraSettings(lora_rank=2, lora_alpha=4.0, lora_targets="attention,mlp,shared_expert,experts"))
     randomize(model, 1)
-    apply_recompute(model, recompute, chunks=chunks)
+    apply_recompute(model, recompute, chunks=chunks, offload_inputs=chunks > 1)
     return model
 
 
