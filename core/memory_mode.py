@@ -168,10 +168,11 @@ class MemoryMode:
                  "and moves optimizer state the frozen base does not have: use --cpu-offload experts or all"),
                 ("--optimizer-in-backward", self.optimizer_in_backward, "the adapters step with AdamW after the "
                  "backward"),
-                ("--recompute-chunks", self.recompute_chunks > 1, "the chunked recompute's gradient bookkeeping "
-                 "is not built for a frozen base yet"),
-                ("--offload-recompute-inputs", self.offload_recompute_inputs, "the chunked recompute's gradient "
-                 "bookkeeping is not built for a frozen base yet")):
+                ("--recompute-chunks", self.recompute_chunks > 1, "not planned or tested across ranks yet "
+                 "(the planner books the frozen base's chunk sums; the adapters' gradients are tested at one process)"),
+                ("--offload-recompute-inputs", self.offload_recompute_inputs, "not planned or tested across ranks "
+                 "yet (the planner books the frozen base's chunk sums; the adapters' gradients are tested at one "
+                 "process)")):
             if on:
                 raise ValueError(f"--lora-rank with {flag} is not supported: {reason}")
 

@@ -89,6 +89,7 @@ class PipelineExecutor:
         self._outbox: dict = {}  # message label -> (tensor to send, (micro-batch, chunk) or None, carry)
         self._carries: dict = {}  # message label -> the carry received with it
         self._inflight: list = []  # issued batches not yet seen complete: (works, batch), oldest first
+        self._trainable = [_trainable(c) for c in chunks]  # per chunk: (text, image-only) counts
 
     # ------------------------------------------------------------------ p2p
     def _exchange(self, batch: list[P2POp]) -> None:
@@ -194,6 +195,8 @@ class PipelineExecutor:
         # idle ImageInputs when the tower must run its collectives (see __init__); a text-only
         # step of the whole group makes the same call as before images existed
         images = getattr(batch, "images", None) if stage == 0 else None
+        text, image_only = self._trainable[a.chunk]
+        reached = text + (image_only if images is not None else 0)  # an idle tower reaches no loss
         if images is None and stage == 0 and self.idle_vision:
             images = ImageInputs.idle(self.device)
         out = model(batch.tokens, batch.position_ids, batch.packed_seq_params, hidden=inp,
@@ -210,7 +213,9 @@ class PipelineExecutor:
                 total = total + router(carry)
             if self.nan_on_nonfinite_loss:  # x 1.0 when finite (exact); NaN gradients otherwise
                 total = total * torch.where(torch.isfinite(total.detach()), 1.0, float("nan"))
+            _check_reached(total, reached, stage)
             return inp, total, None, None, carry
+        _check_reached(out.hidden, reached, stage)
         buf = out.hidden.detach().to(self.dtype).contiguous()
         owner = (a.microbatch, a.chunk) if torch.is_grad_enabled() else None
         self._outbox[("F", a.microbatch, stage + 1)] = (buf, owner, carry)
@@ -252,6 +257,24 @@ class PipelineExecutor:
                     tuple(tensors[i] for i in keep), tuple(grads[i] for i in keep), False, False, (), True, True)
         if inp is not None:
             self._outbox[("B", a.microbatch, stage - 1)] = (inp.grad.contiguous(), None, carry)
+
+
+def _trainable(chunk) -> tuple[int, int]:
+    """``(trainable parameters, those of them only images reach)`` of a chunk (host facts)."""
+    image = {id(p) for p in (chunk.image_parameters() if hasattr(chunk, "image_parameters") else [])}
+    flags = [id(p) in image for p in chunk.parameters() if p.requires_grad]
+    return len(flags) - sum(flags), sum(flags)
+
+
+def _check_reached(out: torch.Tensor, trainable: int, stage: int) -> None:
+    """A stage whose output needs no gradient although the micro-batch reaches ``trainable``
+    parameters would train nothing, silently (its backward is skipped): a custom autograd
+    Function hid them. ``requires_grad`` is a host fact: no device read."""
+    if trainable and torch.is_grad_enabled() and not out.requires_grad:
+        raise RuntimeError(f"pipeline stage {stage}: the output needs no gradient but reaches {trainable} trainable "
+                           "parameters, so nothing would train; seen with a frozen embedding (--lora-rank, "
+                           "--freeze-language) and --recompute-chunks / --offload-recompute-inputs: report it "
+                           "with this run's flags")
 
 
 def _free_values(out: torch.Tensor) -> None:

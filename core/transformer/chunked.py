@@ -177,6 +177,10 @@ def _inner_units(block: torch.nn.Module) -> list:
 
 
 class _Chunked(torch.autograd.Function):
+    """``apply(run, n_in, *inputs, anchor?)``: the block's parameters are used inside, not passed
+    in, and a custom Function's outputs need a gradient only when one of its inputs does; a
+    trailing ``anchor`` (:func:`_anchor`) stands in for them when no input does."""
+
     @staticmethod
     def forward(ctx, run: _Run, n_in, *tensors):
         fn, chunks = run.fn, run.chunks
@@ -262,7 +266,22 @@ class _Chunked(torch.autograd.Function):
                 u.set_reshard_after_backward(reshard, recurse=False)
             for p in marked.values():
                 pending.set(p, False)
-        return (None, None, *grad_in)
+        return (None, None, *grad_in, *[None] * (len(ctx.needs_input_grad) - 2 - len(grad_in)))
+
+
+def _anchor(block: torch.nn.Module, tensors: tuple) -> tuple:
+    """``(anchor,)`` when the block has a trainable parameter but none of its input tensors needs
+    a gradient (the first block after a frozen embedding: LoRA, ``--freeze-language``), else
+    ``()``. The anchor, an empty leaf that needs a gradient (and gets none), makes the outputs
+    need one, so autograd reaches the backward that differentiates the parameters (as
+    torch.utils.checkpoint's non-reentrant hooks keep the parameters in the graph); without it the
+    loss needs no gradient and nothing in the block trains. Not the parameters themselves: under
+    FSDP2 those are swapped between sharded and gathered tensors, and an edge to them would fire
+    their accumulate-grad hooks (the in-backward step) with no gradient."""
+    if not torch.is_grad_enabled() or any(t.requires_grad for t in tensors) or \
+            not any(p.requires_grad for p in block.parameters()):
+        return ()
+    return (torch.empty(0, device=tensors[0].device, requires_grad=True),)
 
 
 def _leaves(roots: list) -> list:
@@ -312,7 +331,7 @@ def chunked_recompute(block: torch.nn.Module, fn, tensors: tuple, ropes: dict, l
     run = _Run(lambda *a: fn(*a[:-1], a[-1].ropes, a[-1].layout, a[-1].valid),
                make_chunks(layout, ropes, valid, chunks), _inner_units(block), block, offload, stream,
                shared.pending)
-    out = _Chunked.apply(run, len(tensors), *tensors)
+    out = _Chunked.apply(run, len(tensors), *tensors, *_anchor(block, tensors))
     if not top_k:
         return (*out, None)
     prob_sum, counts, n = out[-3:]

@@ -8,10 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from core.finetune.lora import LoraSettings, apply_lora
 from core.optim.in_backward import InBackwardSteps
 from core.transformer.attention_backends import DocLayout
 from core.transformer.block import apply_recompute
 from core.transformer.chunked import PendingGrads, chunk_cuts
+from tests.unit.hf_reference import randomize
 from tests.unit.test_head_loss import _step37
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
@@ -51,6 +53,52 @@ def test_chunked_recompute_gives_the_unchunked_losses_statistics_and_gradients(c
     worst = {n: ((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref}
     name = max(worst, key=worst.get)
     assert worst[name] <= 1e-5, (name, worst[name])
+
+
+def _lora37(recompute: str, chunks: int = 1):
+    """Tiny Step-3.7 with MoE MTP depths under LoRA: a frozen base (the embedding too, so no
+    block input needs a gradient), adapters everywhere, every weight random (B too); chunked
+    with its inputs offloaded (the same Function)."""
+    model = _step37(mtp_mlp_layer_types=["sparse", "sparse"])
+    apply_lora(model, LoraSettings(lora_rank=2, lora_alpha=4.0, lora_targets="attention,mlp,shared_expert,experts"))
+    randomize(model, 1)
+    apply_recompute(model, recompute, chunks=chunks, offload_inputs=chunks > 1)
+    return model
+
+
+def test_lora_adapters_train_through_chunked_blocks():
+    """A chunked block's adapters are used inside its autograd Function, not passed in; with a
+    frozen embedding no input of the first block needs a gradient, and the loss needed none
+    (nothing trained). Every adapter's gradient equals the unchunked recompute's and no
+    recompute's (the tolerance of the test above) and is not zero; the base gets none."""
+    models = [_lora37("full"), _lora37("none"), _lora37("full", 2)]
+    (ref_losses, _, ref), (_, _, plain), (losses, _, grads) = map(_step, models)
+    assert torch.allclose(losses, ref_losses, rtol=1e-5)
+    adapters = {n for n, p in models[0].named_parameters() if p.requires_grad}
+    assert adapters and ref.keys() == plain.keys() == grads.keys() == adapters
+    for n in adapters:
+        scale = ref[n].abs().max()
+        assert scale > 0, n
+        assert (grads[n] - ref[n]).abs().max() <= 1e-5 * scale and (plain[n] - ref[n]).abs().max() <= 1e-5 * scale, n
+
+
+def test_a_stage_whose_output_reaches_no_trainable_parameter_is_an_error(monkeypatch):
+    """The guard that would have caught it: the trainer's step (one process, the last stage)
+    stops at the forward instead of skipping the backward of a loss that needs no gradient."""
+    import core.transformer.chunked
+    from core.parallel_state import ParallelSizes, ParallelState
+    from core.train_step import StepSettings, train_step
+    from data.thd import THDBatch
+
+    monkeypatch.setattr(core.transformer.chunked, "_anchor", lambda block, tensors: ())  # the defect
+    model = _lora37("full", 2)
+    tokens, pos, psp = thd(LENGTHS, seed=3)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(RuntimeError, match=r"pipeline stage 0: the output needs no gradient but reaches \d+ "
+                                           "trainable parameters, so nothing would train; .*--recompute-chunks"):
+        train_step([model], ParallelState(ParallelSizes(1), 0, {}), opt,
+                   [THDBatch(tokens, labels_for(tokens, LENGTHS), pos, psp)],
+                   StepSettings(hidden_size=model.config.hidden_size, mtp_depths=2))
 
 
 def test_a_chunk_rerun_is_really_chunked():
