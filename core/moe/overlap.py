@@ -99,14 +99,25 @@ def overlapped_forward(block, x_TH, ropes: dict, layout: DocLayout, valid_T):
         if moe.shared_expert is not None:  # step 3
             shared[0] = moe.shared_expert(normed[0])
         for k, f in enumerate(flights):  # steps 4-5
-            release = (lambda y: _Hold.apply(y, experts, held, False)) if experts and k == 0 else None
+            release = (lambda y: _release(y, experts, held)) if experts and k == 0 else None
             d.combine_start(f, moe.experts, d.dispatch_wait(f), after=release)
     if moe.shared_expert is not None:  # step 6
         shared[1] = moe.shared_expert(normed[1])
     out = [h + moe.output(d.combine_wait(f), s) for h, f, s in zip(res, flights, shared)]  # step 7
     counts, prob_sum, n = (stats[0][k] + stats[1][k] for k in ("tokens_per_expert", "prob_sum", "valid_tokens"))
     y = torch.cat(out)
-    return _Hold.apply(y, experts, held, True) if experts else y, router_stats(counts, prob_sum, n, moe.router.top_k)
+    # held only where A's experts output needs a gradient (else no release would run in the backward)
+    return _Hold.apply(y, experts, held, True) if held else y, router_stats(counts, prob_sum, n, moe.router.top_k)
+
+
+def _release(y: torch.Tensor, units: list, held: list) -> torch.Tensor:
+    """A's experts output, through the node that releases the held units in the backward, and
+    ``held`` marked as to be filled by the hold (only if that node will run: ``y`` needs a
+    gradient)."""
+    if not y.requires_grad:
+        return y
+    held.append(None)  # the hold's backward replaces it with the units' settings
+    return _Hold.apply(y, units, held, False)
 
 
 class _Hold(torch.autograd.Function):
