@@ -48,15 +48,18 @@ def one_document(b):
     return b
 
 
-def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, one_doc=False, resume=True):
+def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, one_doc=False, resume=True,
+                  family="step37"):
     """Three steps with the flag give the plain schedule's losses and grad norms (``loss_tol``
     relative, ``first_tol`` the first step's loss: fp32 sums over two chunks in another order,
     measured <= 3e-8; see the bf16 case for its own); ``one_doc``: the last DP rank's first
     micro-batch is one document (B empty there, its all-to-alls still matched); ``resume``: check
     the resume too (the acceptance layouts; the others save its two steps); every EP rank issued its
     all-to-alls in the same order (tokens counts differ per rank: its own packs); a run resumed
-    from the flagged run's state after step 1 repeats steps 2-3 bitwise."""
-    cfg = tiny_config()
+    from the flagged run's state after step 1 repeats steps 2-3 bitwise (in memory, plain SGD; through
+    checkpoint files with the real optimizer: tests/distributed/test_storage_modes.py); ``family``:
+    the tiny model's (glm4_moe: an MoE MTP depth, whose block is overlapped too)."""
+    cfg = tiny_config(family)
     sizes = ParallelSizes(world, pp=pp, ep=ep)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     M = max(2, pp)
@@ -69,8 +72,10 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, 
 
     record = CommRecord()
     over = _build(cfg, ps, pp, ep, (*flags, OVERLAP), record)
-    assert sum(getattr(b, "overlap_moe", False) for c in over for b in c.modules()) == \
-        sum(len(c.moe_layers()) for c in over) > 0
+    overlapped = [n for c in over for n, b in c.named_modules() if getattr(b, "overlap_moe", False)]
+    assert len(overlapped) == sum(len(c.moe_layers()) for c in over) > 0, overlapped
+    if family == "glm4_moe" and ps.pp_rank == pp - 1:  # its MTP depth's MoE block (on the last stage)
+        assert any(n.startswith("mtp.") for n in overlapped), overlapped
     snapshot = None
     got = []
     for k in range(STEPS):

@@ -22,7 +22,9 @@ import pytest
 from tests.distributed.overlap_cases import check_overlap
 
 CASES = {  # name: (world, fn, (pp, ep, flags))
-    "ep2": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, True)),  # rank 1 starts on a one-document pack
+    # rank 1 starts on a one-document pack; its resume goes through checkpoint files with Muon in
+    # tests/distributed/test_storage_modes.py (resume-overlap-2)
+    "ep2": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, True, False)),
     "bf16_fsdp_ep2": (4, check_overlap, (1, 2, ("--bf16", "--data-parallel-sharding", "fsdp"), 1e-3, 1e-6)),
     "pp2_ep2": (4, check_overlap, (2, 2)),
     # what else it composes with: LoRA adapters (grouped ones on the experts) with FSDP gathering
@@ -33,6 +35,8 @@ CASES = {  # name: (world, fn, (pp, ep, flags))
     "ep2_recompute_chunks_offload": (2, check_overlap, (1, 2, (
         "--recompute-granularity", "full", "--recompute-chunks", "2", "--micro-batch-size", "2",
         "--offload-recompute-inputs"), 1e-6, 1e-6, False, False)),
+    # GLM-4.5 tiny: its MTP depth's block is an MoE block, overlapped as the decoder layers'
+    "ep2_glm4_moe_mtp": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, False, False, "glm4_moe")),
 }
 
 
