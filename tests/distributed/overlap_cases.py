@@ -2,11 +2,14 @@
 against the plain one in the same layout, the collectives every rank issued, and a resume."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from core.distributed.collectives import CommRecord
+from core.pipeline.nccl_replay import Collective, replay
 from core.packed_seq import PackedSeqParams
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
@@ -26,16 +29,43 @@ def _build(cfg, ps, pp, ep, flags, record=None):
     return chunks
 
 
-def _steps(chunks, ps, cfg, steps, first: int = 0, dtype=torch.float32):
+@contextmanager
+def _issue_order(order: list):
+    """``order`` gets, in the order this rank's host issues them, ``"p2p"`` for each pipeline
+    batch (``batch_isend_irecv``) and a :class:`Collective` for each all-to-all (its group's
+    global ranks): the expert-parallel token and count exchanges."""
+    p2p, a2a = dist.batch_isend_irecv, dist.all_to_all_single
+
+    def batch(ops):
+        order.append("p2p")
+        return p2p(ops)
+
+    def all_to_all(*args, group=None, **kw):
+        order.append(Collective(tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), "all-to-all"))
+        return a2a(*args, group=group, **kw)
+
+    dist.batch_isend_irecv, dist.all_to_all_single = batch, all_to_all
+    try:
+        yield order
+    finally:
+        dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a
+
+
+def _steps(chunks, ps, cfg, steps, first: int = 0, dtype=torch.float32, joint: list | None = None):
     """Losses and grad norms of plain SGD steps ``first..`` (no optimizer state: a resume is the
-    parameters and the router biases, what ``state_dict`` holds)."""
+    parameters and the router biases, what ``state_dict`` holds). ``joint``: gets the steps'
+    pipeline batches (the executor's trace) and all-to-alls, in issue order, for the replay."""
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters() if p.requires_grad], lr=0.1)
     s = settings(cfg, aux_loss_coeff=0.01, router_bias_rate=0.01, clip_grad=1.0, dtype=dtype)
     out = []
     for batches in steps[first:]:
-        with _CollectiveCounter() as calls:
+        with _CollectiveCounter() as calls, _issue_order([]) as order:
             m = train_step(chunks, ps, opt, batches[ps.dp_rank], s)
         out.append((m.loss, m.grad_norm, calls["gather"], calls["scatter"]))
+        if joint is not None:
+            p2p = iter(m.p2p_trace)
+            joint += [next(p2p) if o == "p2p" else [o] for o in order]
+            assert next(p2p, None) is None
     return out
 
 
@@ -77,9 +107,9 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, 
     if family == "glm4_moe" and ps.pp_rank == pp - 1:  # its MTP depth's MoE block (on the last stage)
         assert any(n.startswith("mtp.") for n in overlapped), overlapped
     snapshot = None
-    got = []
+    got, joint = [], []
     for k in range(STEPS):
-        got += _steps(over, ps, cfg, steps[k:k + 1], dtype=dtype)
+        got += _steps(over, ps, cfg, steps[k:k + 1], dtype=dtype, joint=joint)
         if k == 0:
             snapshot = [{n: t.detach().clone() for n, t in c.state_dict().items()} for c in over]
     # FSDP: the experts unit (and the fp32 router) gather once per forward for both chunks, and the
@@ -101,6 +131,13 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, 
     mine = [ev for key, ev in events if key == tuple(ps.ranks("ep"))]
     assert len(mine) == ep and all(ev == mine[0] for ev in mine), f"rank {rank}: EP ranks issued different orders"
     assert any(w == "grad.start" for _, w in record.events)
+    # ... and the pipeline's batches with them: every rank's sequence of both, in issue order,
+    # replayed under NCCL's rules with all communicators on one queue (core/pipeline/nccl_replay.py)
+    traces = [None] * world
+    dist.all_gather_object(traces, joint)
+    result = replay(dict(enumerate(traces)))
+    assert pp == 1 or any(b[0].op != "collective" for b in joint), "no pipeline batch recorded"
+    print(f"[overlap] NCCL replay: {result.batches} batches, {result.operations} operations")
 
     if not resume:
         return dist.barrier()
