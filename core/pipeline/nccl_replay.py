@@ -71,7 +71,8 @@ def _match(traces: dict) -> dict:
         labels = {r: _op(traces, where).label for r, where in posts.items()}
         if set(posts) != set(group) or len(set(labels.values())) > 1:
             problems.append(f"collective #{k + 1} on ranks {list(group)}: issued as {labels} (missing on "
-                            f"{sorted(set(group) - set(posts))}; every rank of a group issues the same in the same order)")
+                            f"{sorted(set(group) - set(posts))}; every rank of a group issues the same "
+                            "in the same order)")
         for where in posts.values():
             partner[where] = [w for w in posts.values() if w != where]
     for key in sends.keys() | recvs.keys():
@@ -156,8 +157,8 @@ def _describe(traces, current, partner, matched, done_ops) -> str:
         waiting = []
         for i, op in enumerate(traces[r][b]):
             if (r, b, i) not in matched:
-                where = "; ".join(f"rank {pr}'s batch {pb}; rank {pr} is at batch {current.get(pr, len(traces[pr]))}"
-                                  for pr, pb, _ in partner[(r, b, i)])
+                where = "; ".join(f"rank {pr}'s batch {pb}; rank {pr} is at batch "
+                                  f"{current.get(pr, len(traces[pr]))}" for pr, pb, _ in partner[(r, b, i)])
                 waiting.append(f"{op!r} (its partner is in {where})")
         lines.append(f"  rank {r} waits in batch {b}: " + "; ".join(waiting))
     return "\n".join(lines)
