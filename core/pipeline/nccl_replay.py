@@ -11,6 +11,13 @@ operations to different peers independently in practice, but does not promise it
 tags. Matched pairs must agree in shape and dtype (NCCL would not notice otherwise) and carry the
 same message (else a rank would silently compute on another micro-batch's tensor).
 
+A batch may also be one :class:`Collective` (an expert-parallel all-to-all, say): it completes
+once every rank of its group has posted its collective of the same number on that group, and the
+ranks must agree on what it is. One sequence per rank holding both (in the order the host issued
+them) replays them as if every communicator shared one queue on each rank, the strictest case
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``, kernels that cannot run side by side, a host that waits):
+an interleaving that completes there completes on separate streams too.
+
 ``replay(traces)`` raises :class:`NCCLDeadlock` or :class:`P2PMismatch`, naming the ranks, the
 batches and the operations, or returns how many batches and operations ran.
 """
@@ -27,6 +34,17 @@ class P2PMismatch(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Collective:
+    """A collective every rank of ``group`` (global ranks) takes part in, in issue order."""
+    group: tuple
+    label: str = ""
+    op: str = "collective"
+
+    def __repr__(self) -> str:
+        return f"{self.label or 'collective'} on ranks {list(self.group)}"
+
+
 @dataclass
 class ReplayResult:
     batches: int
@@ -34,16 +52,29 @@ class ReplayResult:
 
 
 def _match(traces: dict) -> dict:
-    """Partner of every operation: (rank, batch, index) -> (rank, batch, index)."""
-    sends, recvs = {}, {}
+    """Partners of every operation: (rank, batch, index) -> [(rank, batch, index), ...] (one for
+    a send or receive, the group's other ranks for a collective)."""
+    sends, recvs, colls = {}, {}, {}
     for r, batches in traces.items():
         count: dict = {}
         for b, batch in enumerate(batches):
             for i, op in enumerate(batch):
+                if op.op == "collective":
+                    k = count[op.group] = count.get(op.group, -1) + 1
+                    colls.setdefault((op.group, k), {})[r] = (r, b, i)
+                    continue
                 pair = (r, op.peer) if op.op == "send" else (op.peer, r)
                 k = count[(op.op, pair)] = count.get((op.op, pair), -1) + 1
                 (sends if op.op == "send" else recvs)[(pair, k)] = (r, b, i)
     partner, problems = {}, []
+    for (group, k), posts in colls.items():
+        labels = {r: _op(traces, where).label for r, where in posts.items()}
+        if set(posts) != set(group) or len(set(labels.values())) > 1:
+            problems.append(f"collective #{k + 1} on ranks {list(group)}: issued as {labels} (missing on "
+                            f"{sorted(set(group) - set(posts))}; every rank of a group issues the same "
+                            "in the same order)")
+        for where in posts.values():
+            partner[where] = [w for w in posts.values() if w != where]
     for key in sends.keys() | recvs.keys():
         (src, dst), k = key
         if key not in recvs:
@@ -61,7 +92,7 @@ def _match(traces: dict) -> dict:
         if s.label != rv.label:
             problems.append(f"send #{k + 1} rank {src} -> {dst} carries {s!r} but is received as {rv!r} "
                             "(NCCL pairs by order: the receiver would get another message)")
-        partner[sends[key]], partner[recvs[key]] = recvs[key], sends[key]
+        partner[sends[key]], partner[recvs[key]] = [recvs[key]], [sends[key]]
     if problems:
         raise P2PMismatch("; ".join(sorted(problems)[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
     return partner
@@ -87,8 +118,7 @@ def replay(traces: dict, strict: bool = True) -> ReplayResult:
             if strict and not all(pos.get(q) == c for q, c in linked_batches((r, b), linked)):
                 continue
             for i in range(len(traces[r][b])):
-                pr, pb, _ = partner[(r, b, i)]
-                if pos.get(pr) == pb:
+                if all(pos.get(pr) == pb for pr, pb, _ in partner[(r, b, i)]):
                     matched.add((r, b, i))
         advanced = [r for r, b in current.items()
                     if all((r, b, i) in matched for i in range(len(traces[r][b])))]
@@ -104,8 +134,8 @@ def pair_batches(traces: dict) -> tuple[dict, dict]:
     """(partner of every operation, (rank, batch) -> the batches its operations pair with)."""
     partner = _match(traces)
     linked: dict = {}
-    for (r, b, _), (pr, pb, _) in partner.items():
-        linked.setdefault((r, b), set()).add((pr, pb))
+    for (r, b, _), others in partner.items():
+        linked.setdefault((r, b), set()).update((pr, pb) for pr, pb, _ in others)
     return partner, linked
 
 
@@ -127,8 +157,8 @@ def _describe(traces, current, partner, matched, done_ops) -> str:
         waiting = []
         for i, op in enumerate(traces[r][b]):
             if (r, b, i) not in matched:
-                pr, pb, _ = partner[(r, b, i)]
-                waiting.append(f"{op!r} (its partner is in rank {pr}'s batch {pb}; rank {pr} is at batch "
-                               f"{current.get(pr, len(traces[pr]))})")
+                where = "; ".join(f"rank {pr}'s batch {pb}; rank {pr} is at batch "
+                                  f"{current.get(pr, len(traces[pr]))}" for pr, pb, _ in partner[(r, b, i)])
+                waiting.append(f"{op!r} (its partner is in {where})")
         lines.append(f"  rank {r} waits in batch {b}: " + "; ".join(waiting))
     return "\n".join(lines)

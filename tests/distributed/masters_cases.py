@@ -24,22 +24,23 @@ MODES = {"bf16": (), "remainders": ("--store-param-remainders",), "in_backward":
 CHUNKED = ("--recompute-granularity", "full", "--recompute-chunks", "2", "--micro-batch-size", "2")  # a pack at a time
 CHUNK_MODES = {"chunks": CHUNKED, "host_in_backward_chunks": (*MODES["host_in_backward"], *CHUNKED,
                                                               "--offload-recompute-inputs")}
+OVERLAP_MODES = {"overlap": ("--overlap-moe-expert-parallel-comm",)}  # resumed only (needs EP > 1)
 
 
-def optim_cfg(optimizer: str):
+def optim_cfg(optimizer: str, momentum: float = 0.0):
     # eps 1 makes AdamW's update smooth in the gradient (at 1e-8 its first steps are ~lr * sign(g):
     # a 1e-7 difference in a near-zero gradient entry becomes a full step of the other sign);
     # Newton-Schulz in fp32 (in bf16 two inputs one rounding apart give updates 2e-2 apart)
     return SimpleNamespace(optimizer=optimizer, lr=1e-2 if optimizer == "muon" else 1e-1, adamw_lr=1e-1,
-                           weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1.0, muon_momentum=0.0,
+                           weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1.0, muon_momentum=momentum,
                            muon_nesterov=True, muon_ns_steps=5, muon_ns_method="quintic", muon_lr_adjust="rms",
                            muon_ns_dtype="fp32", dion_momentum=0.9, dion_rank_fraction=0.5)
 
 
-def build(cfg, ps, ep: int, mode: str, optimizer: str):
-    flags = ["--bf16", "--data-parallel-sharding", "fsdp", *{**MODES, **CHUNK_MODES}[mode]]
+def build(cfg, ps, ep: int, mode: str, optimizer: str, momentum: float = 0.0):
+    flags = ["--bf16", "--data-parallel-sharding", "fsdp", *{**MODES, **CHUNK_MODES, **OVERLAP_MODES}[mode]]
     chunks = parallelize(cfg, ps, run_args(1, 1, ep, *flags))
-    opt, _ = build_optimizer(chunks, optim_cfg(optimizer))
+    opt, _ = build_optimizer(chunks, optim_cfg(optimizer, momentum))
     if "--optimizer-in-backward" in flags and optimizer == "muon":
         opt.in_backward = InBackwardSteps(opt.optimizers["muon"], specs_of(chunks), ps, pending_grads(chunks))
     return chunks, opt
@@ -84,20 +85,22 @@ def compare_modes(rank, world, ep, optimizer, clip, steps, tolerance, modes=tupl
             f"{mode}: masters {t[0]:.2e} of their movement, losses {t[1]:.2e} relative from --bf16's (allowed {allowed})"
 
 
-def resume_is_bitwise(rank, world, ep, mode, optimizer, tmpdir):
-    """Four steps straight, or two, a checkpoint (fp32 masters), a fresh build loaded from it and
-    two more: the same masters and losses, bit for bit."""
+def resume_is_bitwise(rank, world, ep, mode, optimizer, tmpdir, momentum=0.0):
+    """Four steps straight, or two, a checkpoint (fp32 masters, the optimizer's state), a fresh
+    build loaded from it and two more: the same masters and losses, bit for bit. ``momentum``:
+    Muon's (0: only AdamW's moments, on the non-matrix parameters, are state to resume)."""
     from core.checkpoint.sharded import load_checkpoint, save_checkpoint
 
     cfg = tiny_config()
     ps = ParallelState.build(ParallelSizes(world, ep=ep), cfg.num_layers, cfg.num_experts)
-    chunks, opt = build(cfg, ps, ep, mode, optimizer)
+    chunks, opt = build(cfg, ps, ep, mode, optimizer, momentum)
+    assert any(getattr(m, "overlap_moe", False) for c in chunks for m in c.modules()) == (mode in OVERLAP_MODES)
     straight = [m.loss for m in train(chunks, opt, ps, cfg, 4, 1.0)]
     want = masters(chunks)
-    chunks, opt = build(cfg, ps, ep, mode, optimizer)
+    chunks, opt = build(cfg, ps, ep, mode, optimizer, momentum)
     first = [m.loss for m in train(chunks, opt, ps, cfg, 2, 1.0)]
     save_checkpoint(f"{tmpdir}/ck", 2, chunks, opt, {}, {"model": cfg.to_dict()})
-    chunks, opt = build(cfg, ps, ep, mode, optimizer)
+    chunks, opt = build(cfg, ps, ep, mode, optimizer, momentum)
     load_checkpoint(f"{tmpdir}/ck", chunks, opt)
     rest = [m.loss for m in train(chunks, opt, ps, cfg, 4, 1.0, first=2)]
     assert first + rest == straight, (first + rest, straight)

@@ -2,11 +2,14 @@
 against the plain one in the same layout, the collectives every rank issued, and a resume."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from core.distributed.collectives import CommRecord
+from core.pipeline.nccl_replay import Collective, replay
 from core.packed_seq import PackedSeqParams
 from core.parallel_state import ParallelSizes, ParallelState
 from core.train_step import train_step
@@ -26,16 +29,43 @@ def _build(cfg, ps, pp, ep, flags, record=None):
     return chunks
 
 
-def _steps(chunks, ps, cfg, steps, first: int = 0, dtype=torch.float32):
+@contextmanager
+def _issue_order(order: list):
+    """``order`` gets, in the order this rank's host issues them, ``"p2p"`` for each pipeline
+    batch (``batch_isend_irecv``) and a :class:`Collective` for each all-to-all (its group's
+    global ranks): the expert-parallel token and count exchanges."""
+    p2p, a2a = dist.batch_isend_irecv, dist.all_to_all_single
+
+    def batch(ops):
+        order.append("p2p")
+        return p2p(ops)
+
+    def all_to_all(*args, group=None, **kw):
+        order.append(Collective(tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), "all-to-all"))
+        return a2a(*args, group=group, **kw)
+
+    dist.batch_isend_irecv, dist.all_to_all_single = batch, all_to_all
+    try:
+        yield order
+    finally:
+        dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a
+
+
+def _steps(chunks, ps, cfg, steps, first: int = 0, dtype=torch.float32, joint: list | None = None):
     """Losses and grad norms of plain SGD steps ``first..`` (no optimizer state: a resume is the
-    parameters and the router biases, what ``state_dict`` holds)."""
+    parameters and the router biases, what ``state_dict`` holds). ``joint``: gets the steps'
+    pipeline batches (the executor's trace) and all-to-alls, in issue order, for the replay."""
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters() if p.requires_grad], lr=0.1)
     s = settings(cfg, aux_loss_coeff=0.01, router_bias_rate=0.01, clip_grad=1.0, dtype=dtype)
     out = []
     for batches in steps[first:]:
-        with _CollectiveCounter() as calls:
+        with _CollectiveCounter() as calls, _issue_order([]) as order:
             m = train_step(chunks, ps, opt, batches[ps.dp_rank], s)
         out.append((m.loss, m.grad_norm, calls["gather"], calls["scatter"]))
+        if joint is not None:
+            p2p = iter(m.p2p_trace)
+            joint += [next(p2p) if o == "p2p" else [o] for o in order]
+            assert next(p2p, None) is None
     return out
 
 
@@ -48,15 +78,18 @@ def one_document(b):
     return b
 
 
-def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, one_doc=False, resume=True):
+def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, one_doc=False, resume=True,
+                  family="step37"):
     """Three steps with the flag give the plain schedule's losses and grad norms (``loss_tol``
     relative, ``first_tol`` the first step's loss: fp32 sums over two chunks in another order,
     measured <= 3e-8; see the bf16 case for its own); ``one_doc``: the last DP rank's first
     micro-batch is one document (B empty there, its all-to-alls still matched); ``resume``: check
     the resume too (the acceptance layouts; the others save its two steps); every EP rank issued its
     all-to-alls in the same order (tokens counts differ per rank: its own packs); a run resumed
-    from the flagged run's state after step 1 repeats steps 2-3 bitwise."""
-    cfg = tiny_config()
+    from the flagged run's state after step 1 repeats steps 2-3 bitwise (in memory, plain SGD; through
+    checkpoint files with the real optimizer: tests/distributed/test_storage_modes.py); ``family``:
+    the tiny model's (glm4_moe: an MoE MTP depth, whose block is overlapped too)."""
+    cfg = tiny_config(family)
     sizes = ParallelSizes(world, pp=pp, ep=ep)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
     M = max(2, pp)
@@ -69,12 +102,14 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, 
 
     record = CommRecord()
     over = _build(cfg, ps, pp, ep, (*flags, OVERLAP), record)
-    assert sum(getattr(b, "overlap_moe", False) for c in over for b in c.modules()) == \
-        sum(len(c.moe_layers()) for c in over) > 0
+    overlapped = [n for c in over for n, b in c.named_modules() if getattr(b, "overlap_moe", False)]
+    assert len(overlapped) == sum(len(c.moe_layers()) for c in over) > 0, overlapped
+    if family == "glm4_moe" and ps.pp_rank == pp - 1:  # its MTP depth's MoE block (on the last stage)
+        assert any(n.startswith("mtp.") for n in overlapped), overlapped
     snapshot = None
-    got = []
+    got, joint = [], []
     for k in range(STEPS):
-        got += _steps(over, ps, cfg, steps[k:k + 1], dtype=dtype)
+        got += _steps(over, ps, cfg, steps[k:k + 1], dtype=dtype, joint=joint)
         if k == 0:
             snapshot = [{n: t.detach().clone() for n, t in c.state_dict().items()} for c in over]
     # FSDP: the experts unit (and the fp32 router) gather once per forward for both chunks, and the
@@ -96,6 +131,13 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, 
     mine = [ev for key, ev in events if key == tuple(ps.ranks("ep"))]
     assert len(mine) == ep and all(ev == mine[0] for ev in mine), f"rank {rank}: EP ranks issued different orders"
     assert any(w == "grad.start" for _, w in record.events)
+    # ... and the pipeline's batches with them: every rank's sequence of both, in issue order,
+    # replayed under NCCL's rules with all communicators on one queue (core/pipeline/nccl_replay.py)
+    traces = [None] * world
+    dist.all_gather_object(traces, joint)
+    result = replay(dict(enumerate(traces)))
+    assert pp == 1 or any(b[0].op != "collective" for b in joint), "no pipeline batch recorded"
+    print(f"[overlap] NCCL replay: {result.batches} batches, {result.operations} operations")
 
     if not resume:
         return dist.barrier()

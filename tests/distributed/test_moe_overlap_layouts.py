@@ -1,10 +1,14 @@
 """``--overlap-moe-expert-parallel-comm`` at EP2, PP2 x EP2 and --bf16 FSDP EP2 (DP4, the experts
 sharded over expert-DP 2), and at EP2 with LoRA, FSDP gathered once and full recompute, and with
-chunked recompute: three steps give the plain schedule's losses and grad norms, every EP rank issues its all-to-alls in the same
-order (what NCCL needs to not deadlock: one communicator runs its collectives in issue order),
-FSDP gathers the experts once per forward and once per backward and reduces them once (the
-router once more per backward: counted), and a resume repeats the uninterrupted run bitwise
-(overlap_cases.check_overlap).
+chunked recompute, and GLM-4.5 tiny whose MTP depth is an MoE block: three steps give the plain
+schedule's losses and grad norms, every EP rank issues its all-to-alls in the same order (what
+NCCL needs to not deadlock: one communicator runs its collectives in issue order), each rank's
+pipeline batches and all-to-alls, in the order it issued them, replay under NCCL's rules with
+every communicator on one queue (core/pipeline/nccl_replay.py), FSDP gathers the experts once
+per forward and once per backward and reduces them once (the router once more per backward:
+counted), and (PP2 x EP2, bf16 FSDP EP2) a run rebuilt from the flagged run's state after a step
+repeats the next two bitwise (overlap_cases.check_overlap; the resume through checkpoint files,
+with Muon: tests/distributed/test_storage_modes.py, resume-overlap-2).
 
 fp32: 1e-6 relative (measured <= 3e-8: the same sums over two chunks in another order). --bf16
 is looser and its cause is known: the CPU sdpa backend cuts a chunk's documents into other band
@@ -22,7 +26,9 @@ import pytest
 from tests.distributed.overlap_cases import check_overlap
 
 CASES = {  # name: (world, fn, (pp, ep, flags))
-    "ep2": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, True)),  # rank 1 starts on a one-document pack
+    # rank 1 starts on a one-document pack; its resume goes through checkpoint files with Muon in
+    # tests/distributed/test_storage_modes.py (resume-overlap-2)
+    "ep2": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, True, False)),
     "bf16_fsdp_ep2": (4, check_overlap, (1, 2, ("--bf16", "--data-parallel-sharding", "fsdp"), 1e-3, 1e-6)),
     "pp2_ep2": (4, check_overlap, (2, 2)),
     # what else it composes with: LoRA adapters (grouped ones on the experts) with FSDP gathering
@@ -33,6 +39,8 @@ CASES = {  # name: (world, fn, (pp, ep, flags))
     "ep2_recompute_chunks_offload": (2, check_overlap, (1, 2, (
         "--recompute-granularity", "full", "--recompute-chunks", "2", "--micro-batch-size", "2",
         "--offload-recompute-inputs"), 1e-6, 1e-6, False, False)),
+    # GLM-4.5 tiny: its MTP depth's block is an MoE block, overlapped as the decoder layers'
+    "ep2_glm4_moe_mtp": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, False, False, "glm4_moe")),
 }
 
 

@@ -1,6 +1,7 @@
 """--store-param-remainders, --optimizer-in-backward and --cpu-offload masters against --bf16 (fp32
 masters): one rank and EP2 x DP2 with FSDP, AdamW and Muon (momentum 0), the same batches; each
-resumes bitwise.
+resumes bitwise from checkpoint files, and so does --overlap-moe-expert-parallel-comm at EP2
+(Muon with momentum 0.9).
 
 Tolerances, relative to how far each tensor moved in the steps compared:
 - --optimizer-in-backward alone, clipping off: bitwise (the same gradient, the same update,
@@ -64,6 +65,10 @@ CASES.update({f"chunks-{layout}-{opt}": (LAYOUTS[layout][0], compare_modes,
               for layout, opt in (("one_rank", "adamw"), ("ep2_dp2_fsdp", "muon"))})
 CASES.update({f"resume-{mode}-{world}": (world, resume_is_bitwise, (2 if world == 4 else 1, mode, "muon", CASE_DIR))
               for mode, world in RESUMES})
+# --overlap-moe-expert-parallel-comm at EP2 (its schedule's numbers against the plain one's:
+# tests/distributed/test_moe_overlap_layouts.py): saved at step 2 through checkpoint files, Muon
+# with momentum (its buffers and AdamW's moments resumed), the same masters and losses bitwise
+CASES["resume-overlap-2"] = (2, resume_is_bitwise, (2, "overlap", "muon", CASE_DIR, 0.9))
 
 
 @pytest.mark.parametrize("case", [k for k in CASES if k != "clip" and not k.startswith(("resume-", "chunks-"))])
@@ -82,7 +87,7 @@ def test_clipping_cannot_change_momentum_free_muon(shared_ranks, case):
     shared_ranks.check((__name__, case))
 
 
-@pytest.mark.parametrize("case", [f"resume-{mode}-{world}" for mode, world in RESUMES])
+@pytest.mark.parametrize("case", [k for k in CASES if k.startswith("resume-")])
 def test_resume_is_bitwise(shared_ranks, case):
     """The checkpoint holds fp32 masters: loading splits them into the same bf16 values and
     remainders (one rank; and EP2 x DP2, whose shards are DTensors)."""

@@ -91,3 +91,31 @@ def check_vlm(rank, world, layout: str):
         tol = 5e-5 if name == "embed_tokens.weight" else 1e-5
         assert err < tol, f"rank {rank}: {name} differs after {n_steps} steps (relative {err:.2e})"
     dist.barrier()
+
+
+def check_vlm_overlap(rank, world):
+    """EP2 (the experts split over the two ranks), rank 0's micro-batches with images and rank 1's
+    text only, then a step without any image: ``--overlap-moe-expert-parallel-comm`` gives the
+    plain schedule's losses over three steps and its first grad norm, AdamW, fp32, 1e-6 relative
+    (the chunks' sums in another order: measured 2.5e-8 on the first loss, the later ones equal;
+    every tensor's first gradient within 7.4e-7 of its norm, the vision tower's included). The
+    later grad norms get 1e-5: AdamW divides gradients far below its eps (1e-4; the tower's are
+    ~1e-5) by eps, which lifts that noise into the weights (measured 3.4e-6 on the third); an
+    image's tokens lost or given to another document move them by O(1). The tower runs before the
+    decoder blocks, on the whole micro-batch; the overlap cuts the embedded sequence (image
+    features in place) at a document start, so a document's image tokens stay in its chunk."""
+    cfg = Step37Config.preset("step37-tiny-vlm")
+    ps = ParallelState.build(ParallelSizes(world, ep=world), cfg.num_layers, cfg.num_experts)
+    steps = [_batches(ps.dp_rank, s, False) for s in range(STEPS + 1)]
+    assert any(b.images is not None for b in steps[0]) == (ps.dp_rank == 0)
+    runs = []
+    for flags in ((), ("--overlap-moe-expert-parallel-comm",)):
+        chunks = parallelize(cfg, ps, run_args(1, 1, world, *flags))
+        assert any(getattr(m, "overlap_moe", False) for m in chunks[0].modules()) == bool(flags)
+        opt, _ = build_optimizer(chunks, _optim_cfg("adamw"))
+        runs.append([(m.loss, m.grad_norm) for m in (train_step(chunks, ps, opt, b, settings(cfg)) for b in steps)])
+    for step, ((a, na), (b, nb)) in enumerate(zip(*runs)):
+        print(f"[vlm overlap] step {step}: loss {a!r} vs {b!r}, grad norm {na!r} vs {nb!r}")
+        assert abs(a - b) <= 1e-6 * abs(a), (rank, step, a, b)
+        assert abs(na - nb) <= (1e-5 if step else 1e-6) * abs(na), (rank, step, na, nb)
+    dist.barrier()

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from core.pipeline.nccl_replay import NCCLDeadlock, P2PMismatch, replay
+from core.pipeline.nccl_replay import Collective, NCCLDeadlock, P2PMismatch, replay
 from core.pipeline.p2p import P2POp, batches_of, max_live_buffers, plan_all
 from core.pipeline.schedules import Action, build_schedule
 from core.pipeline.simulate import plan_makespan, simulate
@@ -112,3 +112,23 @@ def test_strict_replay_assumes_no_progress_inside_a_group():
     assert replay(chain, strict=False).operations == 6
     with pytest.raises(NCCLDeadlock):
         replay(chain)
+
+
+def test_collectives_on_another_group_replay_with_the_point_to_point_plan():
+    """PP2 x EP2 in miniature: stage 0 is ranks 0, 1 (one EP group), stage 1 ranks 2, 3 (the
+    other); stage 0 sends an activation (0 -> 2, 1 -> 3). Each EP group's ranks issuing the
+    same sequence completes with every communicator on one queue per rank; rank 1 receiving a
+    gradient from 3 before its all-to-all, while rank 3's send waits behind its own stage's
+    all-to-all, which waits for rank 2's receive from rank 0, which waits behind rank 0's
+    all-to-all with rank 1, is a cycle; a group's rank missing its all-to-all is a mismatch."""
+    a01, a23 = [Collective((0, 1), "all-to-all")], [Collective((2, 3), "all-to-all")]
+    send = lambda peer, m: [_op("send", peer, m)]
+    recv = lambda peer, m: [_op("recv", peer, m)]
+    f0, f1, g = ("F", 0, 1), ("F", 1, 1), ("B", 0, 0)
+    same = {0: [a01, send(2, f0)], 1: [a01, send(3, f1)], 2: [a23, recv(0, f0)], 3: [a23, recv(1, f1)]}
+    assert replay(same).operations == 8
+    crossed = {0: [a01, send(2, f0)], 1: [recv(3, g), a01], 2: [recv(0, f0), a23], 3: [a23, send(1, g)]}
+    with pytest.raises(NCCLDeadlock, match=r"rank 0 waits in batch 0: all-to-all on ranks \[0, 1\]"):
+        replay(crossed)
+    with pytest.raises(P2PMismatch, match=r"missing on \[1\]"):
+        replay({0: [a01], 1: []})
