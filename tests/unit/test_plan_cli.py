@@ -40,7 +40,7 @@ def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
     assert {(r["pp_rank"], r["ep_rank"]) for r in ranks} == {(0, e) for e in range(8)}
     inp = plan["inputs"]
     assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (1, 8, 8, 1)
-    assert inp["sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "masters"
+    assert inp["data_parallel_sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "masters"
     assert inp["fsdp_gather_once"] is True and inp["optimizer_in_backward"] is True
     assert all(r["fits"] for r in ranks)
     time = plan["time"]
