@@ -103,6 +103,8 @@ def test_inputs_are_validated():
         inputs(cpu_offload="all")
     with pytest.raises(ValueError, match="--recompute-granularity 'some': expected one of none, selective, full"):
         inputs(recompute_granularity="some")
+    with pytest.raises(ValueError, match="--optimizer 'sgdx': expected one of adamw, muon"):
+        inputs(optimizer="sgdx")  # the registry's own error
 
 
 # ---------------------------------------------------------------- FSDP against real allocations

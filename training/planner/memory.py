@@ -11,7 +11,7 @@ factor). Activations, p2p and all-to-all buffers and gathered compute copies tak
 dtype (2 bytes under ``bf16``). Activations assume a fused attention kernel (flash / flex /
 Transformer Engine: no score matrix).
 
-FSDP (``core/distributed/fsdp.py``, see :func:`placement`): with ``sharding="fsdp"`` dense
+FSDP (``core/distributed/fsdp.py``, see :func:`placement`): with ``--data-parallel-sharding fsdp`` dense
 tensors are split over the data-parallel ranks and expert tensors over the expert-data-parallel
 ranks (dim 0, padded like FSDP2). Units are gathered per micro-batch and pass (the largest block
 twice: one prefetched; FSDP2 keeps the root unit gathered from forward to backward), or for the
