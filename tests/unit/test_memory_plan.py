@@ -107,6 +107,17 @@ def test_inputs_are_validated():
         inputs(optimizer="sgdx")  # the registry's own error
 
 
+def test_inputs_hold_the_mode_and_the_options_not_copies():
+    """``PlanInputs`` takes and reads the memory flags through its ``MemoryMode`` and the
+    optimizer's options through its ``OptimOptions`` only: no flag-named keywords or attributes."""
+    from training.planner.inputs import PlanInputs
+
+    for flag in ("recompute", "sharding", "cpu_offload", "optimizer", "muon_momentum"):
+        with pytest.raises(TypeError):
+            PlanInputs(**{flag: None})
+        assert not hasattr(PlanInputs(), flag), flag
+
+
 # ---------------------------------------------------------------- FSDP against real allocations
 FSDP_CASES = {  # name: (sharding, cpu_offload, bf16, optimizer, muon momentum, gather once)
     "fsdp_fp32_offload_all_adamw": ("fsdp", "all", False, "adamw", 0.0, False),
