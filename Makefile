@@ -40,6 +40,7 @@ bench: install-test
 	$(PYTHON) benchmarks/bench_loss.py
 	$(PYTHON) benchmarks/bench_recipe_plan.py
 	$(PYTHON) benchmarks/bench_parallel.py
+	$(PYTHON) benchmarks/bench_moe_overlap.py
 	$(PYTHON) benchmarks/bench_cpu_step.py
 	$(PYTHON) benchmarks/bench_optim.py
 	$(PYTHON) benchmarks/bench_gpu.py --tiny

@@ -18,6 +18,7 @@ from data.tokenizers import TOKENIZER_TYPES
 from core.compile import COMPILE_BACKENDS
 from core.finetune.lora import LoraSettings
 from core.memory_mode import MemoryMode, RunFacts
+from core.moe.overlap import check_overlap
 from core.optim import registry as optimizers
 from core.transformer.attention_backends import ATTENTION_BACKENDS
 from models import registry
@@ -156,6 +157,9 @@ class ParallelArgs:
     pipeline_layout: str = option(None, "layers per virtual stage, e.g. 14,14,14,3 (default: the "
                                         "split that minimises the slowest stage's FLOPs, counting "
                                         "the head and MTP depths on the last stage)")
+    overlap_moe_expert_parallel_comm: bool = option(False, "hide the expert all-to-alls (forward and backward): "
+                                                            "each MoE layer runs two chunks of whole documents, "
+                                                            "one computing while the other's tokens travel")
     distributed_timeout_minutes: float = option(10.0, "a collective or pipeline transfer that waits "
                                                       "this long for a frozen or dead rank ends the "
                                                       "run with an error (every process group)")
@@ -412,6 +416,9 @@ def validate(args, world: int, check_files: bool = True) -> RunLayout:
                           vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size)
     sizes.validate(cfg.num_layers, cfg.num_experts)
     _check_context_parallel(args, sizes.cp)
+    if p.overlap_moe_expert_parallel_comm:  # what the overlapped schedule serves (core/moe/overlap.py)
+        check_overlap(sizes.ep, sizes.cp, args.model.moe_dispatcher, args.memory.recompute_granularity,
+                      args.model.compile)
     stage_layers(cfg, sizes.pp * sizes.vpp, p.pipeline_layout, d.seq_length)
     per_step = d.micro_batch_size * sizes.dp
     if d.global_batch_size % per_step:

@@ -15,10 +15,14 @@
 # pack's working set and all-to-all buffers, not four. --offload-recompute-inputs keeps the
 # layers' inputs in pinned host memory between forward and backward. Without --fsdp-gather-once
 # the dense weights are gathered per layer (a unit and the next), and the embedding and head are
-# freed once the heads' backward is done. Predicted (not measured; no GPU has run this): 73.7 GB
-# on each GPU (6.3 GB to spare), 165 GB of host memory per rank (1.3 TB for the node), 14.3 s per
-# step, 2,295 tokens/s per GPU, MFU 21.1% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
-# PCIe 35 GB/s, host memory 52 GB/s per rank). Plan it with the same flags first:
+# freed once the heads' backward is done. --overlap-moe-expert-parallel-comm runs each micro-batch
+# as two chunks of whole documents whose all-to-alls fly while the other chunk computes, forward
+# and backward (docs/memory.md, "The Planner: Step Time"): 0.26 s of all-to-all left exposed
+# instead of 2.94 s, but Newton-Schulz then finds few all-to-all waits to fill. Predicted (not
+# measured; no GPU has run this): 74.2 GB on each GPU (5.8 GB to spare), 165 GB of host memory per
+# rank (1.3 TB for the node), 13.3 s per step, 2,467 tokens/s per GPU, MFU 22.6% (14.3 s and 21.1%
+# without the overlap; assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s, host
+# memory 52 GB/s per rank). Plan it with the same flags first:
 #   python tools/plan_memory.py --world-size 8 --device-gb 80 <the flags below>
 #
 #   bash examples/step37_flash_8xh100_thd_sft.sh /data/Step-3.7-Flash /data/sft_text_document /out
@@ -32,6 +36,7 @@ torchrun --nproc-per-node 8 pretrain_step37.py \
     --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 \
     --bf16 --data-parallel-sharding fsdp --cpu-offload masters --optimizer-in-backward \
     --recompute-granularity full --recompute-chunks 4 --offload-recompute-inputs \
+    --overlap-moe-expert-parallel-comm \
     --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \
     --seq-length 8192 --micro-batch-size 4 --global-batch-size 32 --long-docs truncate \
     --optimizer muon --muon-momentum 0 --lr 2e-4 --adamw-lr 1e-5 --min-lr 2e-5 \

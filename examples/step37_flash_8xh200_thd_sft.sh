@@ -10,18 +10,21 @@
 # Batch: --global-batch-size 32 packs = 262,144 tokens per iteration; DP = 8 (EP8 inside it) and
 # micro-batch 4 packs: one micro-batch of 32,768 tokens per rank and step.
 #
-# Memory (--cpu-offload masters, core/optim/host_masters.py): the bf16 weights are the only copy
-# on the GPU (each rank's 36 of the 288 experts whole, the dense weights FSDP-sharded over the 8
-# ranks and gathered once per step); the fp32 masters and AdamW's state live in host memory.
-# --optimizer-in-backward: each matrix's Newton-Schulz runs on the GPU as soon as its gradient is
-# final, on a CUDA stream of its own that fills the backward's all-to-all waits (a dense matrix
-# by one of the 8 ranks, core/optim/muon_split.py), its bf16 update goes to
-# the host on a copy stream, host threads update the master and copy the new bf16 weight back
-# while the backward goes on. Full recompute (MTP depths included), the head's and each MTP
-# depth's loss a tile at a time. Predicted (not measured; no GPU has run this): 121.9 GB on each
-# GPU (19 GB to spare), 152 GB of host memory per rank (1.2 TB for the node), 13.8 s per step,
-# 2,378 tokens/s per GPU, MFU 21.8% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
-# PCIe 35 GB/s, host memory 52 GB/s per rank; 19.2% if Newton-Schulz hid nothing: docs/memory.md).
+# Memory: the fp32 weights, gradients and Muon's split Newton-Schulz all on the GPU (FSDP shards
+# the dense weights over the 8 ranks, each rank holds its 36 of the 288 experts whole: 99.7 GB);
+# no CPU offload of weights. --optimizer-in-backward: each matrix steps as soon as its gradient is
+# final (its Newton-Schulz on a CUDA stream of its own; a dense matrix by one of the 8 ranks,
+# core/optim/muon_split.py) and its gradient is freed. Full recompute a pack at a time
+# (--recompute-chunks 4: each layer's rerun and backward hold one pack's working set) with the
+# layers' kept inputs in pinned host memory (--offload-recompute-inputs). The head's and each MTP
+# depth's loss a tile at a time. --overlap-moe-expert-parallel-comm runs each micro-batch as two
+# chunks of whole documents whose all-to-alls fly while the other chunk computes, forward and
+# backward (docs/memory.md, "The Planner: Step Time"). Predicted (not measured; no GPU has run
+# this): 123.6 GB on each GPU (17 GB to spare), 13 GB of host memory per rank (105 GB for the
+# node), 12.9 s per step, 2,531 tokens/s per GPU, MFU 23.2%, of which 0.26 s all-to-all left
+# exposed (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s, host memory
+# 52 GB/s per rank). Without the overlap the search's top row was --cpu-offload masters
+# --fsdp-gather-once without chunks: 13.8 s, 21.8%, 2.94 s of all-to-all exposed (docs/memory.md).
 # Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
 #
@@ -34,8 +37,9 @@ OUT=${3:?}
 torchrun --nproc-per-node 8 pretrain_step37.py \
     --hf-config "$HF" --load-hf "$HF" \
     --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 \
-    --bf16 --data-parallel-sharding fsdp --cpu-offload masters --fsdp-gather-once --optimizer-in-backward \
-    --recompute-granularity full \
+    --bf16 --data-parallel-sharding fsdp --optimizer-in-backward \
+    --recompute-granularity full --recompute-chunks 4 --offload-recompute-inputs \
+    --overlap-moe-expert-parallel-comm \
     --data-path "$DATA" --tokenizer-type huggingface --tokenizer-model "$HF" \
     --seq-length 8192 --micro-batch-size 4 --global-batch-size 32 --long-docs truncate \
     --optimizer muon --muon-momentum 0 --lr 2e-4 --adamw-lr 1e-5 --min-lr 2e-5 \

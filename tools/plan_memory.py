@@ -11,8 +11,9 @@ be pasted after ``--world-size N``; --data-path and the tokenizer flags are acce
         --recompute-granularity full --data-parallel-sharding fsdp --cpu-offload all [--json]
 
 With ``--search`` it lists every layout of the world size (pipeline and virtual stages, EP,
-sharding, offload, gather-once, recompute, micro-batch size) that fits, fastest first; the
-model, sequence length, global batch, precision and optimizer stay as given:
+sharding, offload, gather-once, recompute, micro-batch size; with
+``--overlap-moe-expert-parallel-comm`` the all-to-all overlap on and off) that fits, fastest
+first; the model, sequence length, global batch, precision and optimizer stay as given:
 
     python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \\
         --seq-length 8192 --global-batch-size 64 --bf16 --optimizer muon --muon-momentum 0
@@ -33,6 +34,7 @@ if __package__ in (None, ""):
 from core.cli import add_to_parser, from_namespace  # noqa: E402
 from training.planner.timing import TimeAssumptions  # noqa: E402
 from train_args import SECTIONS, build_parser, model_config, sections, validate_plan  # noqa: E402
+from training.planner.overlap import FLAG  # noqa: E402
 from training.planner.run import DEFAULT_DEVICE_GB, check_plannable, report, search_report  # noqa: E402
 from training.planner.vision import add_image_flags, image_mix  # noqa: E402
 
@@ -48,7 +50,8 @@ def build_planner_parser():
     g.add_argument("--json", action="store_true", help="print JSON: one entry per rank, or with "
                                                        "--search every layout")
     g.add_argument("--search", action="store_true", help="rank every layout of --world-size that fits, "
-                                                         "fastest first (the layout flags given are ignored)")
+                                                         "fastest first (the layout flags given are ignored; "
+                                                         f"with {FLAG}, each EP layout with and without it)")
     g.add_argument("--top", type=int, default=20, help="rows of the --search table (default: 20)")
     g.add_argument("--reserve-gb", type=float, default=None,
                    help="--search: device memory a layout must leave free to count as fitting, for what "

@@ -7,7 +7,8 @@ place that does it, in this order (each step needs the one before it):
    experts, with shapes but no storage yet;
 2. expert parallelism (``core.moe.parallel.apply_expert_parallel``): MoE layers route through the
    all-to-all (or all-gather) dispatcher over the EP group, so the experts see only their own
-   tokens;
+   tokens; with ``--overlap-moe-expert-parallel-comm`` their blocks run the two-chunk schedule
+   that hides those all-to-alls behind compute (``core.moe.overlap.apply_moe_overlap``);
 3. context parallelism (``core.context_parallel.apply``): attention modules attend across the
    CP group (all-gathered K/V on full layers, a halo on sliding ones) and routers sum their load
    statistics over it; the data are the loader's shards (``data/cp_shard.py``);
@@ -47,6 +48,7 @@ from core.distributed.fsdp import apply_fsdp
 from core.finetune.freeze import freeze_parts
 from core.finetune.lora import LoraSettings, apply_lora, frozen_to_bf16
 from core.costs.flops import balanced_layout
+from core.moe.overlap import apply_moe_overlap
 from core.moe.parallel import apply_expert_parallel
 from core.optim.host_masters import HostMasters
 from core.optim.masters import RemainderMasters, to_bf16_storage
@@ -80,6 +82,8 @@ def parallelize(config, ps: ParallelState, args, *, from_checkpoint: bool = Fals
             to_bf16_storage(chunk)
         if ps.sizes.ep > 1:
             apply_expert_parallel(chunk, ps, m.moe_dispatcher)
+            if args.parallel.overlap_moe_expert_parallel_comm:  # core/moe/overlap.py
+                apply_moe_overlap(chunk)
         if comm is not None:
             apply_context_parallel(chunk, comm)
         apply_lora(chunk, lora)

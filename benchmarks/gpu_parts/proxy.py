@@ -1,18 +1,19 @@
 """Parts (h) and (h100): a one-GPU proxy of one rank of a recipe, measured beside the planner's
 prediction for that rank scaled to the layers the proxy holds. ``--recipe 8xh200`` (h, the
-default: ``examples/step37_flash_8xh200_thd_sft.sh``: EP8 on 8 x H200, --bf16, host masters, the
-optimizer in the backward, gather-once FSDP, full recompute, Muon with momentum 0, micro-batches
-of 4 packs of 8192 tokens) or ``--recipe 8xh100`` (h100: ``examples/step37_flash_8xh100_thd_sft.sh``:
-the same without gather-once, with ``--recompute-chunks 4 --offload-recompute-inputs``; the full
-model's prediction is 73.7 GB a GPU and 21.1% MFU).
+default: ``examples/step37_flash_8xh200_thd_sft.sh``: EP8 on 8 x H200, --bf16, FSDP with fp32
+masters on the GPU, the optimizer in the backward, full recompute a pack at a time with its
+inputs in host memory, Muon with momentum 0, micro-batches of 4 packs of 8192 tokens) or
+``--recipe 8xh100`` (h100: ``examples/step37_flash_8xh100_thd_sft.sh``: the same with host
+masters, ``--cpu-offload masters``; the full model's prediction is 74.2 GB a GPU and 22.6% MFU).
+Neither runs the recipes' ``--overlap-moe-expert-parallel-comm``: one GPU has no all-to-all.
 
 The proxy is ``pretrain_step37.py`` itself on one GPU with the recipe's flags, on a model cut from
 the preset: its first four MoE layers (Step-3.7-Flash: layers 3-6, three sliding-window and one
 full-attention layer, the model's 3:1 mix) at full width, each with 36 experts (an EP8 rank's
 share of 288; the router chooses top-8 among them, so the experts get the rows an EP8 rank's get
 on average: T x top-k), the embedding and the head, no MTP (part (d) measures those). Why four
-layers and not 45: the host. The proxy keeps fp32 masters, bf16 staging and AdamW state in host
-memory for all it holds (about 5.5 GB per layer, 17 GB for the embedding and head), and the lent
+layers and not 45: the host. Under host masters (``8xh100``) the proxy keeps fp32 masters, bf16
+staging and AdamW state in host memory for all it holds (about 5.5 GB per layer, 17 GB for the embedding and head), and the lent
 machine has 128 GiB; four layers also keep start-up and the steps within the part's two minutes.
 
 The prediction is the planner's (``training/planner/memory.py``, ``training/planner/timing.py``) for the
@@ -36,17 +37,15 @@ from benchmarks.gpu_parts import common
 
 import numpy as np  # noqa: E402
 
-# the recipe's flags that shape a rank's step (examples/step37_flash_8xh200_thd_sft.sh)
-RECIPE = ["--bf16", "--data-parallel-sharding", "fsdp", "--cpu-offload", "masters", "--fsdp-gather-once",
-          "--optimizer-in-backward", "--recompute-granularity", "full", "--optimizer", "muon",
+# the flags that shape a rank's step of examples/step37_flash_8xh200_thd_sft.sh (its
+# --overlap-moe-expert-parallel-comm is left out: no all-to-all on one GPU)
+RECIPE = ["--bf16", "--data-parallel-sharding", "fsdp", "--optimizer-in-backward", "--recompute-granularity",
+          "full", "--recompute-chunks", "4", "--offload-recompute-inputs", "--optimizer", "muon",
           "--muon-momentum", "0", "--lr", "2e-4", "--adamw-lr", "1e-5", "--weight-decay", "0.1",
           "--clip-grad", "1.0", "--mtp-loss-scale", "0.3", "--moe-bias-update-rate", "0"]
-# examples/step37_flash_8xh100_thd_sft.sh: the same less --fsdp-gather-once (the dense weights
-# gathered per layer), each recomputed layer run a pack at a time with its inputs in host memory
+# examples/step37_flash_8xh100_thd_sft.sh: the same with host masters
 RECIPES = {"8xh200": ("examples/step37_flash_8xh200_thd_sft.sh", RECIPE),
-           "8xh100": ("examples/step37_flash_8xh100_thd_sft.sh",
-                      [f for f in RECIPE if f != "--fsdp-gather-once"]
-                      + ["--recompute-chunks", "4", "--offload-recompute-inputs"])}
+           "8xh100": ("examples/step37_flash_8xh100_thd_sft.sh", RECIPE[:3] + ["--cpu-offload", "masters"] + RECIPE[3:])}
 MICRO_BATCH = 4  # packs per micro-batch, one micro-batch per rank and step
 LAYERS = 4
 

@@ -38,7 +38,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_NH, w_TK, order):
         T, K = w_TK.shape
-        y_TKH = torch.empty_like(y_NH).index_copy_(0, order, y_NH).view(T, K, -1)  # token order
+        y_TKH = torch.empty_like(y_NH).index_copy_(0, order, y_NH).view(T, K, y_NH.shape[1])  # token order
         f32 = torch.promote_types(y_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
         acc = torch.zeros(T, y_NH.shape[1], dtype=f32, device=y_NH.device)
         compiling = torch.compiler.is_compiling()
@@ -100,39 +100,86 @@ def sort_by_local_expert(recv_counts: torch.Tensor, total: int) -> tuple[torch.T
     return torch.repeat_interleave(starts[blocks], sizes, output_size=total) + within, recv_counts.sum(0)
 
 
+@dataclass
+class Dispatched:
+    """A micro-batch chunk's tokens between the phases of :class:`AllToAllDispatcher`: permuted
+    and sent (``dispatch_start``), received (``dispatch_wait``), through the experts and sent back
+    (``combine_start``), weighted and summed (``combine_wait``)."""
+
+    state: PermuteState
+    weights_TK: torch.Tensor
+    recv_counts: torch.Tensor   # [source rank, local expert]
+    there: object               # AllToAllInFlight: the tokens' trip to their experts
+    back: object                # AllToAllInFlight: the expert outputs' trip home
+    rows: torch.Tensor          # in flight: the tokens' rows, then the expert outputs'
+
+
 class AllToAllDispatcher:
     """Expert parallelism: each EP rank holds ``E / ep`` experts. Counts are exchanged first,
     then the token rows (uneven splits, zero allowed), then rows are regrouped by local expert;
-    the way back mirrors it."""
+    the way back mirrors it. The phases (``dispatch_start`` -> ``dispatch_wait`` ->
+    ``run_experts`` + ``combine_start`` -> ``combine_wait``) let a schedule run other compute
+    while either all-to-all is in flight, in the forward and in the backward
+    (``core/moe/overlap.py``); called whole, it runs them back to back with the shared expert
+    beside the dispatch."""
 
     communicates = True  # reads split sizes on the host: stays outside compiled graphs
 
     def __init__(self, group, ep_size: int, num_experts: int):
         self.group, self.ep, self.num_experts = group, ep_size, num_experts
         self.sent_bytes = 0  # bytes this rank sent to other ranks in forward; backward as many
+        self.record = None   # a CommRecord (core/distributed/collectives.py) to fill, when asked
+        self.tag = ""        # names this layer's all-to-alls in ``record``
 
     def __call__(self, x_TH, weights_TK, experts_TK, experts_module, side=lambda: None):
         """``(routed output, side())``: ``side`` (the shared expert) runs while the tokens'
         all-to-all is in flight."""
+        d = self.dispatch_start(x_TH, weights_TK, experts_TK)
+        side_out = side()
+        self.combine_start(d, experts_module, self.dispatch_wait(d))
+        return self.combine_wait(d), side_out
+
+    def dispatch_start(self, x_TH, weights_TK, experts_TK, chunk: str = "") -> Dispatched:
+        """Permute, exchange the counts and start sending the rows: the one host read of an MoE
+        layer (per chunk) is here, the split sizes the all-to-all needs."""
         import torch.distributed as dist
 
-        from core.distributed.collectives import all_to_all, all_to_all_overlapped
+        from core.distributed.collectives import AllToAllInFlight, all_to_all_start, recorded
 
         x_NH, counts, state = permute(x_TH, experts_TK, self.num_experts)
         send_counts = counts.view(self.ep, -1)                     # [dest rank, local expert]
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        # the one host read of an MoE layer: the split sizes the all-to-all needs
-        send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        x_recv, side_out = all_to_all_overlapped(x_NH, send_splits, recv_splits, self.group, side)
+        tag = f"{self.tag}{chunk}"
+        recorded(self.record, tag, "counts", lambda: dist.all_to_all_single(recv_counts, send_counts, group=self.group))
+        send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         me = dist.get_rank(self.group)  # rows kept on this rank cross no wire
-        row = x_NH.shape[1] * x_NH.element_size()
-        self.sent_bytes += row * (sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me])
-        order, local_counts = sort_by_local_expert(recv_counts, sum(recv_splits))
+        self.sent_bytes += x_NH.shape[1] * x_NH.element_size() * (sum(send) - send[me] + sum(recv) - recv[me])
+        there = AllToAllInFlight(send, recv, self.group, self.record, tag + ".dispatch")
+        back = AllToAllInFlight(recv, send, self.group, self.record, tag + ".combine")
+        return Dispatched(state, weights_TK, recv_counts, there, back, all_to_all_start(x_NH, there))
+
+    def dispatch_wait(self, d: Dispatched) -> torch.Tensor:
+        """The rows this rank's experts receive, grouped by source rank, then local expert."""
+        from core.distributed.collectives import all_to_all_wait
+
+        return all_to_all_wait(d.rows, d.there)
+
+    def combine_start(self, d: Dispatched, experts_module, x_recv: torch.Tensor, after=None) -> None:
+        """Run the local experts on the received rows and start sending the outputs home
+        (``after``: applied to the experts' output first, e.g. an autograd marker)."""
+        from core.distributed.collectives import all_to_all_start
+
+        order, local_counts = sort_by_local_expert(d.recv_counts, sum(d.there.splits[1]))
         y = experts_module(_rows_vary(x_recv.index_select(0, order)), local_counts)
+        y = y if after is None else after(y)
         y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
-        y_NH = all_to_all(y_back, recv_splits, send_splits, self.group)
-        return unpermute(y_NH, weights_TK, state), side_out
+        d.rows = all_to_all_start(y_back, d.back)
+
+    def combine_wait(self, d: Dispatched) -> torch.Tensor:
+        """The routed output ``[T, hidden]``: each token's expert outputs, weighted and summed."""
+        from core.distributed.collectives import all_to_all_wait
+
+        return unpermute(all_to_all_wait(d.rows, d.back), d.weights_TK, d.state)
 
 
 class AllGatherDispatcher:

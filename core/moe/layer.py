@@ -40,6 +40,11 @@ class MoELayer(nn.Module):
         # the shared expert needs no routing: it runs while the dispatch all-to-all is in flight
         side = (lambda: self.shared_expert(x_TH)) if self.shared_expert is not None else (lambda: None)
         routed, shared = self.dispatcher(x_TH, weights, experts, self.experts, side=side)
+        return self.output(routed, shared), stats
+
+    def output(self, routed_TH: torch.Tensor, shared_TH: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output from the routed sum and the shared expert's (None without one);
+        the phased schedule (``core/moe/overlap.py``) ends each chunk here."""
         if self.scaling != 1.0:
-            routed = routed * self.scaling
-        return routed if shared is None else routed + shared, stats
+            routed_TH = routed_TH * self.scaling
+        return routed_TH if shared_TH is None else routed_TH + shared_TH

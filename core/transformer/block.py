@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.memory_mode import RecomputePlacement
 from core.moe.layer import MoELayer
+from core.moe.overlap import overlapped_forward
 from core.transformer.attention_backends import DocLayout
 from core.transformer.chunked import ChunkedRecompute, chunked_recompute
 from core.transformer.vit import ViTLayer
@@ -44,6 +45,7 @@ class _Recomputed:
 
 class DecoderBlock(_Recomputed, nn.Module):
     # recompute "full": keep only the input; "selective": drop attention and FFN internals
+    overlap_moe: bool = False  # the MoE all-to-alls hidden by a two-chunk schedule (core/moe/overlap.py)
 
     def __init__(self, input_norm: nn.Module, attention: nn.Module, post_norm: nn.Module, ffn: nn.Module,
                  *, ffn_name: str = "mlp", rope_key: str = "default"):
@@ -67,6 +69,8 @@ class DecoderBlock(_Recomputed, nn.Module):
         return self._forward(x_TH, ropes, layout, valid_T)
 
     def _forward(self, x_TH, ropes, layout, valid_T):
+        if self.overlap_moe:
+            return overlapped_forward(self, x_TH, ropes, layout, valid_T)
         h, y = self.attention_block(x_TH, ropes, layout)
         selective = self.recompute_placement.selective and torch.is_grad_enabled()
         ffn = self.ffn

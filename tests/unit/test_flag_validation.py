@@ -79,6 +79,25 @@ def test_checks_against_the_model(flags, message):
         validate(parse(["--data-path", "unused", *flags]), world=1, check_files=False)
 
 
+OVERLAP = ["--overlap-moe-expert-parallel-comm"]
+EP2 = [*OVERLAP, "--expert-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (OVERLAP, 1, "--overlap-moe-expert-parallel-comm needs --expert-model-parallel-size > 1"),
+    ([*EP2, "--moe-dispatcher", "allgather"], 2, "needs --moe-dispatcher alltoall"),
+    ([*EP2, "--context-parallel-size", "2"], 2, "with --context-parallel-size > 1 is not supported"),
+    ([*EP2, "--recompute-granularity", "selective"], 2, "with --recompute-granularity selective"),
+    ([*EP2, "--compile"], 2, "with --compile is not supported"),
+])
+def test_moe_overlap_refuses_what_it_does_not_serve_by_name(flags, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate(parse(["--data-path", "unused", *flags]), world=world, check_files=False)
+    full = ["--data-path", "unused", *EP2, "--recompute-granularity", "full", "--bf16", "--data-parallel-sharding",
+            "fsdp", "--pipeline-model-parallel-size", "2"]
+    validate(parse(full), world=4, check_files=False)  # what it serves passes
+
+
 def test_unwritable_save_is_found_at_start_up(tmp_path, monkeypatch):
     """A --save under a regular file cannot be created, whoever runs it (root included)."""
     from training import run_files

@@ -17,7 +17,7 @@ from training.planner.search import RESERVE_SHARE, candidates, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = ["--model-preset", "step37-flash", "--seq-length", "8192", "--global-batch-size", "32",
-          "--bf16", "--optimizer", "muon", "--muon-momentum", "0"]
+          "--bf16", "--optimizer", "muon", "--muon-momentum", "0", "--overlap-moe-expert-parallel-comm"]
 
 
 def test_recipe_search_prints_a_ranked_table_whose_top_row_fits_without_per_microbatch_copies(capsys):

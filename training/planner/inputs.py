@@ -46,6 +46,7 @@ class PlanInputs:
     device_gb: float = 141.0
     pipeline_layout: str | None = None
     moe_dispatcher: str = "alltoall"      # alltoall | allgather (the time model's overlap)
+    overlap_moe_expert_parallel_comm: bool = False  # two chunks, all-to-alls behind compute (overlap.py)
     compile: bool = False                 # (--compile refuses chunked recompute)
     lora_rank: int = 0                    # LoRA: adapters of this rank on a frozen base (core/finetune/lora.py)
     lora_targets: str = DEFAULT_TARGETS   # what they adapt (--lora-targets)

@@ -54,6 +54,7 @@ def plan_inputs(args, layout: RunLayout | None = None, device_gb: float = DEFAUL
                       seq_length=args.data.seq_length, micro_batch_size=args.data.micro_batch_size,
                       num_microbatches=M, device_gb=device_gb, pipeline_layout=p.pipeline_layout,
                       moe_dispatcher=args.model.moe_dispatcher, compile=args.model.compile,
+                      overlap_moe_expert_parallel_comm=args.parallel.overlap_moe_expert_parallel_comm,
                       **_lora_fields(args), **_image_fields(args))
 
 

@@ -1,7 +1,9 @@
 """Search layouts for a world size: every pipeline size, virtual stages, context-parallel size
 (for long sequences: shards of at least ``CP_MIN_TOKENS`` tokens), EP size, memory mode
-(sharding, CPU offload, gather-once), recompute and micro-batch size, planned for memory and
-predicted step time, those that fit ranked fastest first.
+(sharding, CPU offload, gather-once), recompute, micro-batch size and, under expert parallelism
+when the flags given include ``--overlap-moe-expert-parallel-comm``, the all-to-alls overlapped
+or not (``overlap.py``: a schedule not yet measured on a GPU, weighed when asked for), planned for
+memory and predicted step time, those that fit ranked fastest first.
 
 The model, sequence length, global batch (in packs), precision and optimizer stay as given;
 layers split by cost (the trainer's default layout). Each (pp, vpp, ep) share is built once on
@@ -19,6 +21,7 @@ from core.memory_mode import RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, RunFac
 
 from training.planner.inputs import PlanInputs
 from training.planner.memory import GB, placement, plan
+from training.planner.overlap import FLAG, overlap_choices
 from training.planner.timing import TimeAssumptions, peak_tflops, plan_time
 from training.planner.vision import layout_for
 
@@ -45,6 +48,7 @@ class Row:
     idle: float              # pipeline bubble and imbalance
     fits: bool
     pipeline_layout: str | None = None  # with images: the split that pays for the encoder on stage 0
+    overlap_moe_expert_parallel_comm: bool = False  # all-to-alls of two chunks behind compute (overlap.py)
 
     def flags(self) -> str:
         """The training flags that select this layout (the precision and optimizer are the base's)."""
@@ -57,6 +61,8 @@ class Row:
         out.append(f"--micro-batch-size {self.micro_batch_size}")
         if self.pipeline_layout:
             out.append(f"--pipeline-layout {self.pipeline_layout}")
+        if self.overlap_moe_expert_parallel_comm:
+            out.append(FLAG)
         return " ".join(out)
 
 
@@ -72,7 +78,8 @@ def cp_sizes(world_per_stage: int, seq_length: int) -> list[int]:
 
 
 def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> list[PlanInputs]:
-    """Every distinct layout: modes that would run identically are listed once (with one dense
+    """Every distinct layout, on the plain all-to-all schedule (``search`` adds the overlapped
+    twins): modes that would run identically are listed once (with one dense
     replica nothing shards, so fsdp without offload is plain, and offload puts units on one-rank
     meshes that are always gathered once per step)."""
     out = []
@@ -90,7 +97,8 @@ def candidates(cfg, world: int, base: PlanInputs, global_batch_size: int) -> lis
                         continue
                     for mode in memory_modes(base, dp * cp, mbs, cp, M):
                         out.append(replace(base, pp=pp, vpp=vpp, ep=ep, dp=dp, cp=cp, micro_batch_size=mbs,
-                                           num_microbatches=M, pipeline_layout=None, mode=mode))
+                                           num_microbatches=M, pipeline_layout=None, mode=mode,
+                                           overlap_moe_expert_parallel_comm=False))
     return out
 
 
@@ -156,30 +164,38 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
     return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, inp.mode,
                inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
-               st.mfu, st.bubble, fits, layout_for(cfg, inp))
+               st.mfu, st.bubble, fits, layout_for(cfg, inp), inp.overlap_moe_expert_parallel_comm)
 
 
 def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
            a: TimeAssumptions | None = None, peak: float | None = None, host_gb: float = 0.0,
            progress: bool = True, reserve: float | None = None) -> list[Row]:
     """Every candidate layout, those that fit first (``reserve`` GB left free, default
-    ``RESERVE_SHARE`` of the device), fastest (tokens/s per GPU) first; among
-    equally fast ones, unchunked recompute first, then the one with the most device memory to
-    spare."""
+    ``RESERVE_SHARE`` of the device), fastest (tokens/s per GPU) first; with the overlap flag in
+    ``base``, each EP layout that fits also with it (``overlap_choices``); among
+    equally fast ones, unchunked recompute first, then the plain all-to-all schedule, then the one
+    with the most device memory to spare."""
     from tqdm import tqdm
 
     a, peak = a or TimeAssumptions(), peak_tflops(peak)
+    overlap = base.overlap_moe_expert_parallel_comm  # asked for: weigh both schedules (overlap.py)
     todo = candidates(cfg, world, base, global_batch_size)
-    rows = [evaluate(cfg, inp, a, peak, global_batch_size, host_gb, reserve)
-            for inp in tqdm(todo, desc="planning layouts", unit="layout", disable=not progress)]
-    # at equal predicted speed, unchunked recompute first: chunks cost what the prediction does not
-    # time (smaller GEMMs, more launches, inner units gathered once per chunk in the forward)
+    rows = []
+    for inp in tqdm(todo, desc="planning layouts", unit="layout", disable=not progress):
+        rows.append(evaluate(cfg, inp, a, peak, global_batch_size, host_gb, reserve))
+        # the overlap needs more memory than the plain schedule and nothing else: listed where that fits
+        if overlap and rows[-1].fits and True in overlap_choices(cfg, inp):
+            rows.append(evaluate(cfg, replace(inp, overlap_moe_expert_parallel_comm=True), a, peak,
+                                 global_batch_size, host_gb, reserve))
+    # at equal predicted speed, unchunked recompute first, then the plain all-to-all schedule: chunks
+    # and the overlap's halves cost what the prediction does not time (smaller GEMMs, more launches,
+    # inner units gathered once per chunk in the forward)
     return sorted(rows, key=lambda r: (not r.fits, -round(r.tokens_per_s_per_gpu, 6), r.mode.recompute_chunks > 1,
-                                       r.device_gb))
+                                       r.overlap_moe_expert_parallel_comm, r.device_gb))
 
 
 HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}{'cp':>4}  {'sharding':<9}{'offload':<10}{'once':<5}"
-        f"{'recompute':<14}{'masters':<8}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
+        f"{'recompute':<14}{'masters':<8}{'ovl':<4}{'mbs':>4}{'M':>4}{'GB/GPU':>8}{'host_GB/node':>13}{'weights/mb':>11}"
         f"{'step_s':>8}{'tokens/s/GPU':>13}{'MFU':>7}{'idle':>7}")
 
 
@@ -187,8 +203,9 @@ def format_rows(rows: list[Row], top: int) -> str:
     lines = [HEAD]
     for i, r in enumerate(rows[:top], 1):
         sharding, offload, once, recompute, masters = r.mode.short_words()
+        ovl = "yes" if r.overlap_moe_expert_parallel_comm else "no"
         lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}{r.cp:>4}  {sharding:<9}{offload:<10}"
-                     f"{once:<5}{recompute:<14}{masters:<8}{r.micro_batch_size:>4}"
+                     f"{once:<5}{recompute:<14}{masters:<8}{ovl:<4}{r.micro_batch_size:>4}"
                      f"{r.num_microbatches:>4}{r.device_gb:>8.1f}{r.host_gb_per_node:>13.0f}"
                      f"{'yes' if r.weights_per_microbatch else 'no':>11}{r.step_s:>8.1f}"
                      f"{r.tokens_per_s_per_gpu:>13,.0f}{r.mfu:>7.1%}{r.idle:>7.1%}")
@@ -227,7 +244,7 @@ def report(rows: list[Row], world: int, device_gb: float, host_gb: float, a: Tim
         return 1
     print(format_rows(fitting, top))
     print("once: --fsdp-gather-once; recompute full/4: --recompute-chunks 4, +off: --offload-recompute-inputs; masters: fp32, or rem (--store-param-remainders), +ib "
-          "(--optimizer-in-backward); weights/mb: offloaded weights copied to the GPU for every "
+          "(--optimizer-in-backward); ovl: --overlap-moe-expert-parallel-comm; weights/mb: offloaded weights copied to the GPU for every "
           "micro-batch's forward and backward; M: micro-batches per pipeline; GB/GPU: the busiest "
           "rank; idle: pipeline bubble and stage imbalance")
     best = fitting[0]

@@ -14,7 +14,9 @@ Per micro-batch and virtual stage (what the pipeline simulator schedules):
 - all-to-all: each MoE layer dispatches and combines ``T x top_k x hidden`` activations, of
   which ``(ep - 1) / ep`` leave the rank, in forward, in backward, and again when recomputed;
   a shared expert's forward runs while its layer's dispatch is in flight (the code overlaps
-  them), hiding up to the dispatch's time;
+  them), hiding up to the dispatch's time; with ``--overlap-moe-expert-parallel-comm`` each
+  all-to-all of one half of the micro-batch hides behind the other half's compute
+  (``overlap.py``: the schedule, its formula and assumptions);
 - p2p: one ``[T, hidden]`` message per stage boundary each way;
 - context parallelism (``cp`` ranks per pack): every per-token cost above is the rank's
   ``T / cp`` tokens' (a causal document's work splits evenly: ``core/context_parallel/shard.py``),
@@ -47,7 +49,8 @@ outlasts the backward (at least the last block's share) adds to the step; with
 ``optimizer_in_backward`` Newton-Schulz runs on a stream of its own and fills the compute
 stream's waits for the backward's all-to-alls, as far as it is queued before them
 (``hidden_newton_schulz``); the shared expert's forward runs while its layer's dispatch is in
-flight (the all-to-all dispatcher). Nothing else overlaps (conservative: FSDP prefetch and copy
+flight (the all-to-all dispatcher), and with the overlap flag the all-to-alls behind the other
+chunk's compute (``overlap.py``). Nothing else overlaps (conservative: FSDP prefetch and copy
 engines do overlap some of it on a GPU). The step is the pipeline's makespan under these per-stage costs (bubble
 and stage imbalance included, from ``core.pipeline.simulate``) plus the slowest rank's
 once-per-step work.
@@ -70,6 +73,7 @@ from training.planner.inputs import PlanInputs
 from training.planner.memory import (KINDS, MASTER, Placement, _parameter_bytes,
                                      _shard_numel, chunk_tally, kept_inputs, placement)
 from training.planner.lora import lora_flops
+from training.planner.overlap import block_waits
 from training.planner.shares import ChunkShare, schedule_facts
 from training.planner.vision import planned_shares, vision_flops
 
@@ -186,12 +190,6 @@ def _moe_blocks(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[set, set]:
         if rc.extra(len(chunk.layers)) != "none":
             redo |= extra
     return moe, redo
-
-
-def _moe_layers(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[int, int]:
-    """MoE layers of the chunk (extra blocks included), and how many of them are recomputed."""
-    moe, redo = _moe_blocks(cfg, chunk, inp)
-    return len(moe), len(redo)
 
 
 @lru_cache(maxsize=4096)
@@ -342,14 +340,6 @@ def _weights_and_gradients(t: dict, inp: PlanInputs, pl: Placement, bw: dict, pc
                         bw[_group(k, inp)])
 
 
-def _shared_flops(cfg, chunk: ChunkShare) -> float:
-    """Forward FLOPs per token of a shared expert (SwiGLU: gate, up, down) of the chunk's MoE
-    layers (the largest, if they differ; 0 without one)."""
-    shapes = shapes_of(cfg)
-    blocks = [shapes.blocks[i] for i in chunk.layers] + (list(shapes.extra) if chunk.last else [])
-    return max((6.0 * shapes.hidden * b.ffn.shared for b in blocks if b.ffn.moe), default=0.0)
-
-
 def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
                   bw: dict) -> tuple[_Ledger, _Ledger]:
     """Compute, all-to-all and p2p of one micro-batch's forward and backward of ``chunk``."""
@@ -363,17 +353,16 @@ def _chunk_passes(cfg, chunk: ChunkShare, inp: PlanInputs, eff: float,
         vf = vision_flops(cfg, inp)  # whole pack's images (data/cp_shard.py), so T x cp tokens' worth
         f.seconds["compute"] += vf.forward * inp.tokens / eff
         bk.seconds["compute"] += (vf.backward + vf.redo) * inp.tokens / eff
-    n_moe, n_redo = _moe_layers(cfg, chunk, inp)
+    moe, redone = _moe_blocks(cfg, chunk, inp)
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep  # dispatch or combine
     if a2a:
-        f.move("all-to-all", 2 * n_moe * a2a, bw["ep"])
-        bk.move("all-to-all", 2 * (n_moe + n_redo) * a2a, bw["ep"])
-        # the shared expert's forward runs while the dispatch is in flight (AllToAllDispatcher;
-        # the all-gather dispatcher runs it after its reduce-scatter)
-        shared = _shared_flops(cfg, chunk) if inp.moe_dispatcher == "alltoall" else 0.0
-        hidden = min(shared * T / eff, a2a / bw["ep"])
-        f.seconds["all-to-all"] -= n_moe * hidden
-        bk.seconds["all-to-all"] -= n_redo * hidden
+        f.move("all-to-all", 2 * len(moe) * a2a, bw["ep"])
+        bk.move("all-to-all", 2 * (len(moe) + len(redone)) * a2a, bw["ep"])
+        # what waits of it (overlap.py: the shared expert behind its dispatch; with the overlap,
+        # each chunk's all-to-alls behind the other chunk's compute)
+        waits = block_waits(cfg, chunk, inp, moe, redone, T, eff, a2a / bw["ep"]).values()
+        f.seconds["all-to-all"] = sum(w.forward for w in waits)
+        bk.seconds["all-to-all"] = sum(w.rerun + w.combine_bwd + w.dispatch_bwd for w in waits)
     if inp.cp > 1:
         fwd_kv, redo_kv = _cp_exchanges(cfg, chunk, inp)
         f.move("cp comm", fwd_kv, bw["cp"])
@@ -456,8 +445,8 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
         return 0.0
     T, H, b = inp.tokens, cfg.hidden_size, inp.act_bytes
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep / bw["ep"]
-    shared = min(_shared_flops(cfg, chunk) * T / eff, a2a) if inp.moe_dispatcher == "alltoall" else 0.0
     moe, redone = _moe_blocks(cfg, chunk, inp)
+    waits = block_waits(cfg, chunk, inp, moe, redone, T, eff, a2a)  # overlap.py
 
     mid: dict = {}   # block -> seconds queued inside its backward
     end: dict = {}   # block -> seconds queued after it (FSDP's post-reduce hooks)
@@ -485,10 +474,10 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
 
     for block in sorted({s.block for s in chunk.tensors}, key=_block_order):
         if block in moe and a2a:
-            wait((2 * a2a - shared if block in redone else 0.0) + a2a)
+            wait(waits[block].rerun + waits[block].combine_bwd)
         backlog += mid.get(block, 0.0)
         if block in moe and a2a:
-            wait(a2a)
+            wait(waits[block].dispatch_bwd)
         backlog += end.get(block, 0.0)
     return hidden
 

@@ -1,0 +1,114 @@
+"""What the expert-parallel all-to-alls leave exposed, per MoE block, with and without
+``--overlap-moe-expert-parallel-comm`` (the step-time model's all-to-all; ``timing.py``).
+
+Notation, per block and one micro-batch of the rank's ``T`` tokens, in seconds at the assumed
+efficiency and the EP group's bandwidth: ``x`` one dispatch (a combine moves as many bytes,
+``T x top_k x hidden x (ep - 1) / ep`` elements); ``a`` the block's attention (projections and
+scores), ``e`` its router and routed experts, ``s`` its shared expert, forward; ``a'`` the
+attention of the next block of the chunk (0 after its last); ``g`` the backward's multiple of the
+forward (2; 1 under LoRA, whose frozen base has no weight gradients: the low end).
+
+Plain: the shared expert's forward runs while its dispatch is in flight; nothing else overlaps.
+A forward (and a recompute's rerun) waits ``2x - min(s, x)``, a backward ``x`` for the combine's
+backward and ``x`` for the dispatch's.
+
+Overlapped: each micro-batch runs as two chunks of whole documents, A and B (halves: every
+per-token cost, attention's included, splits in two, since no document is cut), and every
+all-to-all of one chunk flies while the other chunk computes. Each of the four all-to-alls of a
+pass hides behind the compute the schedule puts beside it and exposes ``max(0, x - hiding) / 2``:
+
+====================  ===========================  =======================================
+pass                  all-to-all (x / 2 each)      hidden by (halves)
+====================  ===========================  =======================================
+forward               dispatch(A)                  attention(B) + shared(A): ``a + s``
+                      dispatch(B)                  experts(A) + shared(B): ``e + s``
+                      combine(A)                   experts(B): ``e``
+                      combine(B)                   the next block's attention(A): ``a'``
+backward              combine(B)'s backward        the next block's attention(A)'s: ``g a'``
+                      combine(A)'s backward        experts(B)'s: ``g e``
+                      dispatch(B)'s backward       experts(A)'s + shared(B)'s: ``g (e + s)``
+                      dispatch(A)'s backward       attention(B)'s + shared(A)'s: ``g (a + s)``
+====================  ===========================  =======================================
+
+A recompute's rerun forward runs like the forward but its combine(B) has no next attention beside
+it (the block's own backward needs the comm stream next): ``a' = 0``. Per all-to-all and not summed
+over a pass, so slack beside one never hides another (conservative). Assumed: the halves' GEMMs
+run at the same efficiency as whole ones (the planner has one efficiency for every matmul; each
+half still multiplies thousands of rows per expert at Step-3.7-Flash's 4 packs of 8,192 tokens),
+and NCCL's kernels slow the compute beside them by nothing (as for Newton-Schulz's stream). At
+equal predicted speed the search ranks the plain schedule first, for what this does not time.
+
+Memory (``memory.py``): a layer's transient all-to-all buffers are its dispatch's and combine's
+send and receive buffers, ``4 Tc x top_k x hidden`` elements (``Tc``: the tokens a block runs at
+once, ``--recompute-chunks``' chunk); with the overlap both chunks' (as many in all) and chunk B's
+combine, still in flight while the next block's chunk A attends and dispatches (``Tc``
+more): ``5 Tc x top_k x hidden``. Kept activations are per token: the same in two halves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.costs.flops import attention_flops
+from models.registry import shapes_of
+
+FLAG = "--overlap-moe-expert-parallel-comm"
+
+
+@dataclass(frozen=True)
+class Waits:
+    """Seconds the compute stream waits for one MoE block's all-to-alls in one micro-batch."""
+
+    forward: float       # dispatch and combine of the forward
+    rerun: float         # ... of the recompute's rerun forward (0 when not recomputed)
+    combine_bwd: float   # the combine's backward (before the experts' gradients are made)
+    dispatch_bwd: float  # the dispatch's backward (after them)
+
+
+def overlap_choices(cfg, inp) -> tuple:
+    """The flag's values the search lists: both where the overlapped schedule serves the layout
+    (``core.moe.overlap.check_overlap``, the trainer's own rule) on an MoE model, else only off."""
+    from core.moe.overlap import check_overlap
+
+    try:
+        check_overlap(inp.ep, inp.cp, inp.moe_dispatcher, inp.mode.recompute_granularity, inp.compile)
+    except ValueError:
+        return (False,)
+    return (False, True) if cfg.num_experts else (False,)
+
+
+def buffer_tokens(inp) -> int:
+    """Token rows of ``top_k x hidden`` the all-to-all buffers hold at once (see above)."""
+    return (5 if inp.overlap_moe_expert_parallel_comm else 4) * inp.chunk_tokens
+
+
+def shared_flops(cfg, chunk) -> float:
+    """Forward FLOPs per token of a shared expert (SwiGLU: gate, up, down) of the chunk's MoE
+    layers (the largest, if they differ; 0 without one)."""
+    shapes = shapes_of(cfg)
+    blocks = [shapes.blocks[i] for i in chunk.layers] + (list(shapes.extra) if chunk.last else [])
+    return max((6.0 * shapes.hidden * b.ffn.shared for b in blocks if b.ffn.moe), default=0.0)
+
+
+def block_waits(cfg, chunk, inp, moe: set, redone: set, T: int, eff: float, x: float) -> dict:
+    """``Waits`` per MoE block of the chunk (``moe``; ``redone``: those recomputed) for ``T``
+    tokens at ``eff`` FLOP/s and ``x`` seconds per dispatch."""
+    if not inp.overlap_moe_expert_parallel_comm:
+        hidden = min(shared_flops(cfg, chunk) * T / eff, x) if inp.moe_dispatcher == "alltoall" else 0.0
+        return {i: Waits(2 * x - hidden, 2 * x - hidden if i in redone else 0.0, x, x) for i in moe}
+    shapes, H = shapes_of(cfg), cfg.hidden_size
+    order = list(chunk.layers) + ([-1 - k for k in range(len(shapes.extra))] if chunk.last else [])
+    attn = [attention_flops(H, shapes.block(i).attention, inp.seq_length) * T / eff for i in order]
+    g = 1.0 if inp.lora_rank else 2.0
+    out = {}
+    for n, i in enumerate(order):
+        if i not in moe:
+            continue
+        f = shapes.block(i).ffn
+        a, a_next = attn[n], (attn[n + 1] if n + 1 < len(order) else 0.0)
+        e = 2.0 * H * (f.experts + 3 * f.top_k * f.size) * T / eff
+        s = 6.0 * H * f.shared * T / eff
+        exposed = lambda *hiding: sum(max(0.0, x - h) for h in hiding) / 2
+        forward = exposed(a + s, e + s, e)
+        out[i] = Waits(forward + exposed(a_next), forward + exposed(0.0) if i in redone else 0.0,
+                       exposed(g * a_next, g * e), exposed(g * (e + s), g * (a + s)))
+    return out
