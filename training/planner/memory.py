@@ -44,7 +44,6 @@ from core.optim.build import classify
 from core.optim.host_masters import STAGING
 from models.registry import shapes_of
 from training.planner.inputs import MASTER, PlanInputs
-from training.planner.overlap import buffer_tokens
 from training.planner.shares import ROOT, ChunkShare, block_numel, schedule_facts
 from training.planner.vision import planned_shares, vision_bytes, vision_working_set
 
@@ -191,7 +190,7 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
     dev["gathered layers"] = _gathered_layers(inp, pl, managed, dev["unsharded grads"])
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
-        dev["all-to-all buffers"] = buffer_tokens(inp) * cfg.num_experts_per_tok * H * b  # overlap.py
+        dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
     r.device, r.host = dev, host
     r.fits = r.device_total <= inp.device_gb * GB
     return r

@@ -4,45 +4,45 @@
 Notation, per block and one micro-batch of the rank's ``T`` tokens, in seconds at the assumed
 efficiency and the EP group's bandwidth: ``x`` one dispatch (a combine moves as many bytes,
 ``T x top_k x hidden x (ep - 1) / ep`` elements); ``a`` the block's attention (projections and
-scores), ``e`` its router and routed experts, ``s`` its shared expert, forward; ``a'`` the
-attention of the next block of the chunk (0 after its last); ``g`` the backward's multiple of the
+scores), ``e`` its router and routed experts, ``s`` its shared expert, forward; ``g`` the
+backward's multiple of the
 forward (2; 1 under LoRA, whose frozen base has no weight gradients: the low end).
 
 Plain: the shared expert's forward runs while its dispatch is in flight; nothing else overlaps.
 A forward (and a recompute's rerun) waits ``2x - min(s, x)``, a backward ``x`` for the combine's
 backward and ``x`` for the dispatch's.
 
-Overlapped: each micro-batch runs as two chunks of whole documents, A and B (halves: every
-per-token cost, attention's included, splits in two, since no document is cut), and every
-all-to-all of one chunk flies while the other chunk computes. Each of the four all-to-alls of a
-pass hides behind the compute the schedule puts beside it and exposes ``max(0, x - hiding) / 2``:
+Overlapped (``core/moe/overlap.py``, within each MoE block): the micro-batch runs as two chunks
+of whole documents, A and B (halves: every per-token cost, attention's included, splits in two,
+since no document is cut), and every all-to-all of one chunk flies while compute of the block
+runs. Each of the four all-to-alls of a pass hides behind the compute the block's schedule puts
+beside it and exposes ``max(0, x - hiding) / 2``; each piece of compute is credited to one
+all-to-all only:
 
 ====================  ===========================  =======================================
 pass                  all-to-all (x / 2 each)      hidden by (halves)
 ====================  ===========================  =======================================
 forward               dispatch(A)                  attention(B) + shared(A): ``a + s``
-                      dispatch(B)                  experts(A) + shared(B): ``e + s``
+                      dispatch(B)                  experts(A): ``e``
                       combine(A)                   experts(B): ``e``
-                      combine(B)                   the next block's attention(A): ``a'``
-backward              combine(B)'s backward        the next block's attention(A)'s: ``g a'``
+                      combine(B)                   shared(B): ``s`` (0 without one)
+backward              combine(B)'s backward        shared(B)'s: ``g s``
                       combine(A)'s backward        experts(B)'s: ``g e``
-                      dispatch(B)'s backward       experts(A)'s + shared(B)'s: ``g (e + s)``
+                      dispatch(B)'s backward       experts(A)'s: ``g e``
                       dispatch(A)'s backward       attention(B)'s + shared(A)'s: ``g (a + s)``
 ====================  ===========================  =======================================
 
-A recompute's rerun forward runs like the forward but its combine(B) has no next attention beside
-it (the block's own backward needs the comm stream next): ``a' = 0``. Per all-to-all and not summed
-over a pass, so slack beside one never hides another (conservative). Assumed: the halves' GEMMs
-run at the same efficiency as whole ones (the planner has one efficiency for every matmul; each
-half still multiplies thousands of rows per expert at Step-3.7-Flash's 4 packs of 8,192 tokens),
-and NCCL's kernels slow the compute beside them by nothing (as for Newton-Schulz's stream). At
-equal predicted speed the search ranks the plain schedule first, for what this does not time.
+A recompute's rerun forward runs like the forward. Per all-to-all and not summed over a pass, so
+slack beside one never hides another (conservative). Assumed: the halves' GEMMs run at the same
+efficiency as whole ones (the planner has one efficiency for every matmul; each half still
+multiplies thousands of rows per expert at Step-3.7-Flash's 4 packs of 8,192 tokens), and NCCL's
+kernels slow the compute beside them by nothing (as for Newton-Schulz's stream). At equal
+predicted speed the search ranks the plain schedule first, for what this does not time.
 
 Memory (``memory.py``): a layer's transient all-to-all buffers are its dispatch's and combine's
 send and receive buffers, ``4 Tc x top_k x hidden`` elements (``Tc``: the tokens a block runs at
-once, ``--recompute-chunks``' chunk); with the overlap both chunks' (as many in all) and chunk B's
-combine, still in flight while the next block's chunk A attends and dispatches (``Tc``
-more): ``5 Tc x top_k x hidden``. Kept activations are per token: the same in two halves.
+once, ``--recompute-chunks``' chunk); the overlap holds the same buffers in two halves, both
+waited before the block returns: as many. Kept activations are per token: the same in two halves.
 """
 from __future__ import annotations
 
@@ -76,11 +76,6 @@ def overlap_choices(cfg, inp) -> tuple:
     return (False, True) if cfg.num_experts else (False,)
 
 
-def buffer_tokens(inp) -> int:
-    """Token rows of ``top_k x hidden`` the all-to-all buffers hold at once (see above)."""
-    return (5 if inp.overlap_moe_expert_parallel_comm else 4) * inp.chunk_tokens
-
-
 def shared_flops(cfg, chunk) -> float:
     """Forward FLOPs per token of a shared expert (SwiGLU: gate, up, down) of the chunk's MoE
     layers (the largest, if they differ; 0 without one)."""
@@ -104,11 +99,10 @@ def block_waits(cfg, chunk, inp, moe: set, redone: set, T: int, eff: float, x: f
         if i not in moe:
             continue
         f = shapes.block(i).ffn
-        a, a_next = attn[n], (attn[n + 1] if n + 1 < len(order) else 0.0)
+        a = attn[n]
         e = 2.0 * H * (f.experts + 3 * f.top_k * f.size) * T / eff
         s = 6.0 * H * f.shared * T / eff
         exposed = lambda *hiding: sum(max(0.0, x - h) for h in hiding) / 2
-        forward = exposed(a + s, e + s, e)
-        out[i] = Waits(forward + exposed(a_next), forward + exposed(0.0) if i in redone else 0.0,
-                       exposed(g * a_next, g * e), exposed(g * (e + s), g * (a + s)))
+        forward = exposed(a + s, e, e, s)
+        out[i] = Waits(forward, forward if i in redone else 0.0, exposed(g * s, g * e), exposed(g * e, g * (a + s)))
     return out
