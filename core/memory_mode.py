@@ -294,6 +294,16 @@ class MemoryMode:
             out.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
         return out
 
+    def short_words(self) -> tuple[str, str, str, str, str]:
+        """The mode in the search table's columns: sharding, offload, gathered once (yes / no),
+        recompute (full/4: --recompute-chunks 4; +off: --offload-recompute-inputs) and masters (fp32,
+        or rem: --store-param-remainders; +ib: --optimizer-in-backward)."""
+        chunks = f"/{self.recompute_chunks}" if self.recompute_chunks > 1 else ""
+        recompute = self.recompute_granularity + chunks + ("+off" if self.offload_recompute_inputs else "")
+        masters = ("rem" if self.store_param_remainders else "fp32") + ("+ib" if self.optimizer_in_backward else "")
+        return (self.data_parallel_sharding, self.cpu_offload, "yes" if self.fsdp_gather_once else "no", recompute,
+                masters)
+
     @classmethod
     def flag_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]

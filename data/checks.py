@@ -1,6 +1,6 @@
 """The data checked against the model before training starts (no process group exists yet).
 
-``train_args._check_files`` calls :func:`check_training_data` for every ``--data-path`` prefix:
+``training/run_files.check_data_files`` calls :func:`check_training_data` for every ``--data-path`` prefix:
 
 * the index is validated in full (``IndexedDataset`` at open);
 * every token id lies in ``[0, vocab_size)``: an id at or above the model's vocabulary is an

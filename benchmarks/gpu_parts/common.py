@@ -124,10 +124,12 @@ def planned_layers_gib(cfg, T: int, weight_bytes: int, grad_bytes: int, recomput
     working set for a stage of those layers that is neither first nor last."""
     from types import SimpleNamespace
 
-    from training.planner.memory import PlanInputs, _chunk_activations, _recompute_working_set
+    from core.memory_mode import MemoryMode
+    from training.planner.inputs import PlanInputs
+    from training.planner.memory import _chunk_activations, _recompute_working_set
 
     chunk = SimpleNamespace(layers=tuple(range(cfg.num_layers)), first=False, last=False)
-    inp = PlanInputs(recompute=recompute, seq_length=T, micro_batch_size=1, bf16=True)
+    inp = PlanInputs(mode=MemoryMode(bf16=True, recompute_granularity=recompute), seq_length=T, micro_batch_size=1)
     held = _chunk_activations(cfg, chunk, T, 2, inp) + _recompute_working_set(cfg, chunk, T, 2, inp)
     return (weight_bytes + grad_bytes + held) / GiB
 

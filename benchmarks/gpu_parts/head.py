@@ -20,10 +20,12 @@ import torch  # noqa: E402
 def predicted_bytes(cfg, T: int, recompute: str) -> int:
     """The planner's activations (no pipeline: one micro-batch in flight) and recompute working
     set for a last stage that holds no decoder layer."""
-    from training.planner.memory import PlanInputs, _chunk_activations, _recompute_working_set
+    from core.memory_mode import MemoryMode
+    from training.planner.inputs import PlanInputs
+    from training.planner.memory import _chunk_activations, _recompute_working_set
 
     chunk = SimpleNamespace(layers=(), first=False, last=True)
-    inp = PlanInputs(recompute=recompute, seq_length=T, micro_batch_size=1, bf16=True)
+    inp = PlanInputs(mode=MemoryMode(bf16=True, recompute_granularity=recompute), seq_length=T, micro_batch_size=1)
     return _chunk_activations(cfg, chunk, T, 2, inp) + _recompute_working_set(cfg, chunk, T, 2, inp)
 
 

@@ -20,11 +20,12 @@ def planned_flops(shape: tuple, steps: int) -> float:
     """The planner's FLOPs for orthogonalising one stack of this shape (its own count)."""
     from core.model_api import ParamSpec
     from training.planner.shares import ChunkShare, TensorShare
+    from training.planner.inputs import optim_options
     from training.planner.timing import optimizer_work
 
     t = torch.empty(shape, device="meta")
     chunk = ChunkShare(0, False, False, (0,), (TensorShare(t, ParamSpec(), 0),))
-    return optimizer_work(chunk, 1, 1, "muon", steps, 0.25)["dense"]["flops"]
+    return optimizer_work(chunk, 1, 1, optim_options("muon", muon_ns_steps=steps))["dense"]["flops"]
 
 
 def main(argv=None) -> int:

@@ -100,10 +100,10 @@ def test_moe_overlap_refuses_what_it_does_not_serve_by_name(flags, world, messag
 
 def test_unwritable_save_is_found_at_start_up(tmp_path, monkeypatch):
     """A --save under a regular file cannot be created, whoever runs it (root included)."""
-    import train_args
+    from training import run_files
 
     (tmp_path / "file").write_text("x")
-    monkeypatch.setattr(train_args, "_check_files", lambda args, cfg: None)  # no dataset here
+    monkeypatch.setattr(run_files, "check_data_files", lambda args, cfg: None)  # no dataset here
     args = parse(["--data-path", "unused", "--save", str(tmp_path / "file" / "ck")])
     with pytest.raises(ValueError, match=r"--save .*/file/ck: cannot write there"):
         validate(args, world=1)

@@ -12,7 +12,8 @@ from core.moe.router import TopKRouter
 from core.costs.shapes import AttentionShape, BlockShape, FFNShape
 from models.step37 import Step37Config
 from models.step37.model import Step37Model
-from training.planner.memory import PlanInputs, plan
+from tests.planner_inputs import inputs
+from training.planner.memory import plan
 from training.planner.search import candidates
 from training.planner.lora import adapter_flops
 from training.planner.timing import plan_time
@@ -36,12 +37,12 @@ def _counts():
 
 def test_lora_memory_is_the_frozen_base_in_bf16_and_the_adapters_state():
     base_bf16, routers, adapters, tensors = _counts()
-    inp = PlanInputs(seq_length=64, optimizer="adamw", bf16=True, lora_rank=4, num_microbatches=1)
+    inp = inputs(seq_length=64, optimizer="adamw", bf16=True, lora_rank=4, num_microbatches=1)
     rank = plan(TINY, inp)[0]
     assert rank.device["parameters"] == 2 * base_bf16 + 4 * routers + 4 * adapters
     assert rank.device["gradients"] == 4 * adapters
     assert rank.device["optimizer"] == 8 * adapters + 4 * tensors  # AdamW's two moments and its step
-    full = plan(TINY, PlanInputs(seq_length=64, optimizer="adamw", bf16=True, num_microbatches=1))[0]
+    full = plan(TINY, inputs(seq_length=64, optimizer="adamw", bf16=True, num_microbatches=1))[0]
     assert full.device["parameters"] == 4 * (base_bf16 + routers)
 
 
@@ -60,19 +61,20 @@ def test_adapter_flops_hand_worked():
 
 def test_lora_backward_skips_the_frozen_weight_gradients():
     kw = dict(seq_length=64, optimizer="adamw", bf16=True, num_microbatches=1)
-    full, lora = plan_time(TINY, PlanInputs(**kw)), plan_time(TINY, PlanInputs(lora_rank=4, **kw))
+    full, lora = plan_time(TINY, inputs(**kw)), plan_time(TINY, inputs(lora_rank=4, **kw))
     assert lora.ranks[0].seconds["compute"] < full.ranks[0].seconds["compute"]
     assert lora.ranks[0].seconds["optimizer"] < full.ranks[0].seconds["optimizer"]
 
 
 def test_search_plans_lora_with_the_modes_it_allows():
     cfg = Step37Config.preset("step37-flash")
-    base = PlanInputs(seq_length=8192, optimizer="adamw", bf16=True, lora_rank=32)
+    base = inputs(seq_length=8192, optimizer="adamw", bf16=True, lora_rank=32)
     todo = candidates(cfg, 8, base, 32)
     assert todo and all(c.lora_rank == 32 for c in todo)
-    assert {c.cpu_offload for c in todo} == {"none", "experts", "all"}
-    assert not any(c.store_param_remainders or c.optimizer_in_backward or c.recompute_chunks > 1 for c in todo)
-    assert not candidates(cfg, 8, PlanInputs(seq_length=8192, optimizer="muon", bf16=True, lora_rank=32), 32)
+    assert {c.mode.cpu_offload for c in todo} == {"none", "experts", "all"}
+    assert not any(c.mode.store_param_remainders or c.mode.optimizer_in_backward or c.mode.recompute_chunks > 1
+                   for c in todo)
+    assert not candidates(cfg, 8, inputs(seq_length=8192, optimizer="muon", bf16=True, lora_rank=32), 32)
 
 
 def test_lora_recipe_runs_the_search_top_row(tmp_path):

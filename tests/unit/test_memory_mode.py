@@ -19,7 +19,8 @@ from models.step37 import Step37Config
 from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
 from train_args import MemoryArgs, parse, require, validate
-from training.planner.memory import PlanInputs, plan
+from tests.planner_inputs import inputs
+from training.planner.memory import plan
 from training.parallelize import build_chunks
 from training.planner.search import memory_modes
 from training.planner.shares import rank_shares
@@ -107,16 +108,17 @@ def test_a_registered_optimizer_trains_and_is_planned_by_its_declaration(sgd):
         opt.zero_grad()
     assert losses[-1] < 0.9 * losses[0], losses
 
-    inp = PlanInputs(optimizer=sgd.name, num_microbatches=1, seq_length=64)
+    inp = inputs(optimizer=sgd.name, num_microbatches=1, seq_length=64)
     planned = plan(cfg, inp)[0]
     state = sum(t.numel() * t.element_size() for st in opt.optimizers[sgd.name].state.values() for t in st.values())
     adamw = sum(t.numel() * t.element_size() for st in opt.optimizers["adamw"].state.values() for t in st.values())
     assert planned.device["optimizer"] == state + adamw
 
+    from training.planner.inputs import optim_options
     from training.planner.timing import optimizer_work
 
     share = rank_shares(cfg, 1, 1, 1, None, 64)[0][0]
-    work = optimizer_work(share, 1, 1, sgd.name, 5, 0.25)
+    work = optimizer_work(share, 1, 1, optim_options(sgd.name))
     declared = sum(2.0 * s.t.numel() for s in share.tensors if classify(s.spec, s.t, sgd.name) == "matrix")
     assert work["dense"]["flops"] + work["expert"]["flops"] == declared > 0
 
@@ -127,6 +129,7 @@ def test_a_registered_optimizers_own_option_is_a_flag_and_planned_with(sgd, caps
     in the JSON), and the optimizer state it books follows it: momentum 0 allocates no buffer and
     books none; momentum 0.9 books 4 bytes per matrix element more (the allocated buffers)."""
     from tools import plan_memory
+    from training.planner.inputs import optim_options
     from training.planner.run import plan_inputs
 
     flags = ["--data-path", "unused", "--optimizer", sgd.name, "--seq-length", "64", "--global-batch-size", "1"]
@@ -136,7 +139,7 @@ def test_a_registered_optimizers_own_option_is_a_flag_and_planned_with(sgd, caps
         parse([*flags, "--test-sgd-momentum", "1.5"])
     assert "--test-sgd-momentum must be in [0, 1), got 1.5" in capsys.readouterr().err
     inp = plan_inputs(args, validate(args, world=1, check_files=False))
-    assert inp.optim.test_sgd_momentum == 0.0 and inp.optimizer == sgd.name
+    assert inp.optim.test_sgd_momentum == 0.0 and inp.optim.optimizer == sgd.name
 
     cfg = Step37Config.preset("tiny")
     chunk = build_chunks(cfg, ParallelState(ParallelSizes(1), 0, {}), seq_length=64)[0]
@@ -148,7 +151,8 @@ def test_a_registered_optimizers_own_option_is_a_flag_and_planned_with(sgd, caps
     opt.step()
     nbytes = lambda o: sum(t.numel() * t.element_size() for st in o.state.values() for t in st.values())
     assert nbytes(opt.optimizers[sgd.name]) == 0
-    still, moving = plan(cfg, inp)[0], plan(cfg, dataclasses.replace(inp, test_sgd_momentum=0.9))[0]
+    momentum = optim_options(sgd.name, **{**inp.optim.as_dict(), "test_sgd_momentum": 0.9})
+    still, moving = plan(cfg, inp)[0], plan(cfg, dataclasses.replace(inp, optim=momentum))[0]
     assert still.device["optimizer"] == nbytes(opt.optimizers["adamw"])
     matrices = sum(p.numel() for g in opt.optimizers[sgd.name].param_groups for p in g["params"])
     assert moving.device["optimizer"] - still.device["optimizer"] == 4 * matrices > 0
@@ -191,7 +195,8 @@ def test_validation_and_the_search_agree_on_every_memory_mode(world, extra, mbs,
         from training.planner.run import plan_inputs
 
         for bf16 in (False, True):
-            base = dataclasses.replace(plan_inputs(base_args), bf16=bf16)
+            base = plan_inputs(base_args)
+            base = dataclasses.replace(base, mode=dataclasses.replace(base.mode, bf16=bf16))
             listed = memory_modes(base, world, mbs, 1, M)
             for mode in MemoryMode.every(bf16=bf16):
                 if not _searchable(mode, mbs, M):

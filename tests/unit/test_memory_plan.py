@@ -12,7 +12,8 @@ from core.parallel_state import ParallelSizes, ParallelState
 from models.step37 import Step37Config
 from core.costs.activations import cpu_sdpa_extra_bytes
 from models.registry import shapes_of
-from training.planner.memory import PlanInputs, _chunk_activations, placement, plan
+from tests.planner_inputs import inputs
+from training.planner.memory import _chunk_activations, placement, plan
 from training.parallelize import build_chunks
 from training.planner.shares import rank_shares
 from tests.unit.test_model_hf import thd
@@ -33,7 +34,7 @@ def _bytes(tensors):
 @pytest.mark.parametrize("optimizer, momentum", [("adamw", 0.0), ("muon", 0.95), ("muon", 0.0), ("dion", 0.0)])
 def test_parameter_gradient_and_optimizer_bytes_are_exact(optimizer, momentum):
     cfg = Step37Config.preset("tiny")
-    inp = PlanInputs(pp=2, ep=2, dp=2, optimizer=optimizer, muon_momentum=momentum)
+    inp = inputs(pp=2, ep=2, dp=2, optimizer=optimizer, muon_momentum=momentum)
     planned = {(r.pp_rank, r.ep_rank): r for r in plan(cfg, inp)}
     sizes = ParallelSizes(4, pp=2, ep=2)
     for (pp, ep), r in planned.items():
@@ -55,7 +56,7 @@ def test_activation_estimate_within_25_percent_of_measurement():
     tokens, pos, psp = thd(docs)
     with SavedTensorBytes(chunk) as saved:
         chunk(tokens, pos, psp, labels=labels_for(tokens, docs))
-    inp = PlanInputs()
+    inp = inputs()
     estimate = _chunk_activations(cfg, chunk, 256, 4, inp)
     # what CPU SDPA keeps on top of a fused GPU kernel (the planner assumes one)
     shapes = shapes_of(cfg)
@@ -74,20 +75,20 @@ def test_flash_on_8_gpus_fits_only_with_optimizer_offload():
     compute copy (2 bytes per parameter) stays on the device and it fits."""
     cfg = Step37Config.preset("step37-flash")
     common = dict(pp=4, ep=2, dp=2, seq_length=8192, num_microbatches=32, optimizer="muon",
-                  muon_momentum=0.0, recompute="full", bf16=True)
-    plain = plan(cfg, PlanInputs(**common, pipeline_layout="11,12,11,11"))
-    assert not all(r.fits for r in plain) and not all(r.fits for r in plan(cfg, PlanInputs(**common)))
+                  muon_momentum=0.0, recompute_granularity="full", bf16=True)
+    plain = plan(cfg, inputs(**common, pipeline_layout="11,12,11,11"))
+    assert not all(r.fits for r in plain) and not all(r.fits for r in plan(cfg, inputs(**common)))
     assert sum(r.parameters for r in plain if r.ep_rank == 0) + \
         sum(r.parameters for r in plain if r.ep_rank == 1) > 196e9  # experts split, dense replicated
 
-    offload = plan(cfg, PlanInputs(**common, sharding="fsdp", cpu_offload="all"))
+    offload = plan(cfg, inputs(**common, data_parallel_sharding="fsdp", cpu_offload="all"))
     pp1 = offload[2]
     # expert-DP is 1, so each rank's experts are whole: shards = whole stage but dense halves
     stage_numel = sum(t.t.numel() for c in rank_shares(cfg, 4, 1, 2, None, 8192)[1] for t in c.tensors)
     assert pp1.device["unsharded grads"] == 4 * stage_numel and 133e9 < 4 * stage_numel < 134e9
     assert pp1.device["parameters"] == pp1.device["gradients"] == 0 and not pp1.fits
 
-    opt = plan(cfg, PlanInputs(**common, sharding="fsdp", cpu_offload="optimizer"))
+    opt = plan(cfg, inputs(**common, data_parallel_sharding="fsdp", cpu_offload="optimizer"))
     assert all(r.fits for r in opt)
     for r, chunks in zip(opt[::2], rank_shares(cfg, 4, 1, 2, None, 8192)):
         numel = sum(t.t.numel() for c in chunks for t in c.tensors)
@@ -99,9 +100,22 @@ def test_flash_on_8_gpus_fits_only_with_optimizer_offload():
 
 def test_inputs_are_validated():
     with pytest.raises(ValueError, match="--cpu-offload needs --data-parallel-sharding fsdp"):
-        PlanInputs(cpu_offload="all")
-    with pytest.raises(ValueError, match="--recompute 'some'"):
-        PlanInputs(recompute="some")
+        inputs(cpu_offload="all")
+    with pytest.raises(ValueError, match="--recompute-granularity 'some': expected one of none, selective, full"):
+        inputs(recompute_granularity="some")
+    with pytest.raises(ValueError, match="--optimizer 'sgdx': expected one of adamw, muon"):
+        inputs(optimizer="sgdx")  # the registry's own error
+
+
+def test_inputs_hold_the_mode_and_the_options_not_copies():
+    """``PlanInputs`` takes and reads the memory flags through its ``MemoryMode`` and the
+    optimizer's options through its ``OptimOptions`` only: no flag-named keywords or attributes."""
+    from training.planner.inputs import PlanInputs
+
+    for flag in ("recompute", "sharding", "cpu_offload", "optimizer", "muon_momentum"):
+        with pytest.raises(TypeError):
+            PlanInputs(**{flag: None})
+        assert not hasattr(PlanInputs(), flag), flag
 
 
 # ---------------------------------------------------------------- FSDP against real allocations
@@ -135,8 +149,8 @@ def _check_fsdp_bytes(rank, world, sharding, offload, bf16, optimizer, momentum,
     cfg = Step37Config.preset("tiny")
     sizes = ParallelSizes(world, pp=1, ep=1)
     ps = ParallelState.build(sizes, cfg.num_layers, cfg.num_experts)
-    inp = PlanInputs(dp=world, sharding=sharding, cpu_offload=offload, bf16=bf16, optimizer=optimizer,
-                     muon_momentum=momentum, num_microbatches=2, seq_length=64, fsdp_gather_once=once)
+    inp = inputs(dp=world, data_parallel_sharding=sharding, cpu_offload=offload, bf16=bf16, optimizer=optimizer,
+                 muon_momentum=momentum, num_microbatches=2, seq_length=64, fsdp_gather_once=once)
     planned = plan(cfg, inp)[0]
     chunk = build_chunks(cfg, ps, seq_length=64)[0]
     assert apply_fsdp(chunk, ps, placement(inp), "cpu")
@@ -201,10 +215,10 @@ def test_cp2_keeps_its_shards_activations_and_the_key_buffers_by_hand():
 
     cfg = Step37Config.preset("tiny")
     base = dict(pp=1, dp=1, seq_length=64, num_microbatches=2, optimizer="adamw")
-    cp2 = plan(cfg, PlanInputs(cp=2, **base))[0]
-    half = plan(cfg, PlanInputs(**{**base, "seq_length": 32}))[0]
+    cp2 = plan(cfg, inputs(cp=2, **base))[0]
+    half = plan(cfg, inputs(**{**base, "seq_length": 32}))[0]
     assert cp2.device["activations"] == half.device["activations"]
     assert cp2.device["cp K/V"] == 88_064 + 16_384 and half.device["cp K/V"] == 0
-    assert plan(cfg, PlanInputs(cp=2, recompute="full", **base))[0].device["cp K/V"] == 16_384
+    assert plan(cfg, inputs(cp=2, recompute_granularity="full", **base))[0].device["cp K/V"] == 16_384
     with pytest.raises(ValueError, match="--seq-length 66 must be a multiple of 2 x --context-parallel-size = 8"):
-        PlanInputs(cp=4, **{**base, "seq_length": 66})
+        inputs(cp=4, **{**base, "seq_length": 66})

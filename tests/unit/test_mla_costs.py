@@ -24,7 +24,8 @@ from tests.unit.test_model_hf import thd
 from tests.unit.test_model_thd import labels_for
 from training.parallelize import build_chunks
 from training.planner.lora import adapter_flops
-from training.planner.memory import PlanInputs, _chunk_activations
+from tests.planner_inputs import inputs
+from training.planner.memory import _chunk_activations
 
 DOCS = [100, 100, 56]  # two causal pieces and one band piece on the CPU's sdpa backend
 VARIANTS = {"q_lora": {}, "plain_q": {"q_lora_rank": None}}
@@ -127,7 +128,7 @@ def test_cp_expands_the_key_rows_on_every_rank_by_hand():
     assert expand_flops(AttentionShape(4, 2, 16), 64, 2) == 0
     base = dict(pp=1, dp=1, seq_length=64, micro_batch_size=1, num_microbatches=2, optimizer="adamw")
     t = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1.0)
-    compute = lambda cp: plan_time(cfg, PlanInputs(**base, cp=cp), t, peak=1.0).ranks[0].seconds["compute"]
+    compute = lambda cp: plan_time(cfg, inputs(**base, cp=cp), t, peak=1.0).ranks[0].seconds["compute"]
     assert compute(2) == pytest.approx(compute(1) / 2 + 3 * 3 * 2 * expand_flops(a, 64, 2) / 0.5e12, rel=1e-12)
 
 
@@ -153,7 +154,7 @@ def test_kept_bytes_match_what_autograd_saves(variant, monkeypatch):
     extra = cpu_sdpa_extra_bytes(a, DOCS, 4)
     own = a.kept_bytes(H, T, 4) - (2 * T * H * 4 + T * 4)  # the input norm's fp32 input, output and 1/rms
     assert 0.9 <= (own + extra) / inside.bytes <= 1.1, (own + extra, inside.bytes)
-    estimate = _chunk_activations(cfg, chunk, T, 4, PlanInputs()) + extra * cfg.num_layers
+    estimate = _chunk_activations(cfg, chunk, T, 4, inputs()) + extra * cfg.num_layers
     assert 0.75 <= estimate / saved.bytes <= 1.25, (estimate, saved.bytes)
 
 
@@ -171,7 +172,7 @@ def test_recompute_modes_keep_what_the_planner_books(mode, monkeypatch):
     tokens, pos, psp = thd(DOCS)
     with SavedTensorBytes(chunk) as saved:
         chunk(tokens, pos, psp, labels=labels_for(tokens, DOCS))
-    estimate = _chunk_activations(cfg, chunk, sum(DOCS), 4, PlanInputs(recompute=mode))
+    estimate = _chunk_activations(cfg, chunk, sum(DOCS), 4, inputs(recompute_granularity=mode))
     assert 0.95 <= estimate / saved.bytes <= 1.05, (estimate, saved.bytes)
 
 

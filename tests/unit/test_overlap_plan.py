@@ -11,7 +11,9 @@ from dataclasses import replace
 import pytest
 
 from models.step37 import Step37Config
-from training.planner.memory import PlanInputs, plan
+from tests.planner_inputs import inputs
+from training.planner.inputs import PlanInputs
+from training.planner.memory import plan
 from training.planner.overlap import FLAG
 from training.planner.timing import TimeAssumptions, plan_time
 
@@ -30,7 +32,7 @@ X_SLOW = 16_384 / 1e9  # one dispatch at 1 GB/s: 64 tokens x top-2 x 64 x fp32 x
 
 def _inputs(**kw) -> PlanInputs:
     base = dict(pp=1, dp=2, ep=2, seq_length=64, micro_batch_size=1, num_microbatches=1, optimizer="adamw")
-    return PlanInputs(**{**base, **kw})
+    return inputs(**{**base, **kw})
 
 
 def _a2a(nvlink_gb_s: float, **kw) -> float:
@@ -50,7 +52,7 @@ def test_each_all_to_all_exposes_what_the_other_chunks_compute_does_not_hide_by_
     # sums of a few floats: 1e-9 relative (rounding only)
     assert _a2a(1.0, overlap_moe_expert_parallel_comm=True) == pytest.approx(fwd + bwd, rel=1e-9)
     # full recompute: each layer's rerun forward as the forward
-    assert _a2a(1.0, overlap_moe_expert_parallel_comm=True, recompute="full") == \
+    assert _a2a(1.0, overlap_moe_expert_parallel_comm=True, recompute_granularity="full") == \
         pytest.approx(fwd + bwd + fwd, rel=1e-9)
     # the plain schedule: 4 all-to-alls a layer, the shared expert behind the forward's dispatch
     assert _a2a(1.0) == pytest.approx(3 * (4 * x - S), rel=1e-9)
@@ -69,7 +71,7 @@ def test_the_overlaps_halves_hold_the_plain_all_to_all_buffers():
     """All-to-all buffers: 4 x T x top_k x hidden x bytes (a layer's dispatch and combine, sent and
     received), with or without the overlap (its two halves hold as many, both waited before the
     block returns). With --recompute-chunks T is the chunk's."""
-    for kw, T in (({}, 64), (dict(micro_batch_size=2, recompute="full", recompute_chunks=2), 64)):
+    for kw, T in (({}, 64), (dict(micro_batch_size=2, recompute_granularity="full", recompute_chunks=2), 64)):
         plain = plan(TINY, _inputs(**kw))[0].device["all-to-all buffers"]
         both = plan(TINY, _inputs(overlap_moe_expert_parallel_comm=True, **kw))[0].device["all-to-all buffers"]
         assert plain == both == 4 * T * 2 * 64 * 4
@@ -82,14 +84,14 @@ def test_search_asked_for_the_flag_lists_both_values_under_expert_parallelism():
     ending with the flag; without it, the plain schedule only."""
     from training.planner.search import search
 
-    base = PlanInputs(seq_length=64, optimizer="adamw", device_gb=1.0, overlap_moe_expert_parallel_comm=True)
+    base = inputs(seq_length=64, optimizer="adamw", device_gb=1.0, overlap_moe_expert_parallel_comm=True)
     a = TimeAssumptions(nvlink_gb_s=1.0)
     rows = search(TINY, 2, base, 4, a, peak=1.0, progress=False)
     twins = [r for r in rows if r.overlap_moe_expert_parallel_comm]
     assert twins and all(r.ep == 2 and r.fits for r in twins)
     layout = lambda r: replace(r, overlap_moe_expert_parallel_comm=False, device_gb=0, step_s=0,
                                tokens_per_s_per_gpu=0, mfu=0, idle=0)
-    served = lambda r: r.recompute != "selective" and r.cp == 1
+    served = lambda r: r.mode.recompute_granularity != "selective" and r.cp == 1
     plain = [layout(r) for r in rows if not r.overlap_moe_expert_parallel_comm and r.fits and r.ep == 2 and served(r)]
     assert any(not served(r) for r in rows if r.ep == 2)  # the refused ones are there, without a twin
     assert sorted(map(str, map(layout, twins))) == sorted(map(str, plain))

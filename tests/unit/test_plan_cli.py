@@ -40,7 +40,7 @@ def test_recipe_pasted_into_the_planner_plans_every_rank(tmp_path):
     assert {(r["pp_rank"], r["ep_rank"]) for r in ranks} == {(0, e) for e in range(8)}
     inp = plan["inputs"]
     assert (inp["pp"], inp["ep"], inp["dp"], inp["num_microbatches"]) == (1, 8, 8, 1)
-    assert inp["sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "none"
+    assert inp["data_parallel_sharding"] == "fsdp" and inp["bf16"] is True and inp["cpu_offload"] == "none"
     assert (inp["recompute_chunks"], inp["offload_recompute_inputs"], inp["optimizer_in_backward"]) == (4, True, True)
     assert inp["overlap_moe_expert_parallel_comm"] is True
     assert all(r["fits"] for r in ranks)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from models.step37 import Step37Config
-from training.planner.memory import PlanInputs
+from tests.planner_inputs import inputs
 from training.planner.search import RESERVE_SHARE, candidates, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +61,7 @@ def test_recipe_search_prints_a_ranked_table_whose_top_row_fits_without_per_micr
 
 def test_search_covers_the_layouts_and_ranks_only_what_fits():
     cfg = Step37Config.preset("step37-flash")
-    base = PlanInputs(seq_length=8192, optimizer="muon", muon_momentum=0.0, bf16=True)
+    base = inputs(seq_length=8192, optimizer="muon", muon_momentum=0.0, bf16=True)
     todo = candidates(cfg, 8, base, 64)
     layouts = {(c.pp, c.vpp, c.ep) for c in todo}
     # PP divides 8; virtual stages only with a pipeline; EP divides DP (and the 288 experts)
@@ -71,8 +71,8 @@ def test_search_covers_the_layouts_and_ranks_only_what_fits():
     assert all(c.num_microbatches * c.micro_batch_size * c.dp == 64 for c in todo)
     assert all(c.num_microbatches % c.pp == 0 for c in todo if c.vpp > 1)
     # at DP 1 (PP8) nothing shards: no fsdp without offload, and no gather-once twins
-    assert not [c for c in todo if c.dp == 1 and c.sharding == "fsdp" and (c.cpu_offload == "none"
-                                                                          or c.fsdp_gather_once)]
+    assert not [c for c in todo if c.dp == 1 and c.mode.data_parallel_sharding == "fsdp"
+                and (c.mode.cpu_offload == "none" or c.mode.fsdp_gather_once)]
     rows = search(cfg, 8, base, 64, progress=False)
     assert len(rows) == len(todo)
     fitting = [r for r in rows if r.fits]
@@ -83,8 +83,8 @@ def test_search_covers_the_layouts_and_ranks_only_what_fits():
     assert speeds == sorted(speeds, reverse=True)
     # per-micro-batch weight copies happen exactly where offloaded shards are gathered per pass
     for r in rows:
-        assert r.weights_per_microbatch == (r.cpu_offload in ("all", "experts") and r.dp > 1
-                                            and not r.gather_once)
+        assert r.weights_per_microbatch == (r.mode.cpu_offload in ("all", "experts") and r.dp > 1
+                                            and not r.mode.fsdp_gather_once)
 
 
 def test_search_adds_cp_sizes_only_for_long_sequences():
@@ -95,7 +95,7 @@ def test_search_adds_cp_sizes_only_for_long_sequences():
 
     assert cp_sizes(8, 8192) == [1] and cp_sizes(8, 131072) == [1, 2, 4, 8] and cp_sizes(4, 16384) == [1, 2]
     cfg = Step37Config.preset("step37-flash")
-    base = PlanInputs(seq_length=131072, optimizer="muon", muon_momentum=0.0, bf16=True)
+    base = inputs(seq_length=131072, optimizer="muon", muon_momentum=0.0, bf16=True)
     todo = candidates(cfg, 8, base, 8)
     assert {c.cp for c in todo} == {1, 2, 4, 8}
     assert {(c.pp, c.ep) for c in todo if c.cp == 8} == {(1, e) for e in (1, 2, 4, 8)}  # dp 1: EP from CP

@@ -185,10 +185,10 @@ def test_chunks_need_full_recompute():
 
 
 def _flash_h100(**kw):
-    from training.planner.memory import PlanInputs
-    base = dict(ep=8, dp=8, sharding="fsdp", cpu_offload="masters", optimizer_in_backward=True, recompute="full",
-                seq_length=8192, micro_batch_size=4, num_microbatches=1, bf16=True, device_gb=80)
-    return PlanInputs(**{**base, **kw})
+    from tests.planner_inputs import inputs
+    base = dict(ep=8, dp=8, data_parallel_sharding="fsdp", cpu_offload="masters", optimizer_in_backward=True,
+                recompute_granularity="full", seq_length=8192, micro_batch_size=4, num_microbatches=1, bf16=True, device_gb=80)
+    return inputs(**{**base, **kw})
 
 
 def test_the_planner_counts_one_chunk_and_the_offloaded_inputs():
@@ -230,7 +230,7 @@ def test_the_planner_frees_the_root_after_the_heads_only_with_one_stage_per_rank
     root = (cfg.vocab_size * cfg.hidden_size * 2 + cfg.hidden_size) * 2  # embedding, head, norm in bf16
     one = _flash_h100()
     r = plan(cfg, one)[0]
-    kept = plan(cfg, replace(one, fsdp_gather_once=True))[0]
+    kept = plan(cfg, replace(one, mode=replace(one.mode, fsdp_gather_once=True)))[0]
     assert r.device["gathered layers"] + min(root, r.device["unsharded grads"]) == \
         2 * max_block_bytes(cfg, one) + root
     assert kept.device["gathered layers"] > r.device["gathered layers"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from models.step37 import Step37Config
-from training.planner.memory import PlanInputs, plan
+from tests.planner_inputs import inputs
+from training.planner.inputs import PlanInputs, optim_options
+from training.planner.memory import plan
 from training.planner.timing import TimeAssumptions, plan_time
 
 TINY = Step37Config.preset("tiny")
@@ -26,7 +28,7 @@ TINY_PARAMETERS = 414_592  # every tensor of the model (the memory plan counts t
 
 def _inputs(**kw) -> PlanInputs:
     base = dict(pp=1, dp=1, seq_length=64, micro_batch_size=1, num_microbatches=2, optimizer="adamw")
-    return PlanInputs(**{**base, **kw})
+    return inputs(**{**base, **kw})
 
 
 def test_one_rank_step_is_compute_plus_the_optimizer_by_hand():
@@ -60,7 +62,7 @@ def test_recompute_reruns_the_layers_and_the_mtp_depths_up_to_their_heads_by_han
     base = plan_time(TINY, _inputs(), a, peak=1.0).ranks[0].seconds["compute"]
     per_token = {"full": 290_224 + 2 * 89_688, "selective": 290_224 + 2 * (89_688 - 2 * 2 * 64 * 64)}
     for mode, extra in per_token.items():
-        sec = plan_time(TINY, _inputs(recompute=mode), a, peak=1.0).ranks[0].seconds
+        sec = plan_time(TINY, _inputs(recompute_granularity=mode), a, peak=1.0).ranks[0].seconds
         # a difference of sums of a few floats: rounding only, 1e-9 relative leaves room
         assert sec["compute"] - base == pytest.approx(extra * 64 * 2 / 0.5e12, rel=1e-9), mode
 
@@ -71,7 +73,7 @@ def test_offloaded_shards_cross_pcie_twice_per_microbatch_by_hand():
     synchronising backward sends the gradient shards back once: (2 x 2 + 1) x 4 bytes x S
     shard parameters; AdamW runs on the host over S at --host-gb-s."""
     a = TimeAssumptions(pcie_gb_s=2.0, host_gb_s=4.0, nvlink_gb_s=1e9)
-    inp = _inputs(dp=2, sharding="fsdp", cpu_offload="all")
+    inp = _inputs(dp=2, data_parallel_sharding="fsdp", cpu_offload="all")
     S = plan(TINY, inp)[0].parameters  # ceil(dim0 / 2) rows of every tensor
     assert TINY_PARAMETERS / 2 <= S < TINY_PARAMETERS / 2 + 1000
     st = plan_time(TINY, inp, a, peak=1.0)
@@ -83,7 +85,7 @@ def test_offloaded_shards_cross_pcie_twice_per_microbatch_by_hand():
 
 def _step(**kw) -> float:
     a = TimeAssumptions(**{k: kw.pop(k) for k in list(kw) if k in ("pcie_gb_s",)})
-    return plan_time(TINY, _inputs(dp=2, sharding="fsdp", **kw), a, peak=1.0).step_s
+    return plan_time(TINY, _inputs(dp=2, data_parallel_sharding="fsdp", **kw), a, peak=1.0).step_s
 
 
 def test_more_offload_copies_are_slower_and_more_bandwidth_is_faster():
@@ -132,7 +134,7 @@ def test_muon_under_fsdp_counts_the_busiest_owner_not_every_matrix():
     dense = [tuple(s.t.shape) for s in matrices if not s.expert]
     experts = [tuple(s.t.shape) for s in matrices if s.expert]
     assert dense and experts and all(len(x) == 2 for x in dense) and all(len(x) == 3 for x in experts)
-    work = optimizer_work(chunk, 4, 2, "muon", 5, 0.25)
+    work = optimizer_work(chunk, 4, 2, optim_options("muon"))
     busiest = 0.0
     for idx in batches(dense, 4):
         shapes = [dense[j] for j in idx]
@@ -143,12 +145,12 @@ def test_muon_under_fsdp_counts_the_busiest_owner_not_every_matrix():
     assert whole / 4 <= busiest < whole
     assert work["expert"]["flops"] == pytest.approx(sum(ns_flops(x, 5) for x in experts) / 2, rel=1e-12)
     # in the backward the batches follow the hooks' order: still between the bounds
-    assert whole / 4 <= optimizer_work(chunk, 4, 2, "muon", 5, 0.25, True)["dense"]["flops"] < whole
+    assert whole / 4 <= optimizer_work(chunk, 4, 2, optim_options("muon"), True)["dense"]["flops"] < whole
 
     a = TimeAssumptions(assumed_mfu=0.5, hbm_gb_s=1e6, nvlink_gb_s=1.0)
-    inp = _inputs(dp=4, ep=2, sharding="fsdp", optimizer="muon", muon_momentum=0.0, num_microbatches=1)
+    inp = _inputs(dp=4, ep=2, data_parallel_sharding="fsdp", optimizer="muon", muon_momentum=0.0, num_microbatches=1)
     sec = plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds
-    adamw = _inputs(dp=4, ep=2, sharding="fsdp", optimizer="adamw", num_microbatches=1)
+    adamw = _inputs(dp=4, ep=2, data_parallel_sharding="fsdp", optimizer="adamw", num_microbatches=1)
     # what Muon adds to the data-parallel traffic over AdamW's (same shards, same reduce-scatter)
     extra = sec["dp comm"] - plan_time(TINY, adamw, a, peak=1.0).ranks[0].seconds["dp comm"]
     assert extra == pytest.approx(3 / 4 * work["dense"]["split"] * 4 / 1e9, rel=1e-9)
@@ -162,12 +164,12 @@ def test_the_shared_expert_hides_behind_its_layers_dispatch_by_hand():
     recompute the backward's rerun hides as much again."""
     a = TimeAssumptions(assumed_mfu=0.5, nvlink_gb_s=1.0)
     shared, dispatch = 12_288 * 64 / 0.5e12, 16_384 / 1e9
-    inp = _inputs(dp=2, ep=2, num_microbatches=1, recompute="full")
+    inp = _inputs(dp=2, ep=2, num_microbatches=1, recompute_granularity="full")
     sec = plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds
     # forward 6 and backward 6 + 6 (rerun) all-to-alls; 3 + 3 hidden shared-expert forwards
     assert sec["all-to-all"] == pytest.approx(18 * dispatch - 6 * min(shared, dispatch), rel=1e-9)
     # the all-gather dispatcher runs the shared expert after its collective: nothing hidden
-    gather = _inputs(dp=2, ep=2, num_microbatches=1, recompute="full", moe_dispatcher="allgather")
+    gather = _inputs(dp=2, ep=2, num_microbatches=1, recompute_granularity="full", moe_dispatcher="allgather")
     assert plan_time(TINY, gather, a, peak=1.0).ranks[0].seconds["all-to-all"] == pytest.approx(18 * dispatch, rel=1e-9)
 
 
@@ -194,12 +196,12 @@ def test_in_backward_newton_schulz_fills_the_backwards_all_to_all_waits_by_hand(
     chunk = rank_shares(TINY, 1, 1, 2, None, 64)[0][0]
 
     def ns_seconds(in_backward):
-        work = optimizer_work(chunk, 2, 1, "muon", 5, 0.25, in_backward)
+        work = optimizer_work(chunk, 2, 1, optim_options("muon"), in_backward)
         return (work["dense"]["flops"] + work["expert"]["flops"]) / eff
 
     def optimizer_s(in_backward):
-        inp = _inputs(dp=2, ep=2, sharding="fsdp", optimizer="muon", muon_momentum=0.0, num_microbatches=1,
-                      recompute="full", optimizer_in_backward=in_backward)
+        inp = _inputs(dp=2, ep=2, data_parallel_sharding="fsdp", optimizer="muon", muon_momentum=0.0,
+                      num_microbatches=1, recompute_granularity="full", optimizer_in_backward=in_backward)
         return plan_time(TINY, inp, a, peak=1.0).ranks[0].seconds["optimizer"]
 
     if nvlink_gb_s == 1e6:
@@ -232,5 +234,5 @@ def test_cp2_halves_compute_and_moves_kv_over_the_cp_group_by_hand():
     assert sec["compute"] == pytest.approx(4.8648192e-4 / 2, rel=1e-12)
     assert sec["cp comm"] == pytest.approx(122_880 / 150e9, rel=1e-12)
     assert plan_time(TINY, _inputs(), a, peak=1.0).ranks[0].seconds["cp comm"] == 0.0
-    full = plan_time(TINY, _inputs(cp=2, recompute="full"), a, peak=1.0).ranks[0].seconds
+    full = plan_time(TINY, _inputs(cp=2, recompute_granularity="full"), a, peak=1.0).ranks[0].seconds
     assert full["cp comm"] == pytest.approx(1.5 * 122_880 / 150e9, rel=1e-12)  # the recompute gathers again

@@ -18,7 +18,9 @@ from core.costs.shapes import VisionShape
 from models.registry import shapes_of
 from models.step37 import Step37Config
 from models.step37.costs import vision_shape
-from training.planner.memory import PlanInputs, plan
+from tests.planner_inputs import inputs
+from training.planner.inputs import optim_options
+from training.planner.memory import plan
 from training.planner.vision import layout_for, vision_bytes, vision_flops
 
 # hidden 8, MLP 16, 2 blocks of 2 heads, patches of 2 pixels: a global view of 8 x 8 pixels is a
@@ -93,8 +95,8 @@ def test_stage0_forward_grows_by_share_x_tokens_over_features_x_view_flops():
     from training.planner.timing import TimeAssumptions, rank_work
     from training.planner.vision import planned_shares
 
-    base = PlanInputs(pp=2, seq_length=1024, num_microbatches=2, optimizer="adamw", pipeline_layout="2,2",
-                      recompute="full", bf16=True)
+    base = inputs(pp=2, seq_length=1024, num_microbatches=2, optimizer="adamw", pipeline_layout="2,2",
+                  recompute_granularity="full", bf16=True)
     img = replace(base, image_token_share=0.25, image_crops_per_image=2)
     v, a, peak = shapes_of(TINY).vision, TimeAssumptions(), 989.5
     eff = a.assumed_mfu * peak * 1e12
@@ -123,7 +125,7 @@ def test_under_cp_every_rank_encodes_the_whole_packs_images():
     from training.planner.vision import planned_shares
 
     a, peak = TimeAssumptions(), 989.5
-    one = PlanInputs(seq_length=1024, num_microbatches=2, optimizer="adamw", bf16=True)
+    one = inputs(seq_length=1024, num_microbatches=2, optimizer="adamw", bf16=True)
     two = replace(one, cp=2, dp=1)
 
     def encoder_seconds(inp):
@@ -137,9 +139,9 @@ def test_under_cp_every_rank_encodes_the_whole_packs_images():
 
 
 def test_frozen_tower_runs_its_forward_only():
-    inp = PlanInputs(seq_length=1024, image_token_share=0.5)
+    inp = inputs(seq_length=1024, image_token_share=0.5)
     trained, frozen = vision_flops(TINY, inp), vision_flops(TINY, replace(inp, freeze_vision=True))
-    lora = vision_flops(TINY, replace(inp, lora_rank=4, optimizer="adamw"))
+    lora = vision_flops(TINY, replace(inp, lora_rank=4, optim=optim_options("adamw")))
     v = shapes_of(TINY).vision
     assert trained.forward == frozen.forward == lora.forward and trained.backward == 2 * trained.forward
     assert frozen.backward == pytest.approx(0.5 * 1024 / 169 * vision_view_flops(v, 728)["projector"] / 1024)
@@ -151,7 +153,7 @@ def test_balance_moves_layers_off_stage_0_with_images():
     tokens images (an image token's tower costs 2.3 decoder passes), stage 0 keeps fewer layers."""
     from core.costs.flops import balanced_layout
 
-    text = PlanInputs(pp=4, seq_length=8192, bf16=True)
+    text = inputs(pp=4, seq_length=8192, bf16=True)
     assert layout_for(FLASH, text) is None
     default = balanced_layout(shapes_of(FLASH), 4, 8192)
     counts = [int(x) for x in layout_for(FLASH, replace(text, image_token_share=0.25)).split(",")]
@@ -162,7 +164,7 @@ def test_balance_moves_layers_off_stage_0_with_images():
 def test_memory_books_the_tower_on_stage_0_only():
     """Stage 0 holds the tower's parameters (fp32, gradients fp32, AdamW's two moments and a step
     per tensor) and its activations; stage 1's plan is unchanged."""
-    base = PlanInputs(pp=2, seq_length=1024, num_microbatches=2, optimizer="adamw", pipeline_layout="2,2")
+    base = inputs(pp=2, seq_length=1024, num_microbatches=2, optimizer="adamw", pipeline_layout="2,2")
     img = replace(base, image_token_share=0.25)
     v = shapes_of(TINY).vision
     P, tensors = vision_params(v), len(v.parameters())
@@ -268,7 +270,7 @@ def test_mfu_counts_the_encoders_forward_and_backward_and_rows_print_the_layout(
     from training.planner.search import evaluate
     from training.planner.timing import TimeAssumptions, plan_time
 
-    base = PlanInputs(seq_length=512, num_microbatches=2, optimizer="adamw", recompute="full")
+    base = inputs(seq_length=512, num_microbatches=2, optimizer="adamw", recompute_granularity="full")
     img = replace(base, image_token_share=0.25)
     useful = lambda inp: (lambda st: st.mfu * st.step_s * inp.sizes.world * st.peak_tflops * 1e12)(plan_time(TINY, inp))
     assert useful(img) - useful(base) == pytest.approx(vision_flops(TINY, img).useful * 512 * 2, rel=1e-9)
@@ -288,5 +290,5 @@ def test_a_vlm_config_books_the_tower_its_model_holds_once():
     with torch.device("meta"):
         whole = sum(p.numel() for p in Step37Model(cfg).parameters())
     for share in (0.0, 0.25):
-        (r,) = plan(cfg, PlanInputs(seq_length=256, num_microbatches=1, optimizer="adamw", image_token_share=share))
+        (r,) = plan(cfg, inputs(seq_length=256, num_microbatches=1, optimizer="adamw", image_token_share=share))
         assert r.parameters == whole, (share, r.parameters, whole)

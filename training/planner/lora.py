@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from core.costs.flops import block_params
 from models.registry import shapes_of
-from training.planner.memory import PlanInputs
+from training.planner.inputs import PlanInputs
 from training.planner.shares import ChunkShare
 
 

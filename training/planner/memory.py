@@ -11,7 +11,7 @@ factor). Activations, p2p and all-to-all buffers and gathered compute copies tak
 dtype (2 bytes under ``bf16``). Activations assume a fused attention kernel (flash / flex /
 Transformer Engine: no score matrix).
 
-FSDP (``core/distributed/fsdp.py``, see :func:`placement`): with ``sharding="fsdp"`` dense
+FSDP (``core/distributed/fsdp.py``, see :func:`placement`): with ``--data-parallel-sharding fsdp`` dense
 tensors are split over the data-parallel ranks and expert tensors over the expert-data-parallel
 ranks (dim 0, padded like FSDP2). Units are gathered per micro-batch and pass (the largest block
 twice: one prefetched; FSDP2 keeps the root unit gathered from forward to backward), or for the
@@ -32,183 +32,23 @@ plus a halo of up to ``2 (window - 1)`` on sliding ones), with one full layer's 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from types import SimpleNamespace
 
 from core.costs.activations import block_bytes, extra_block_bytes, head_bytes
 from core.context_parallel.costs import gathered_bytes, key_buffer_bytes
-from core.finetune.lora import DEFAULT_TARGETS
-from core.memory_mode import (KINDS, OFFLOAD_MODES, RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, Placement,
-                              RecomputePlacement, RunFacts)
-from core.optim import registry as optimizers
+from core.memory_mode import KINDS, Placement
 from core.optim.registry import OptimOptions
 from core.optim.build import classify
 from core.optim.host_masters import STAGING
-from core.parallel_state import ParallelSizes
 from models.registry import shapes_of
+from training.planner.inputs import MASTER, PlanInputs
 from training.planner.shares import ROOT, ChunkShare, block_numel, schedule_facts
-from training.planner.vision import ImageMix, planned_shares, vision_bytes, vision_working_set
+from training.planner.vision import planned_shares, vision_bytes, vision_working_set
 
 GB = 10**9
-MASTER = 4  # parameters (the fp32 master under bf16), gradients and optimizer state
 HOST_STAGING = STAGING  # --cpu-offload masters: pinned bytes per element, one slab per rank (host_masters.py)
-
-
-# PlanInputs takes (and reads back) the training flags' names for its mode's fields and its
-# optimizer's options as keywords, and two older names of its own (``sharding``, ``recompute``)
-MODE_KEYS = {"sharding": "data_parallel_sharding", "recompute": "recompute_granularity",
-             **{f: f for f in MemoryMode.flag_names()}}
-CHOICES = {"data_parallel_sharding": SHARDING_MODES, "cpu_offload": OFFLOAD_MODES, "recompute_granularity": RECOMPUTE_MODES}
-# the planner's values for the built-in optimizers' options where none are given
-OPTION_DEFAULTS = dict(muon_momentum=0.0, muon_ns_steps=5, dion_rank_fraction=0.25, clip_grad=1.0)
-
-
-@dataclass
-class _PlanFields:
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    dp: int = 1
-    cp: int = 1                     # context-parallel ranks per pack (DP is the rest)
-    mode: MemoryMode = field(default_factory=MemoryMode)  # the memory flags (core/memory_mode.py)
-    optim: OptimOptions = field(default_factory=lambda: OptimOptions.of("muon", defaults=OPTION_DEFAULTS))
-    seq_length: int = 8192
-    micro_batch_size: int = 1
-    num_microbatches: int = 8       # per pipeline per iteration
-    device_gb: float = 141.0
-    pipeline_layout: str | None = None
-    moe_dispatcher: str = "alltoall"      # alltoall | allgather (the time model's overlap)
-    overlap_moe_expert_parallel_comm: bool = False  # two chunks, all-to-alls behind compute (overlap.py)
-    compile: bool = False                 # (--compile refuses chunked recompute)
-    lora_rank: int = 0                    # LoRA: adapters of this rank on a frozen base (core/finetune/lora.py)
-    lora_targets: str = DEFAULT_TARGETS   # what they adapt (--lora-targets)
-    image_token_share: float = 0.0        # images in the packs (training/planner/vision.py; 0: text only)
-    image_crops_per_image: float = 0.0
-    freeze_vision: bool = False
-
-
-class PlanInputs(_PlanFields):
-    """What the planner plans: the layout, the batch, the memory mode (``mode``: the training
-    flags' memory section, ``core/memory_mode.MemoryMode``) and the optimizer with its declared
-    options (``optim``: ``core/optim/registry.OptimOptions``). The mode's fields and the options
-    may also be given (and read) by their flag names, ``sharding`` and ``recompute`` for
-    ``data_parallel_sharding`` and ``recompute_granularity``, and ``optimizer`` for the name:
-    ``PlanInputs(recompute="full", optimizer="muon", muon_momentum=0.9)``."""
-
-    def __init__(self, **kw):
-        given = {k: kw.pop(k) for k in list(kw) if k in MODE_KEYS}
-        for k, v in given.items():  # a choice's error names the keyword given
-            allowed = CHOICES.get(MODE_KEYS[k], (v,))
-            if v not in allowed:
-                raise ValueError(f"--{k.replace('_', '-')} {v!r}: expected one of {', '.join(allowed)}")
-        mode = {MODE_KEYS[k]: v for k, v in given.items()}
-        if mode:
-            kw["mode"] = dataclasses.replace(kw.get("mode") or MemoryMode(), **mode)  # the table's own rules
-        name, given = kw.pop("optimizer", None), {k: kw.pop(k) for k in list(kw) if k in _option_names()}
-        if name is not None or given:
-            old = kw.get("optim") or OptimOptions.of("muon", defaults=OPTION_DEFAULTS)
-            if name is not None and name not in optimizers.names():
-                optimizers.get(name)  # the flag's error
-            kw["optim"] = OptimOptions.of(name or old.optimizer, SimpleNamespace(**given),
-                                          defaults={**OPTION_DEFAULTS, **old.as_dict()})
-        super().__init__(**kw)
-        self.__post_init__()  # (the fields' dataclass has none of its own to call)
-
-    def __getattr__(self, name: str):
-        """The mode's fields and the optimizer's options by their flag names."""
-        if name in MODE_KEYS:
-            return getattr(self.__dict__["mode"], MODE_KEYS[name])
-        if name == "optimizer":
-            return self.__dict__["optim"].optimizer
-        if "optim" in self.__dict__ and name in _option_names():
-            return dict(self.__dict__["optim"].values).get(name, OPTION_DEFAULTS.get(name))
-        raise AttributeError(name)
-
-    def __post_init__(self):
-        # the flags' own rules and the chunks' cut (core/memory_mode.py); the rest of the layout's
-        # rules are the search's and validation's (MemoryMode.check over run_facts)
-        self.mode.check_chunks(self.micro_batch_size)
-        ImageMix(self.image_token_share, self.image_crops_per_image, self.freeze_vision)  # its flags' rules
-        if self.cp > 1 and self.seq_length % (2 * self.cp):
-            raise ValueError(f"--seq-length {self.seq_length} must be a multiple of 2 x --context-parallel-size "
-                             f"= {2 * self.cp}")
-
-    def as_json(self) -> dict:
-        """The inputs as JSON, flat, under the flags' names (``sharding``, ``recompute``: the
-        two short ones); a text-only plan without the image fields."""
-        layout = ("pp", "vpp", "ep", "dp", "cp")
-        rest = [f.name for f in dataclasses.fields(_PlanFields) if f.name not in (*layout, "mode", "optim")]
-        mode = {"sharding" if k == "data_parallel_sharding" else "recompute" if k == "recompute_granularity" else k: v
-                for k, v in dataclasses.asdict(self.mode).items()}
-        out = {**{k: getattr(self, k) for k in layout}, **mode, "optimizer": self.optimizer,
-               **{k: getattr(self, k) for k in OPTION_DEFAULTS}, **self.optim.as_dict(),
-               **{k: getattr(self, k) for k in rest}}
-        return {k: v for k, v in out.items() if self.image_token_share or k not in IMAGE_FIELDS}
-
-    @property
-    def recompute_placement(self) -> RecomputePlacement:
-        """Which blocks recompute what (the mode's placement, as ``apply_recompute`` sets it)."""
-        return self.mode.recompute_placement
-
-    @property
-    def run_facts(self) -> RunFacts:
-        """What the mode is checked against (``MemoryMode.check``): as validation builds it."""
-        return RunFacts.of(self.dp, self.cp, self.num_microbatches, self.micro_batch_size, self.optim,
-                           compile=self.compile, lora=self.lora_rank > 0)
-
-    @property
-    def lora(self) -> tuple:
-        """``rank_shares``' LoRA key: ``(rank, targets)``, or empty without LoRA."""
-        return (self.lora_rank, self.lora_targets) if self.lora_rank else ()
-
-    @property
-    def optimizer_spec(self):
-        return self.optim.spec
-
-    @property
-    def bf16_params(self) -> bool:
-        """Parameters stored in bf16 (remainders, or host masters): their gradients are bf16."""
-        return self.mode.bf16_params
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes per parameter of a sharded gradient: fp32, or bf16 (rounded once after an fp32
-        reduction) for bf16-stored parameters."""
-        return 2 if self.bf16_params else MASTER
-
-    @property
-    def sizes(self) -> ParallelSizes:
-        return ParallelSizes(self.pp * self.dp * self.cp, pp=self.pp, ep=self.ep, vpp=self.vpp, cp=self.cp)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per micro-batch (T)."""
-        return self.seq_length * self.micro_batch_size
-
-    @property
-    def local_tokens(self) -> int:
-        """Tokens of a micro-batch on one rank: its CP shard, ``T / cp``."""
-        return self.tokens // self.cp
-
-    @property
-    def chunk_tokens(self) -> int:
-        """Tokens a recomputed block's backward holds at once: its chunk's (``--recompute-chunks``)."""
-        return self.local_tokens // self.recompute_placement.chunks
-
-    @property
-    def act_bytes(self) -> int:
-        return self.mode.activation_bytes
-
-
-IMAGE_FIELDS = ("image_token_share", "image_crops_per_image", "freeze_vision")
-
-
-def _option_names() -> set:
-    """Every option name a registered optimizer declares, and the built-in ones' planner defaults."""
-    return {n for name in optimizers.names() for n in optimizers.get(name).option_names()} | set(OPTION_DEFAULTS)
 
 
 COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",

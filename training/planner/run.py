@@ -12,7 +12,8 @@ from dataclasses import asdict
 from core.memory_mode import MemoryMode
 from core.optim.registry import OptimOptions
 from models.registry import shapes_of
-from training.planner.memory import GB, PlanInputs, as_dict, format_table, plan
+from training.planner.inputs import PlanInputs
+from training.planner.memory import GB, as_dict, format_table, plan
 from training.planner.timing import BREAKDOWN, StepTime, TimeAssumptions, peak_tflops, plan_time
 from training.planner.vision import ImageMix, layout_for
 from training.run_layout import RunLayout, model_config

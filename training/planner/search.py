@@ -17,14 +17,14 @@ import json
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from core.memory_mode import SHARDING_MODES, MemoryMode, RunFacts
+from core.memory_mode import RECOMPUTE_MODES, SHARDING_MODES, MemoryMode, RunFacts
 
-from training.planner.memory import GB, PlanInputs, placement, plan
+from training.planner.inputs import PlanInputs
+from training.planner.memory import GB, placement, plan
 from training.planner.overlap import FLAG, overlap_choices
 from training.planner.timing import TimeAssumptions, peak_tflops, plan_time
 from training.planner.vision import layout_for
 
-RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # context parallelism is searched where each rank still holds this many tokens of a pack: below
 # that the K/V exchanges cost more than the activations they save (8K packs never search CP)
@@ -36,14 +36,7 @@ class Row:
     ep: int
     dp: int
     cp: int
-    sharding: str
-    cpu_offload: str
-    gather_once: bool
-    recompute: str
-    recompute_chunks: int
-    offload_inputs: bool
-    remainders: bool
-    in_backward: bool
+    mode: MemoryMode        # its memory flags (with the base's precision; ``flags`` leaves that out)
     micro_batch_size: int
     num_microbatches: int
     device_gb: float        # busiest rank
@@ -56,15 +49,6 @@ class Row:
     fits: bool
     pipeline_layout: str | None = None  # with images: the split that pays for the encoder on stage 0
     overlap_moe_expert_parallel_comm: bool = False  # all-to-alls of two chunks behind compute (overlap.py)
-
-    @property
-    def mode(self) -> MemoryMode:
-        """Its memory flags (the precision is the base's: bf16 here only so that every mode is
-        legal; ``flags`` leaves it out)."""
-        return MemoryMode(bf16=True, data_parallel_sharding=self.sharding, cpu_offload=self.cpu_offload,
-                          fsdp_gather_once=self.gather_once, store_param_remainders=self.remainders,
-                          optimizer_in_backward=self.in_backward, recompute_granularity=self.recompute,
-                          recompute_chunks=self.recompute_chunks, offload_recompute_inputs=self.offload_inputs)
 
     def flags(self) -> str:
         """The training flags that select this layout (the precision and optimizer are the base's)."""
@@ -122,7 +106,7 @@ def _recompute_modes(mbs: int, cp: int, M: int) -> list:
     """(granularity, chunks, offloaded inputs): each granularity as it is, and full recompute a
     pack at a time, with or without its inputs in host memory, where a rank runs one micro-batch
     of several packs per step without CP (with more micro-batches a smaller one does as well)."""
-    out = [(rc, 1, False) for rc in RECOMPUTE]
+    out = [(rc, 1, False) for rc in RECOMPUTE_MODES]
     if mbs > 1 and cp == 1 and M == 1:
         out += [("full", mbs, False), ("full", mbs, True)]
     return out
@@ -177,10 +161,7 @@ def evaluate(cfg, inp: PlanInputs, a: TimeAssumptions, peak: float, global_batch
     device = max(r.device_total for r in ranks) / GB
     host = max(nodes.values()) / GB
     fits = device <= inp.device_gb - reserve_gb(inp.device_gb, reserve) and (host_gb <= 0 or host <= host_gb)
-    m = inp.mode
-    return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, m.data_parallel_sharding, m.cpu_offload, m.fsdp_gather_once,
-               m.recompute_granularity, m.recompute_chunks, m.offload_recompute_inputs,
-               m.store_param_remainders, m.optimizer_in_backward,
+    return Row(inp.pp, inp.vpp, inp.ep, inp.dp, inp.cp, inp.mode,
                inp.micro_batch_size, inp.num_microbatches, device, host,
                placement(inp).copies_weights_per_microbatch(), st.step_s, st.tokens_per_s_per_gpu,
                st.mfu, st.bubble, fits, layout_for(cfg, inp), inp.overlap_moe_expert_parallel_comm)
@@ -209,7 +190,7 @@ def search(cfg, world: int, base: PlanInputs, global_batch_size: int,
     # at equal predicted speed, unchunked recompute first, then the plain all-to-all schedule: chunks
     # and the overlap's halves cost what the prediction does not time (smaller GEMMs, more launches,
     # inner units gathered once per chunk in the forward)
-    return sorted(rows, key=lambda r: (not r.fits, -round(r.tokens_per_s_per_gpu, 6), r.recompute_chunks > 1,
+    return sorted(rows, key=lambda r: (not r.fits, -round(r.tokens_per_s_per_gpu, 6), r.mode.recompute_chunks > 1,
                                        r.overlap_moe_expert_parallel_comm, r.device_gb))
 
 
@@ -221,27 +202,21 @@ HEAD = (f"{'#':>3} {'pp':>3}{'vpp':>4}{'ep':>4}{'dp':>4}{'cp':>4}  {'sharding':<
 def format_rows(rows: list[Row], top: int) -> str:
     lines = [HEAD]
     for i, r in enumerate(rows[:top], 1):
-        lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}{r.cp:>4}  {r.sharding:<9}{r.cpu_offload:<10}"
-                     f"{'yes' if r.gather_once else 'no':<5}{_recompute(r):<14}{_masters(r):<8}{'yes' if r.overlap_moe_expert_parallel_comm else 'no':<4}{r.micro_batch_size:>4}"
+        sharding, offload, once, recompute, masters = r.mode.short_words()
+        ovl = "yes" if r.overlap_moe_expert_parallel_comm else "no"
+        lines.append(f"{i:>3} {r.pp:>3}{r.vpp:>4}{r.ep:>4}{r.dp:>4}{r.cp:>4}  {sharding:<9}{offload:<10}"
+                     f"{once:<5}{recompute:<14}{masters:<8}{ovl:<4}{r.micro_batch_size:>4}"
                      f"{r.num_microbatches:>4}{r.device_gb:>8.1f}{r.host_gb_per_node:>13.0f}"
                      f"{'yes' if r.weights_per_microbatch else 'no':>11}{r.step_s:>8.1f}"
                      f"{r.tokens_per_s_per_gpu:>13,.0f}{r.mfu:>7.1%}{r.idle:>7.1%}")
     return "\n".join(lines)
 
 
-def _recompute(r: Row) -> str:
-    """full/4: --recompute-chunks 4; +off: --offload-recompute-inputs."""
-    return r.recompute + (f"/{r.recompute_chunks}" if r.recompute_chunks > 1 else "") + ("+off" if r.offload_inputs else "")
-
-
-def _masters(r: Row) -> str:
-    """fp32: fp32 masters; rem: bf16 + remainder; +ib: Muon steps in the backward."""
-    return ("rem" if r.remainders else "fp32") + ("+ib" if r.in_backward else "")
-
-
 def _row_dict(r: Row) -> dict:
-    """A row as JSON (no ``pipeline_layout`` key where the trainer's default layout runs)."""
+    """A row as JSON, flat: its memory flags under their own names (no ``pipeline_layout`` key
+    where the trainer's default layout runs)."""
     d = asdict(r)
+    d.update(d.pop("mode"))
     if d["pipeline_layout"] is None:
         del d["pipeline_layout"]
     return d

@@ -57,8 +57,6 @@ once-per-step work.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -71,7 +69,8 @@ from core.optim.muon_split import batches, ns_flops, owners
 from core.optim.registry import OptimOptions
 from core.pipeline.simulate import plan_makespan
 from models.registry import shapes_of
-from training.planner.memory import (KINDS, MASTER, OPTION_DEFAULTS, PlanInputs, Placement, _parameter_bytes,
+from training.planner.inputs import PlanInputs
+from training.planner.memory import (KINDS, MASTER, Placement, _parameter_bytes,
                                      _shard_numel, chunk_tally, kept_inputs, placement)
 from training.planner.lora import lora_flops
 from training.planner.overlap import block_waits
@@ -194,19 +193,16 @@ def _moe_blocks(cfg, chunk: ChunkShare, inp: PlanInputs) -> tuple[set, set]:
 
 
 @lru_cache(maxsize=4096)
-def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, optimizer: str | OptimOptions,
-                   ns_steps: int = 5, dion_fraction: float = 0.25, in_backward: bool = False) -> dict:
+def optimizer_work(chunk: ChunkShare, dense_world: int, expert_world: int, opts: OptimOptions,
+                   in_backward: bool = False) -> dict:
     """Per kind: AdamW and matrix shard parameters, this rank's FLOPs of orthogonalising (Newton-
     Schulz per iteration ``4 m^2 n + 2 m^3`` for m <= n; Dion ``8 m n r``), the parameters of the
     row-sharded matrices whose Newton-Schulz is split over their mesh (``split``), and the tied
     parameters' shards. Muon under FSDP (``core/optim/muon_split.py``): a stack of whole experts
     is orthogonalised where it is (1/D of the stack's FLOPs); row-sharded matrices are dealt out to
     owners in batches, and a batch takes as long as its busiest owner (``split_ns_flops``)."""
-    opts = optimizer if isinstance(optimizer, OptimOptions) else \
-        OptimOptions.of(optimizer, SimpleNamespace(muon_ns_steps=ns_steps, dion_rank_fraction=dion_fraction),
-                        defaults=OPTION_DEFAULTS)
     spec, optimizer = opts.spec, opts.optimizer
-    ns_steps = getattr(opts, "muon_ns_steps", ns_steps)
+    ns_steps = getattr(opts, "muon_ns_steps", 5)  # (row-sharded splits are Muon's)
     out = {k: {"adamw": 0, "matrix": 0, "flops": 0.0, "tied": 0, "split": 0} for k in KINDS}
     split: dict = {k: [] for k in KINDS}
     for s in chunk.tensors:
@@ -445,7 +441,7 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
     dispatch's backward after; matrices FSDP manages step after the block's reduce-scatter (in
     the next block's waits), the others when their gradient is accumulated; a row-sharded batch
     (``muon_split``) when its last matrix's hook closes it. Nothing after the last wait hides."""
-    if not pl.in_backward or inp.optimizer != "muon":
+    if not pl.in_backward or inp.optim.optimizer != "muon":
         return 0.0
     T, H, b = inp.tokens, cfg.hidden_size, inp.act_bytes
     a2a = T * cfg.num_experts_per_tok * H * b * (inp.ep - 1) / inp.ep / bw["ep"]
@@ -456,7 +452,7 @@ def hidden_newton_schulz(cfg, chunk: ChunkShare, inp: PlanInputs, pl: Placement,
     end: dict = {}   # block -> seconds queued after it (FSDP's post-reduce hooks)
     split: dict = {k: [] for k in KINDS}
     for s in sorted(chunk.tensors, key=_hook_order):
-        if classify(s.spec, s.t, inp.optimizer) != "matrix":
+        if classify(s.spec, s.t, inp.optim.optimizer) != "matrix":
             continue
         kind = "expert" if s.expert else "dense"
         world = pl.shard_world[kind]
