@@ -15,6 +15,7 @@ tracked exactly; what was live at it is read once the peak is passed (at the nex
 state, ...): the rest are activations and temporaries."""
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -43,6 +44,7 @@ class LiveBytes(TorchDispatchMode):
         self._pending = False           # a new peak not yet passed
         self._snapshot = None           # what was live at the last peak passed, not yet named
         self._resize = None
+        self._paused = False
 
     # ------------------------------------------------------------------ counting
     def track(self, t: torch.Tensor) -> None:
@@ -122,9 +124,20 @@ class LiveBytes(TorchDispatchMode):
         self.at_peak = out
 
     # ------------------------------------------------------------------ the mode
+    @contextlib.contextmanager
+    def paused(self):
+        """Allocations made inside are not counted (host work run inline by the trace)."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._name()
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)

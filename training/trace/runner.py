@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,9 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
     try:
         ps = ParallelState.build(layout.sizes, cfg.num_layers, cfg.num_experts)
         batches = trace_batches(cfg, args, ps, layout.num_microbatches)
+        for kind in ("dp_cp", "expert_dp", "self"):  # FSDP's meshes, before any fake tensor
+            if kind == "self" or ps.group(kind) is not None:
+                ps.mesh(kind, "cpu")
         tick = progress or (lambda what: None)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             box = {}
@@ -94,6 +98,7 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
             with counter:
                 tick("build and parallelize")
                 chunks = parallelize(cfg, ps, args)
+                _inline_host_updates(chunks, counter)
                 optimizer, _, settings = step_parts(args, cfg, layout.spec, chunks, ps)
                 box.update(chunks=chunks, optimizer=optimizer)
                 counter.mark_host(_host_tensors(chunks, optimizer))
@@ -104,13 +109,34 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
                 tick("step 2 (measured)")
                 train_step(chunks, ps, optimizer, batches, settings)
             host = sum(_nbytes(t) for t in _unique(_host_tensors(chunks, optimizer)))
-            masters = masters_of(chunks)
-            if isinstance(masters, HostMasters):
-                masters.pool.shutdown(wait=True)
         device = {c: counter.at_peak.get(c, 0) for c in COLUMNS}
         return TraceResult(rank, counter.peak, device, host, time.perf_counter() - t0)
     finally:
         dist.destroy_process_group()
+
+
+class _Inline:
+    """An executor that runs each job at once, on the calling thread, uncounted: a fake mode
+    serves one thread, and host masters' updates are host work (``--cpu-offload masters``)."""
+
+    def __init__(self, counter: LiveBytes):
+        self.counter = counter
+
+    def submit(self, fn, *a, **kw) -> Future:
+        done = Future()
+        with self.counter.paused():
+            done.set_result(fn(*a, **kw))
+        return done
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+def _inline_host_updates(chunks, counter: LiveBytes) -> None:
+    masters = masters_of(chunks)
+    if isinstance(masters, HostMasters):
+        masters.pool.shutdown(wait=True)
+        masters.pool = _Inline(counter)
 
 
 def _traced_args(args):
@@ -177,12 +203,7 @@ def _classify(box: dict) -> dict:
         if t is not None:  # a DTensor's local shard without an op (this runs between ops)
             names.setdefault(storage_key(getattr(t, "_local_tensor", t)), column)
 
-    for chunk in chunks:
-        for p in chunk.parameters():
-            put(p.grad, "gradients")
-            put(p, "parameters")
-        for b in chunk.buffers():
-            put(b, "parameters")
+    for chunk in chunks:  # FSDP's gathered copies first: the modules hold them while gathered
         for m in chunk.modules():
             if isinstance(m, fsdp_internals.FSDPModule):
                 for fp in fsdp_internals.fsdp_params(m):
@@ -190,6 +211,11 @@ def _classify(box: dict) -> dict:
                     if u is not None and u.untyped_storage().nbytes():
                         put(getattr(u, "grad", None), "unsharded grads")
                         put(u, "gathered layers")
+        for p in chunk.parameters():
+            put(p.grad, "gradients")
+            put(p, "parameters")
+        for b in chunk.buffers():
+            put(b, "parameters")
     if optimizer is not None:
         for opt in optimizer.optimizers.values():
             for st in opt.state.values():
