@@ -34,7 +34,7 @@ from core.optim.host_masters import HostMasters
 from core.optim.masters import masters_of
 from core.parallel_state import ParallelState
 from core.train_step import train_step
-from training.trace.batches import trace_batches
+from training.trace.batches import images_per_pack, trace_batches, with_images
 from training.trace.counter import LiveBytes, storage_key
 
 COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "gathered layers")
@@ -60,6 +60,9 @@ def refuse(args, layout) -> None:
     if not mem.placement(layout.sizes, M, lora=getattr(getattr(args, "lora", None), "enabled", False)).wraps:
         raise ValueError("--trace needs FSDP's parameters (--bf16 or --data-parallel-sharding fsdp): torch "
                          "cannot swap a plain parameter for a fake one")
+    if images_per_pack(layout.config, getattr(args, "images", None), d.seq_length)[0] and layout.sizes.cp > 1:
+        raise ValueError("--trace with --image-token-share and --context-parallel-size > 1 is not built: "
+                         "trace the layout without images, or without context parallelism")
     if args.model.compile:
         raise ValueError("--trace does not run --compile (dynamo cannot trace the fake tensors a trace "
                          "makes): trace without --compile; compiled blocks keep the same tensors")
@@ -102,6 +105,8 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
                 optimizer, _, settings = step_parts(args, cfg, layout.spec, chunks, ps)
                 box.update(chunks=chunks, optimizer=optimizer)
                 counter.mark_host(_host_tensors(chunks, optimizer))
+                batches = with_images(batches, cfg, getattr(args, "images", None), args.data.seq_length,
+                                      torch.bfloat16 if args.memory.bf16 else torch.float32)
                 tick("step 1 (optimizer state)")
                 train_step(chunks, ps, optimizer, batches, settings)
                 counter.mark_host(_host_tensors(chunks, optimizer))
