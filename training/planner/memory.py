@@ -302,6 +302,10 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
     dev["recompute working set"] = max(_recompute_working_set(cfg, c, inp.chunk_tokens, b, inp) for c in chunks)
     dev["cp K/V"] = _cp_columns(cfg, chunks, inp, in_flight)
     dev["unsharded grads"], r.overlap = _unsharded_grads(chunks, inp, pl, managed)
+    if inp.num_microbatches == 1 and inp.pp == 1:
+        # one micro-batch: the backward frees the kept activations as it makes the gradients
+        # the step keeps, so the two never coexist whole (the memory trace, docs/memory.md)
+        r.overlap += min(dev["gradients"], dev["activations"])
     dev["gathered layers"] = _gathered_layers(inp, pl, managed, dev["unsharded grads"])
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
@@ -376,8 +380,8 @@ def _unsharded_grads(chunks: list, inp: PlanInputs, pl: Placement, m: _Managed) 
         if inp.num_microbatches > 1 and not pl.sync_every_microbatch:
             total = m.trained * MASTER  # fp32 accumulators, sync off (none for a frozen base)
             overlap = min(m.device_grads, total)
-        else:
-            total = max(m.largest_block, m.root) * (b + MASTER if b < MASTER else MASTER)
+        else:  # a frozen base (LoRA) has no gradient: the unit's trained share of it
+            total = max(m.largest_block, m.root) * (b + MASTER if b < MASTER else MASTER) * m.trained // m.numel
     plain = max((n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT), default=0)
     if inp.recompute_chunks > 1:
         tensor = max((x.t.numel() for c in chunks for x in c.tensors

@@ -45,6 +45,7 @@ class LiveBytes(TorchDispatchMode):
         self._snapshot = None           # what was live at the last peak passed, not yet named
         self._resize = None
         self._paused = False
+        self._last = None               # the storage that grew last
 
     # ------------------------------------------------------------------ counting
     def track(self, t: torch.Tensor) -> None:
@@ -65,15 +66,19 @@ class LiveBytes(TorchDispatchMode):
         self._grow(key, s.nbytes())
 
     def mark_host(self, tensors) -> None:
-        """Count these tensors' storages as host memory from now on."""
+        """Count these tensors' storages as host memory from now on (and not in a device peak
+        that their own allocation, the last one, made)."""
         for t in tensors:
             t = getattr(t, "_local_tensor", t)
             self.track(t)
             key = storage_key(t)
             if key not in self.host:
                 self.host.add(key)
-                self.device_now -= self.live[key]
-                self.host_now += self.live[key]
+                n = self.live[key]
+                if self._pending and key == self._last and self.peak == self.device_now:
+                    self.peak -= n
+                self.device_now -= n
+                self.host_now += n
         self.host_peak = max(self.host_peak, self.host_now)
 
     def reset_peak(self) -> None:
@@ -87,6 +92,7 @@ class LiveBytes(TorchDispatchMode):
         if delta < 0:
             self._settle()  # a peak just passed: break it down before it changes
         self.live[key] += delta
+        self._last = key
         if key in self.host:
             self.host_now += delta
             self.host_peak = max(self.host_peak, self.host_now)

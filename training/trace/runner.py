@@ -47,6 +47,7 @@ class TraceResult:
     device: dict = field(default_factory=dict)        # planner column -> bytes live at the peak
     host_total: int = 0                               # host bytes held (masters, offloaded shards, state)
     seconds: float = 0.0
+    host_peak: int = 0                                # most host bytes the counter saw live (transients too)
 
     def as_json(self) -> dict:
         return {"rank": self.rank, "traced_device_total": self.device_total, "traced_device": self.device,
@@ -102,6 +103,9 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
                 tick("build and parallelize")
                 chunks = parallelize(cfg, ps, args)
                 _inline_host_updates(chunks, counter)
+                for block in (m for c in chunks for m in c.modules()):
+                    if getattr(block, "chunked", None) is not None:  # inputs kept in host memory
+                        block.chunked.host_observer = counter.mark_host
                 optimizer, _, settings = step_parts(args, cfg, layout.spec, chunks, ps)
                 box.update(chunks=chunks, optimizer=optimizer)
                 counter.mark_host(_host_tensors(chunks, optimizer))
@@ -115,7 +119,7 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
                 train_step(chunks, ps, optimizer, batches, settings)
             host = sum(_nbytes(t) for t in _unique(_host_tensors(chunks, optimizer)))
         device = {c: counter.at_peak.get(c, 0) for c in COLUMNS}
-        return TraceResult(rank, counter.peak, device, host, time.perf_counter() - t0)
+        return TraceResult(rank, counter.peak, device, host, time.perf_counter() - t0, counter.host_peak)
     finally:
         dist.destroy_process_group()
 
@@ -212,6 +216,9 @@ def _classify(box: dict) -> dict:
         for m in chunk.modules():
             if isinstance(m, fsdp_internals.FSDPModule):
                 for fp in fsdp_internals.fsdp_params(m):
+                    shard = fsdp_internals.sharded_param(fp)
+                    put(shard.grad, "gradients")
+                    put(shard, "parameters")
                     u = fsdp_internals.unsharded_param(fp)
                     if u is not None and u.untyped_storage().nbytes():
                         put(getattr(u, "grad", None), "unsharded grads")
