@@ -45,7 +45,7 @@ class TraceResult:
     rank: int
     device_total: int                                 # peak live device bytes of the measured step
     device: dict = field(default_factory=dict)        # planner column -> bytes live at the peak
-    host_total: int = 0                               # host bytes held (masters, offloaded shards, state)
+    host_total: int = 0                               # host bytes: the most held at once (masters, state, offloaded shards and inputs)
     seconds: float = 0.0
     host_peak: int = 0                                # most host bytes the counter saw live (transients too)
 
@@ -117,7 +117,9 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
                 counter.reset_peak()
                 tick("step 2 (measured)")
                 train_step(chunks, ps, optimizer, batches, settings)
-            host = sum(_nbytes(t) for t in _unique(_host_tensors(chunks, optimizer)))
+            # what stays in host memory, and the most the measured step held there at once
+            # (inputs kept in host memory for the backward come and go)
+            host = max(sum(_nbytes(t) for t in _unique(_host_tensors(chunks, optimizer))), counter.host_peak)
         device = {c: counter.at_peak.get(c, 0) for c in COLUMNS}
         return TraceResult(rank, counter.peak, device, host, time.perf_counter() - t0, counter.host_peak)
     finally:
