@@ -15,8 +15,8 @@
 # pack's working set and all-to-all buffers, not four. --offload-recompute-inputs keeps the
 # layers' inputs in pinned host memory between forward and backward. Without --fsdp-gather-once
 # the dense weights are gathered per layer (a unit and the next), and the embedding and head are
-# freed once the heads' backward is done. Predicted (not measured; no GPU has run this): 73.7 GB
-# on each GPU (6.3 GB to spare), 165 GB of host memory per rank (1.3 TB for the node), 14.3 s per
+# freed once the heads' backward is done. Predicted (not measured; no GPU has run this): 73.0 GB
+# on each GPU (7.0 GB to spare), 165 GB of host memory per rank (1.3 TB for the node), 14.3 s per
 # step, 2,295 tokens/s per GPU, MFU 21.1% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
 # PCIe 35 GB/s, host memory 52 GB/s per rank). Plan it with the same flags first:
 #   python tools/plan_memory.py --world-size 8 --device-gb 80 <the flags below>

@@ -18,8 +18,8 @@
 # by one of the 8 ranks, core/optim/muon_split.py), its bf16 update goes to
 # the host on a copy stream, host threads update the master and copy the new bf16 weight back
 # while the backward goes on. Full recompute (MTP depths included), the head's and each MTP
-# depth's loss a tile at a time. Predicted (not measured; no GPU has run this): 121.9 GB on each
-# GPU (19 GB to spare), 152 GB of host memory per rank (1.2 TB for the node), 13.8 s per step,
+# depth's loss a tile at a time. Predicted (not measured; no GPU has run this): 121.2 GB on each
+# GPU (20 GB to spare), 152 GB of host memory per rank (1.2 TB for the node), 13.8 s per step,
 # 2,378 tokens/s per GPU, MFU 21.8% (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned
 # PCIe 35 GB/s, host memory 52 GB/s per rank; 19.2% if Newton-Schulz hid nothing: docs/memory.md).
 # Plan it with the same flags before you spend a node-hour:

@@ -4,7 +4,7 @@ default: ``examples/step37_flash_8xh200_thd_sft.sh``: EP8 on 8 x H200, --bf16, h
 optimizer in the backward, gather-once FSDP, full recompute, Muon with momentum 0, micro-batches
 of 4 packs of 8192 tokens) or ``--recipe 8xh100`` (h100: ``examples/step37_flash_8xh100_thd_sft.sh``:
 the same without gather-once, with ``--recompute-chunks 4 --offload-recompute-inputs``; the full
-model's prediction is 73.7 GB a GPU and 21.1% MFU).
+model's prediction is 73.0 GB a GPU and 21.1% MFU).
 
 The proxy is ``pretrain_step37.py`` itself on one GPU with the recipe's flags, on a model cut from
 the preset: its first four MoE layers (Step-3.7-Flash: layers 3-6, three sliding-window and one
