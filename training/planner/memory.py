@@ -306,7 +306,8 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         # one micro-batch: the backward frees the kept activations as it makes the gradients
         # the step keeps, so the two never coexist whole (the memory trace, docs/memory.md)
         r.overlap += min(dev["gradients"], dev["activations"])
-    dev["gathered layers"] = _gathered_layers(inp, pl, managed, dev["unsharded grads"])
+    dev["gathered layers"] = _gathered_layers(inp, pl, managed,
+                                              dev["unsharded grads"] + dev["recompute working set"])
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
         dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
@@ -397,7 +398,9 @@ def _gathered_layers(inp: PlanInputs, pl: Placement, m: _Managed, unsharded_grad
     prefetched) and the root; gathered once, every managed unit (fp32 routers in fp32). With one
     stage per rank the root's weights are freed once the heads' backward is done
     (``core/distributed/fsdp.py``): held through the forward, not beside the layers' backward,
-    whose gradient bytes the forward does not hold, so the peak is the larger of the two phases."""
+    whose gradient bytes and recompute working set (``unsharded_grads``, both) the forward does
+    not hold, so the peak is the larger of the two phases (a frozen base, LoRA: no gradient, the
+    working set alone, as the memory trace finds)."""
     if not m.numel:
         return 0
     b = inp.act_bytes
