@@ -179,7 +179,7 @@ class MemoryArgs(MemoryMode):
     trace: bool = option(False, "with --dry-run (or tools/plan_memory.py): also run the real build, parallelize "
                                 "and two training steps of one rank on fake tensors in a fake process group "
                                 "and report its traced peak beside the plan (docs/memory.md, \"The traced "
-                                "peak\"; about a minute per rank of Step-3.7-Flash on 2 cores)")
+                                "peak\"; one to four minutes a rank at full width on 2 cores)")
     trace_ranks: str = option(None, "--trace these global ranks, comma-separated (default: the planner's "
                                     "busiest)")
 

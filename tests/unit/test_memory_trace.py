@@ -102,3 +102,18 @@ def test_inputs_kept_in_host_memory_are_not_device_bytes():
     # [T, hidden] in bf16) at once, and the device none of them
     layers, T, hidden = 4, 128, 64
     assert offloaded.host_peak >= layers * T * hidden * 2, offloaded
+
+
+def test_plan_memory_trace_json_and_refusals(capsys):
+    import json
+
+    from tools.plan_memory import main
+
+    assert main([*FLAGS, "--trace", "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert rank["traced_device_total"] > 0 and rank["traced_host_total"] == 0
+    assert set(rank["traced_device"]) <= set(rank["device"])  # the planner's column names
+    assert main([*FLAGS, "--trace", "--trace-ranks", "3"]) == 2
+    assert "--trace-ranks 3: rank 3 is not in a world of 1" in capsys.readouterr().err
+    assert main([*FLAGS, "--trace", "--search"]) == 2
+    assert "--trace traces one layout" in capsys.readouterr().err
