@@ -45,7 +45,8 @@ class TraceResult:
     rank: int
     device_total: int                                 # peak live device bytes of the measured step
     device: dict = field(default_factory=dict)        # planner column -> bytes live at the peak
-    host_total: int = 0                               # host bytes: the most held at once (masters, state, offloaded shards and inputs)
+    host_total: int = 0                               # host bytes, the most held at once (masters,
+                                                      # their state, offloaded shards, kept inputs)
     seconds: float = 0.0
     host_peak: int = 0                                # most host bytes the counter saw live (transients too)
 
