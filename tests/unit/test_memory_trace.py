@@ -117,3 +117,5 @@ def test_plan_memory_trace_json_and_refusals(capsys):
     assert "--trace-ranks 3: rank 3 is not in a world of 1" in capsys.readouterr().err
     assert main([*FLAGS, "--trace", "--search"]) == 2
     assert "--trace traces one layout" in capsys.readouterr().err
+    assert main([*[f for f in FLAGS if f != "--bf16"], "--trace"]) == 2
+    assert "--trace needs --bf16" in capsys.readouterr().err

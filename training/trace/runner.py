@@ -57,11 +57,10 @@ class TraceResult:
 
 def refuse(args, layout) -> None:
     """``ValueError`` naming the flag for what the trace cannot run."""
-    mem, d = args.memory, args.data
-    M = d.global_batch_size // (d.micro_batch_size * layout.sizes.dp)
-    if not mem.placement(layout.sizes, M, lora=getattr(getattr(args, "lora", None), "enabled", False)).wraps:
-        raise ValueError("--trace needs FSDP's parameters (--bf16 or --data-parallel-sharding fsdp): torch "
-                         "cannot swap a plain parameter for a fake one")
+    d = args.data
+    if not args.memory.bf16:
+        raise ValueError("--trace needs --bf16: torch's fake grouped GEMM (the experts') takes bf16 only; "
+                         "trace the run's --bf16 twin")
     if images_per_pack(layout.config, getattr(args, "images", None), d.seq_length)[0] and layout.sizes.cp > 1:
         raise ValueError("--trace with --image-token-share and --context-parallel-size > 1 is not built: "
                          "trace the layout without images, or without context parallelism")
