@@ -10,7 +10,8 @@ registers) on packed THD data across PP / EP / DP.
 A composer: flags (train_args.py) -> the family's spec from the registry (models/registry.py) ->
 validation (no process group yet) -> process groups -> ``parallelize`` (training/parallelize.py)
 inside the Trainer -> the loop of
-``core.train_step.train_step``. ``--dry-run N`` plans N ranks instead (training/planner/run.py).
+``core.train_step.train_step``. ``--dry-run N`` plans N ranks instead (training/planner/run.py); with ``--trace`` it also
+traces one rank's real step on fake tensors (training/trace/), before any GPU memory is touched.
 ``python pretrain_step37.py --help`` lists every flag by section.
 """
 from __future__ import annotations
@@ -66,6 +67,8 @@ def host_threads(on_host: bool) -> int:
 def checked_layout(args) -> tuple[int, RunLayout]:
     """The world and the validated layout: ``--dry-run N`` plans N ranks through the planner's own
     checks (``train_args.validate_plan``, as tools/plan_memory.py does); a run checks its files too."""
+    if args.memory.trace and not args.memory.dry_run:
+        raise ValueError("--trace traces a planned run: add --dry-run N (or use tools/plan_memory.py --trace)")
     if args.memory.dry_run:
         return args.memory.dry_run, validate_plan(args, args.memory.dry_run)
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -179,8 +179,16 @@ class MemoryArgs(MemoryMode):
                                 "on the meta device, parameter counts and memory (no data needed; the "
                                 "same checks and plan as tools/plan_memory.py --world-size N). Leave the "
                                 "flag out to train: --dry-run 0 is refused, not a training run")
+    trace: bool = option(False, "with --dry-run (or tools/plan_memory.py): also run the real build, parallelize "
+                                "and two training steps of one rank on fake tensors in a fake process group "
+                                "and report its traced peak beside the plan (docs/memory.md, \"The traced "
+                                "peak\"; one to four minutes a rank at full width on 2 cores)")
+    trace_ranks: str = option(None, "--trace these global ranks, comma-separated (default: the planner's "
+                                    "busiest)")
 
     def __post_init__(self):
+        if self.trace_ranks is not None and not self.trace:
+            raise ValueError("--trace-ranks needs --trace")
         if self.dry_run is not None and self.dry_run < 1:
             raise ValueError(f"--dry-run {self.dry_run}: give the number of ranks to plan (>= 1); leave "
                              "--dry-run out to train")

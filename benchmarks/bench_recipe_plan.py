@@ -6,8 +6,11 @@ search's best layout for 8 x H100, 16 x H200 and 16 x H100. Every number is a **
 NVLink 150 GB/s, host 52 GB/s per rank); none is a measurement. The one-GPU proxy of a recipe
 rank, measured, is a part of ``bash tools/gpu_check.sh`` (a lent GPU only).
 
-    python benchmarks/bench_recipe_plan.py            # about 40 s on 2 cores (three searches)
-    python benchmarks/bench_recipe_plan.py --no-search
+Then each single-node recipe's busiest rank, planned beside its traced peak (``--trace``: the
+real step of that rank on fake tensors, docs/memory.md "The Traced Peak"; about a minute each).
+
+    python benchmarks/bench_recipe_plan.py            # about 10 min on 2 cores (searches, traces)
+    python benchmarks/bench_recipe_plan.py --no-search --no-trace
 """
 from __future__ import annotations
 
@@ -30,6 +33,17 @@ MODEL = "--model-preset step37-flash --seq-length 8192 --bf16 --optimizer muon -
 SEED = ("--pipeline-model-parallel-size 1 --expert-model-parallel-size 8 --data-parallel-sharding fsdp "
         "--cpu-offload optimizer --recompute-granularity full --micro-batch-size 1")
 HOST_GB = 2000.0  # a DGX H200 / H100 node's host memory
+# single-node recipes: (label, script, preset for --hf-config, GB per GPU, planner-only flags)
+TRACED = (("Step-3.7-Flash text, 8 x H200", "step37_flash_8xh200_thd_sft.sh", "step37-flash", 141.0, ""),
+          ("Step-3.7-Flash text, 8 x H100", "step37_flash_8xh100_thd_sft.sh", "step37-flash", 80.0, ""),
+          ("Step-3.7-Flash LoRA, 8 x H200", "step37_flash_8xh200_lora_sft.sh", "step37-flash", 141.0, ""),
+          ("Step-3.7-Flash LoRA, 8 x H100", "step37_flash_8xh100_lora_sft.sh", "step37-flash", 80.0, ""),
+          ("Step-3.7-Flash image + text, 8 x H200", "step37_flash_8xh200_vlm_sft.sh", "step37-flash-vlm", 141.0,
+           "--image-token-share 0.25 --image-crops-per-image 4"),
+          ("Step-3.7-Flash 128K CP, 8 x H200", "step37_flash_8xh200_128k_cp_sft.sh", "step37-flash", 141.0, ""),
+          ("Qwen3-30B-A3B, 8 x H200", "qwen3_30b_a3b_8xh200_thd_sft.sh", "qwen3-30b-a3b", 141.0, ""))
+PATHS = {"--hf-config", "--load-hf", "--data-path", "--tokenizer-type", "--tokenizer-model", "--log-dir", "--save",
+         "--load"}  # what a plan does not read (the model comes from the preset)
 
 
 def recipe_flags(path: str = RECIPE) -> str:
@@ -60,9 +74,45 @@ def _best(world: int, device_gb: float, gbs: int, extra: str = ""):
     return fitting[0] if fitting else None
 
 
+def training_flags(script: str, preset: str) -> list[str]:
+    """Every flag of the recipe's torchrun line but its paths, the model from ``preset``."""
+    words, out, i = read_recipe(os.path.join(ROOT, "examples", script), {"HF": "/hf", "DATA": "/d", "OUT": "/o"}), [], 0
+    while i < len(words):
+        skip = words[i] in PATHS
+        i += 1 + (skip and i + 1 < len(words) and not words[i + 1].startswith("--"))
+        if not skip:
+            out.append(words[i - 1])
+    return ["--model-preset", preset, *out]
+
+
+def traced_table() -> None:
+    """Each single-node recipe's busiest rank: planned and traced device peaks."""
+    from tools.plan_memory import planned
+    from training.planner.memory import plan
+    from training.planner.run import plan_inputs
+    from training.trace.report import chosen_ranks
+    from training.trace.runner import trace_rank
+
+    print("\nsingle-node recipes, busiest rank: planned (tools/plan_memory.py) beside traced (--trace: the real "
+          "step on fake tensors), GB")
+    print(f"{'recipe':<42}{'GB/GPU':>8}{'planned':>9}{'traced':>8}{'diff':>8}{'host pl.':>9}{'host tr.':>9}{'trace s':>9}")
+    for label, script, preset, gb, extra in TRACED:
+        _, args, _, layout = planned(["--world-size", "8", "--device-gb", f"{gb:g}",
+                                      *training_flags(script, preset), *shlex.split(extra)])
+        ranks = plan(layout.config, plan_inputs(args, layout, gb))
+        rank = chosen_ranks(None, ranks, layout)[0]
+        c = layout.sizes.coords(rank)
+        p = next(r for r in ranks if (r.pp_rank, r.ep_rank) == (c["pp"], c["ep"]))
+        t = trace_rank(args, layout, rank)
+        print(f"{label:<42}{gb:>8g}{p.device_total / 1e9:>9.1f}{t.device_total / 1e9:>8.1f}"
+              f"{(t.device_total - p.device_total) / p.device_total:>+8.1%}{p.host_total / 1e9:>9.1f}"
+              f"{t.host_total / 1e9:>9.1f}{t.seconds:>9.0f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-search", action="store_true", help="only the two 8 x H200 recipes")
+    ap.add_argument("--no-trace", action="store_true", help="leave out the recipes' traced peaks")
     ns = ap.parse_args(argv)
     rows = [("8 x H200 before: seed recipe, 64 packs", 8, 141.0, _row(f"{MODEL} {SEED} --global-batch-size 64", 8, 141.0)),
             ("8 x H200 before: seed recipe, 32 packs", 8, 141.0, _row(f"{MODEL} {SEED} --global-batch-size 32", 8, 141.0)),
@@ -89,6 +139,8 @@ def main(argv=None) -> int:
     print(f"bench_recipe_plan: the recipe predicts {now.mfu:.1%} MFU at 32 packs per step against {before.mfu:.1%} "
           f"for the seed's layout ({before.step_s / now.step_s:.1f}x the tokens per second); the issue's "
           f"target was 20%")
+    if not ns.no_trace:
+        traced_table()
     return 0
 
 

@@ -149,7 +149,18 @@ def allocate(model: nn.Module, device) -> None:
         places = {id(p) in host for p in own}
         if len(places) > 1:
             raise ValueError(f"module {prefix or '<chunk>'}: some parameters offloaded, others not")
-        m.to_empty(device="cpu" if places == {True} else device, recurse=False)
+        target = torch.device("cpu") if places == {True} else device
+        if any(isinstance(p, DTensor) for p in own) or not own:  # FSDP's shards: its own _apply
+            m.to_empty(device=target, recurse=False)
+        else:  # plain tensors: a new Parameter of the same name (``to_empty`` would swap the
+            # tensors, which torch refuses for the memory trace's fake tensors: the fake mode
+            # holds a weak reference to each it has seen)
+            for name, p in list(m.named_parameters(recurse=False)):
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=target),
+                                                   requires_grad=p.requires_grad)
+            for name, b in m.named_buffers(recurse=False):
+                if b is not None:
+                    m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=target)
 
 
 def materialize_seeded(model: nn.Module, device, *, seed: int, std: float, init: bool = True,

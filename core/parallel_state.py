@@ -136,6 +136,7 @@ class ParallelState:
     sizes: ParallelSizes
     rank: int
     groups: dict = field(default_factory=dict)
+    meshes: dict = field(default_factory=dict, repr=False, compare=False)  # (kind, device type) -> DeviceMesh
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -175,6 +176,18 @@ class ParallelState:
 
     def group(self, kind: str):
         return self.groups.get(self._kind(kind), (None, [self.rank]))[0]
+
+    def mesh(self, kind: str, device_type: str):
+        """A device mesh over this rank's ``kind`` group (``"self"``: a one-rank mesh), built once
+        and kept: FSDP wrapping takes it, and the memory trace builds it before its fake tensors
+        exist (a mesh built from fake tensors cannot read its ranks)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        key = (self._kind(kind), device_type)
+        if key not in self.meshes:
+            one = kind == "self" and self.sizes.world == 1
+            self.meshes[key] = DeviceMesh.from_group(dist.group.WORLD if one else self.group(kind), device_type)
+        return self.meshes[key]
 
     def ranks(self, kind: str) -> list[int]:
         return self.groups.get(self._kind(kind), (None, [self.rank]))[1]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from core.batch_copy import DeviceBatches
 from core.distributed.fsdp import reshard
+from core.distributed.host_values import host_values
 from core.distributed.grads import clip_gradients, grad_norm, reduce_step_metrics, sync_gradients
 from core.model_api import specs_of
 from core.optim.masters import masters_of
@@ -101,7 +102,7 @@ def train_step(chunks: list, ps: ParallelState, optimizer, batches: list, s: Ste
     loss_sum, n, imbalance_sum, moe_layers, nonfinite, *mtp_sums = reduce_step_metrics(
         [stats.loss_sum, stats.num_tokens, *_imbalance_terms(loads, zero), nonfinite, *mtp])
     n = max(n, 1.0)
-    metrics = StepMetrics(loss=loss_sum / n, mtp_losses=[x / n for x in mtp_sums], grad_norm=float(norm),
+    metrics = StepMetrics(loss=loss_sum / n, mtp_losses=[x / n for x in mtp_sums], grad_norm=host_values(norm.reshape(1))[0],
                           num_targets=targets, num_tokens=tokens, flops=flops,
                           moe_imbalance=imbalance_sum / moe_layers if moe_layers else None,
                           p2p_bytes=executor.p2p_bytes, p2p_trace=executor.trace,
@@ -162,13 +163,15 @@ def _global_counts(batches: list, ps: ParallelState, flops_of) -> tuple[int, int
     all of them skip the tower together (no gather, no reduce-scatter anywhere); with some, a rank
     without images runs it idle. Other stages hold no images (``data.loader``'s ``with_images``)
     and no tower: their count is 0 and reads nothing."""
-    counts = torch.tensor([sum(int(b.num_target_tokens) for b in batches),
-                           sum(int(b.packed_seq_params.cu_seqlens[-1]) for b in batches),
-                           sum(flops_of(b) for b in batches) if flops_of else 0.0,
-                           sum(len(b.images.num_local_patches) for b in batches
-                               if getattr(b, "images", None) is not None)], dtype=torch.float64)
+    local = [sum(b.num_target_tokens for b in batches),
+             sum(b.packed_seq_params.host_boundaries()[0][-1] for b in batches),
+             sum(flops_of(b) for b in batches) if flops_of else 0.0,
+             sum(len(b.images.num_local_patches) for b in batches if getattr(b, "images", None) is not None)]
+    counts = torch.tensor(local, dtype=torch.float64)
     if ps.sizes.dp * ps.sizes.cp > 1:
         dist.all_reduce(counts, group=ps.group("dp_cp"))
+    # a traced step (fake tensors) assumes every DP x CP rank counts what this one does
+    counts = host_values(counts, assumed=[x * ps.sizes.dp * ps.sizes.cp for x in local])
     return int(counts[0]), int(counts[1]), float(counts[2]), int(counts[3])
 
 

@@ -35,12 +35,18 @@ class THDBatch:
     position_ids: torch.Tensor  # int64 [T]
     packed_seq_params: PackedSeqParams
     images: ImageInputs | None = None  # the images of image + text documents (first stage only)
+    host_targets: int | None = None    # target tokens as a host int (counted from the host labels)
+
+    def __post_init__(self) -> None:
+        if self.host_targets is None and self.labels.device.type == "cpu":
+            self.host_targets = int((self.labels != IGNORE_INDEX).sum())  # host memory: no sync
 
     def to(self, device, non_blocking: bool = False) -> "THDBatch":
         move = lambda t: t.to(device, non_blocking=non_blocking)
         return THDBatch(move(self.tokens), move(self.labels), move(self.position_ids),
                         self.packed_seq_params.to(device, non_blocking),
-                        None if self.images is None else self.images.to(device, non_blocking))
+                        None if self.images is None else self.images.to(device, non_blocking),
+                        self.num_target_tokens)
 
     def pin_memory(self) -> "THDBatch":
         """In pinned host memory when CUDA is available (torch's DataLoader calls this)."""
@@ -48,7 +54,8 @@ class THDBatch:
 
     @property
     def num_target_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
+        """Labels that are targets: the host count (read on the device only for a batch built there)."""
+        return self.host_targets if self.host_targets is not None else int((self.labels != IGNORE_INDEX).sum())
 
 
 def _round_up(x: np.ndarray | int, m: int):

@@ -21,6 +21,10 @@ first; the model, sequence length, global batch, precision and optimizer stay as
 A vision-language model's images: ``--image-token-share 0.25 --image-crops-per-image 4`` (a
 quarter of each pack's tokens image features, every image a global view and 4 crops on
 average); the vision tower's cost goes on the first pipeline stage (docs/vlm.md, "Planner").
+
+``--trace [--trace-ranks R,...]`` also runs the real build, parallelize and training step of one
+rank (by default the busiest) on fake tensors in a fake process group and prints its traced
+peak beside the plan (docs/memory.md, "The Traced Peak").
 """
 from __future__ import annotations
 
@@ -85,6 +89,8 @@ def planned(argv=None):
     if not ns.search:
         return ns, args, assumptions, validate_plan(args, ns.world_size)
     check_plannable(args, model_config(args))
+    if args.memory.trace:
+        raise ValueError("--trace traces one layout: plan it without --search (its flags from the search's row)")
     if ns.top < 1:
         raise ValueError(f"--top must be >= 1, got {ns.top}")
     if ns.reserve_gb is not None and not 0 <= ns.reserve_gb < ns.device_gb:

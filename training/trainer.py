@@ -39,6 +39,26 @@ from training.profiling import StepProfiler
 DATA_WAIT_WARN = 0.05  # warn when a logged step waited for data more than this share of it
 
 
+def step_parts(args, cfg, spec, chunks: list, ps: ParallelState):
+    """What ``train_step`` takes besides the chunks and the batches, for the trainer and the
+    trace (``training/trace/``): ``(optimizer, its groups' summary, StepSettings)``."""
+    a = args
+    optimizer, summary = build_optimizer(chunks, a.optim)
+    if a.memory.optimizer_in_backward:  # Muon's matrices step in the backward (hooks)
+        optimizer.in_backward = InBackwardSteps(optimizer.optimizers["muon"], specs_of(chunks), ps,
+                                                pending_grads(chunks))
+    shapes = shapes_of(cfg)
+    settings = StepSettings(
+        hidden_size=cfg.hidden_size, device=local_device(),
+        dtype=torch.bfloat16 if a.memory.bf16 else torch.float32,
+        mtp_depths=cfg.num_mtp_layers, mtp_loss_scale=a.model.mtp_loss_scale,
+        aux_loss_coeff=aux_loss_coeff(a, cfg), clip_grad=a.optim.clip_grad,
+        model_aux_experts=cfg.num_experts if spec.model_class.aux_scope == "model" else 0,
+        router_bias_rate=a.model.moe_bias_update_rate,
+        flops_of=lambda b: training_flops(shapes, _doc_lengths(b)) / ps.sizes.cp)
+    return optimizer, summary, settings
+
+
 class Trainer:
     def __init__(self, args, layout: RunLayout, ps: ParallelState, start_time: float | None = None):
         """``start_time``: when the job started (``time.time()``), for ``--exit-duration-in-mins``."""
@@ -68,19 +88,7 @@ class Trainer:
         self.chunks = parallelize(self.cfg, ps, args, from_checkpoint=self.from_checkpoint)
         self.build_s = time.perf_counter() - t0
         self.lora = lora_record(args, self.cfg, self.chunks, ps)  # a LoRA base's identity (collective)
-        self.optimizer, self.groups_summary = build_optimizer(self.chunks, a.optim)
-        if a.memory.optimizer_in_backward:  # Muon's matrices step in the backward (hooks)
-            self.optimizer.in_backward = InBackwardSteps(self.optimizer.optimizers["muon"], specs_of(self.chunks), ps,
-                                                         pending_grads(self.chunks))
-        shapes = shapes_of(self.cfg)
-        self.settings = StepSettings(
-            hidden_size=self.cfg.hidden_size, device=local_device(),
-            dtype=torch.bfloat16 if a.memory.bf16 else torch.float32,
-            mtp_depths=self.cfg.num_mtp_layers, mtp_loss_scale=a.model.mtp_loss_scale,
-            aux_loss_coeff=aux_loss_coeff(a, self.cfg), clip_grad=a.optim.clip_grad,
-            model_aux_experts=self.cfg.num_experts if self.spec.model_class.aux_scope == "model" else 0,
-            router_bias_rate=a.model.moe_bias_update_rate,
-            flops_of=lambda b: training_flops(shapes, _doc_lengths(b)) / ps.sizes.cp)
+        self.optimizer, self.groups_summary, self.settings = step_parts(args, self.cfg, self.spec, self.chunks, ps)
         self.peak_tflops = a.logging.peak_tflops or device_peak_tflops()
         is_logger = ps.is_last_stage and ps.dp_rank == 0 and ps.cp_rank == 0
         self.log = RankLogger(ps.rank, is_logger, a.logging.log_dir, a.logging.tensorboard)

@@ -26,7 +26,6 @@ its own backward starts. Such blocks get an explicit order instead
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -40,8 +39,7 @@ def _policy(on: bool, pin: bool = True) -> OffloadPolicy:
 
 
 def _self_mesh(ps: ParallelState, device_type: str) -> DeviceMesh:
-    group = ps.group("self") if ps.sizes.world > 1 else dist.group.WORLD
-    return DeviceMesh.from_group(group, device_type)
+    return ps.mesh("self", device_type)
 
 
 def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, placement: Placement, device_type: str = "cpu") -> bool:
@@ -74,9 +72,9 @@ def apply_fsdp(chunk: torch.nn.Module, ps: ParallelState, placement: Placement, 
         return False
     expert_managed = pl.roles["expert"].managed
     if pl.shard:
-        dp_mesh = DeviceMesh.from_group(ps.group("dp_cp"), device_type)
+        dp_mesh = ps.mesh("dp_cp", device_type)
         if ps.sizes.expert_dp > 1:
-            edp_mesh = DeviceMesh.from_group(ps.group("expert_dp"), device_type)
+            edp_mesh = ps.mesh("expert_dp", device_type)
         elif expert_managed:  # experts whole on each EP rank: a one-rank mesh
             edp_mesh = _self_mesh(ps, device_type)
         else:

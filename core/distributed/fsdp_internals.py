@@ -108,6 +108,17 @@ def offloaded_shards(unit: FSDPModule) -> list:
             for fp in _get(g, "fsdp_params", "FSDPParamGroup")]
 
 
+def sharded_param(fp):
+    """An ``FSDPParam``'s shard (the DTensor the module holds between steps)."""
+    return _get(fp, "sharded_param", "FSDPParam")
+
+
+def unsharded_param(fp):
+    """An ``FSDPParam``'s gathered (unsharded) parameter, None before its first gather (FSDP2 sets
+    ``_unsharded_param`` lazily, so it is not in :data:`PRIVATE`; the memory trace reads it)."""
+    return getattr(fp, "_unsharded_param", None)
+
+
 def in_backward(unit: FSDPModule) -> bool:
     """FSDP takes the unit as in its backward already (it then skips the unit's forward hooks and
     its pre-backward)."""

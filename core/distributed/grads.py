@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from core.distributed.host_values import host_values
 from core.parallel_state import ParallelState, local_device
 
 
@@ -155,4 +156,4 @@ def reduce_step_metrics(values: list[torch.Tensor]) -> list[float]:
     t = torch.stack([v.detach().to(values[0].device, torch.float64).reshape(()) for v in values])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return t.tolist()
+    return host_values(t)

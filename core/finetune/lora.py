@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.cli import option
+from core.distributed.host_values import host_counts
 from core.moe.experts import GroupedExperts, _grouped_mm_ok, expert_linear
 from core.moe.layer import MoELayer
 from core.transformer.attention import attention_modules
@@ -154,7 +155,7 @@ class LoRAGroupedExperts(GroupedExperts):
         # reads the segment sizes on the host once per layer, as the base loop does)
         lora_grouped = grouped and _grouped_mm_ok(x_NH, self.rank)
         if sizes is None and not lora_grouped and not torch.compiler.is_compiling():
-            sizes = counts_E.tolist()
+            sizes = host_counts(counts_E, x_NH.shape[0])
         return grouped, lora_grouped, sizes
 
     def project(self, name, x_NI, counts_E, segments):

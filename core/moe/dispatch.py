@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 
+from core.distributed.host_values import host_counts
+
 
 @dataclass
 class PermuteState:
@@ -151,7 +153,8 @@ class AllToAllDispatcher:
         recv_counts = torch.empty_like(send_counts)
         tag = f"{self.tag}{chunk}"
         recorded(self.record, tag, "counts", lambda: dist.all_to_all_single(recv_counts, send_counts, group=self.group))
-        send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        # (a traced step: the planner's balanced routing, core/distributed/host_values.py)
+        send, recv = host_counts(torch.stack([send_counts.sum(1), recv_counts.sum(1)]), 2 * x_NH.shape[0])
         me = dist.get_rank(self.group)  # rows kept on this rank cross no wire
         self.sent_bytes += x_NH.shape[1] * x_NH.element_size() * (sum(send) - send[me] + sum(recv) - recv[me])
         there = AllToAllInFlight(send, recv, self.group, self.record, tag + ".dispatch")
@@ -210,7 +213,7 @@ class AllGatherDispatcher:
         order = torch.argsort(key, stable=True)  # this rank's slots first, by expert, then token order
         counts = torch.zeros(self.local + 1, dtype=torch.int64, device=key.device).scatter_add_(
             0, key, torch.ones_like(key))
-        n = int(counts[:self.local].sum())  # the one host read: the rows this rank's experts get
+        n = host_counts(counts[:self.local].sum().reshape(1), e_all.numel() // self.ep)[0]  # the one host read
         slots = order[:n]
         y = experts_module(_rows_vary(x_all.index_select(0, slots // K)), counts[:self.local])
         w = w_all.flatten().index_select(0, slots)

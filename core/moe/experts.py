@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.distributed.host_values import host_counts
 from core.transformer.mlp import clamped_swiglu
 
 
@@ -139,7 +140,7 @@ class GroupedExperts(nn.Module):
         if not grouped and not torch.compiler.is_compiling():
             # the loop's segment sizes, read once for the layer's three projections (fp32 on
             # CUDA: one device sync per MoE layer; --bf16 takes grouped_mm, which reads nothing)
-            sizes = counts_E.tolist()
+            sizes = host_counts(counts_E, x_NH.shape[0])
         return grouped, sizes
 
     def project(self, name: str, x_NI: torch.Tensor, counts_E: torch.Tensor, segments) -> torch.Tensor:

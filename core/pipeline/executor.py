@@ -136,7 +136,7 @@ class PipelineExecutor:
         outputs, received and unsent buffers); autograd's own saved tensors are not counted."""
         tensors = [t for v in self._saved.values() for t in v if torch.is_tensor(t)]
         tensors += list(self._inbox.values()) + [t for t, _, _ in self._outbox.values()]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by StorageImpl
         return sum(storages.values())
 
     # ------------------------------------------------------------------ steps

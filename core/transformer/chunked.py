@@ -67,6 +67,9 @@ class ChunkedRecompute:
     def __init__(self):
         self.pending = PendingGrads()
         self._streams: dict[int, object] = {}  # device index -> torch.cuda.Stream
+        # called with each input kept in host memory (--offload-recompute-inputs): the memory
+        # trace (training/trace/), whose CPU stands in for the GPU, counts it as host memory
+        self.host_observer = None
 
     def offload_stream(self, device: torch.device):
         """The device's copy stream: high priority (the copy-out is short and the compute stream's
@@ -90,6 +93,7 @@ class _Run:
     offload: bool
     stream: object        # the device's copy stream (CUDA with offload), else None
     pending: PendingGrads
+    host_observer: object = None  # ChunkedRecompute.host_observer
 
 
 @dataclass
@@ -151,13 +155,15 @@ def make_chunks(layout: DocLayout, ropes: dict, valid: torch.Tensor, n: int) -> 
 class _Stash:
     """A kept input: on the device, or in host memory behind the event of its copy."""
 
-    def __init__(self, t: torch.Tensor, offload: bool, stream):
+    def __init__(self, t: torch.Tensor, offload: bool, stream, host_observer=None):
         self.device, self.event = t.device, None
         if not offload:
             self.t = t
             return
         if t.device.type != "cuda":  # the same path on CPU (tests): a copy
             self.t = torch.empty_like(t, device="cpu").copy_(t)
+            if host_observer is not None:
+                host_observer([self.t])
             return
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
@@ -193,7 +199,7 @@ class _Chunked(torch.autograd.Function):
                 stats += [s] if s is not None else []
         ctx.run, ctx.n_out, ctx.has_stats = run, len(outs[0]), bool(stats)
         ctx.needs = [t.requires_grad for t in inputs]
-        ctx.stash = [_Stash(t.detach(), run.offload, run.stream) for t in inputs]
+        ctx.stash = [_Stash(t.detach(), run.offload, run.stream, run.host_observer) for t in inputs]
         cat = [torch.cat([o[i] for o in outs]) for i in range(ctx.n_out)]
         if not stats:
             return (*cat,)
@@ -330,7 +336,7 @@ def chunked_recompute(block: torch.nn.Module, fn, tensors: tuple, ropes: dict, l
     stream = shared.offload_stream(device) if offload and device.type == "cuda" else None
     run = _Run(lambda *a: fn(*a[:-1], a[-1].ropes, a[-1].layout, a[-1].valid),
                make_chunks(layout, ropes, valid, chunks), _inner_units(block), block, offload, stream,
-               shared.pending)
+               shared.pending, shared.host_observer)
     out = _Chunked.apply(run, len(tensors), *tensors, *_anchor(block, tensors))
     if not top_k:
         return (*out, None)

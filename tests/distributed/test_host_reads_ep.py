@@ -23,7 +23,8 @@ def count_reads_ep2(rank, world):
         (out.loss_sum + 0.3 * sum(out.mtp_loss_sums)).backward()
     kinds = Counter(what for what, _ in h.reads)
     assert kinds == {"tolist": len(chunk.moe_layers())}, h.reads
-    assert all("dispatch.py" in where for _, where in h.reads), h.reads
+    # through the seam a traced step fills with the planner's balanced routing
+    assert all("host_values.py" in where for _, where in h.reads), h.reads
     dist.barrier()
 
 

@@ -178,7 +178,8 @@ def test_all_gather_dispatch_reads_one_count_and_sums_its_experts(monkeypatch):
     with HostReads() as h:
         out, _ = AllGatherDispatcher(None, 2, 0, E)(x, weights, experts, mine)
         out.sum().backward()
-    assert [what for what, _ in h.reads] == ["aten._local_scalar_dense.default"], h.reads
+    # the one host read, through the seam a trace fills (core/distributed/host_values.py)
+    assert [where.split(":")[0].endswith("host_values.py") for _, where in h.reads] == [True], h.reads
     ref, _ = LocalDispatcher()(x, weights, experts, every)
     # fp32: the same products, summed in another order (index_add vs the fp32 combine) and
     # doubled: a few roundings, < 1e-6 relative; 1e-5 leaves 10x

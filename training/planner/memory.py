@@ -187,7 +187,12 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
     dev["recompute working set"] = max(_recompute_working_set(cfg, c, inp.chunk_tokens, b, inp) for c in chunks)
     dev["cp K/V"] = _cp_columns(cfg, chunks, inp, in_flight)
     dev["unsharded grads"], r.overlap = _unsharded_grads(chunks, inp, pl, managed)
-    dev["gathered layers"] = _gathered_layers(inp, pl, managed, dev["unsharded grads"])
+    if inp.num_microbatches == 1 and inp.pp == 1:
+        # one micro-batch: the backward frees the kept activations as it makes the gradients
+        # the step keeps, so the two never coexist whole (the memory trace, docs/memory.md)
+        r.overlap += min(dev["gradients"], dev["activations"])
+    dev["gathered layers"] = _gathered_layers(inp, pl, managed,
+                                              dev["unsharded grads"] + dev["recompute working set"])
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
         dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
@@ -261,8 +266,8 @@ def _unsharded_grads(chunks: list, inp: PlanInputs, pl: Placement, m: _Managed) 
         if inp.num_microbatches > 1 and not pl.sync_every_microbatch:
             total = m.trained * MASTER  # fp32 accumulators, sync off (none for a frozen base)
             overlap = min(m.device_grads, total)
-        else:
-            total = max(m.largest_block, m.root) * (b + MASTER if b < MASTER else MASTER)
+        else:  # a frozen base (LoRA) has no gradient: the unit's trained share of it
+            total = max(m.largest_block, m.root) * (b + MASTER if b < MASTER else MASTER) * m.trained // m.numel
     plain = max((n for c in chunks for k, n in _plain_blocks(c, pl).items() if k is not ROOT), default=0)
     if pl.recompute_placement.chunked:
         tensor = max((x.t.numel() for c in chunks for x in c.tensors
@@ -278,7 +283,9 @@ def _gathered_layers(inp: PlanInputs, pl: Placement, m: _Managed, unsharded_grad
     prefetched) and the root; gathered once, every managed unit (fp32 routers in fp32). With one
     stage per rank the root's weights are freed once the heads' backward is done
     (``core/distributed/fsdp.py``): held through the forward, not beside the layers' backward,
-    whose gradient bytes the forward does not hold, so the peak is the larger of the two phases."""
+    whose gradient bytes and recompute working set (``unsharded_grads``, both) the forward does
+    not hold, so the peak is the larger of the two phases (a frozen base, LoRA: no gradient, the
+    working set alone, as the memory trace finds)."""
     if not m.numel:
         return 0
     b = inp.act_bytes

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict
 
 from core.memory_mode import MemoryMode
 from core.optim.registry import OptimOptions
 from models.registry import shapes_of
+from training.trace import report as trace
 from training.planner.inputs import PlanInputs
 from training.planner.memory import GB, as_dict, format_table, plan
 from training.planner.timing import BREAKDOWN, StepTime, TimeAssumptions, peak_tflops, plan_time
@@ -94,14 +96,23 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
     peak = peak_tflops(args.logging.peak_tflops)
     st = plan_time(layout.config, inp, assumptions, peak, args.data.global_batch_size)
     s = layout.sizes
+    try:  # --trace: the real step of the chosen ranks on fake tensors (training/trace/)
+        traced = trace.run_traces(args, layout, trace.chosen_ranks(args.memory.trace_ranks, ranks, layout)) \
+            if getattr(args.memory, "trace", False) else {}
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     if as_json:
-        print(json.dumps({"world_size": s.world, "inputs": inp.as_json(), "ranks": every_rank(ranks, layout),
+        entries = every_rank(ranks, layout)
+        trace.add_json(entries, traced)
+        print(json.dumps({"world_size": s.world, "inputs": inp.as_json(), "ranks": entries,
                           "time": time_dict(st)}, indent=2))
         return 0
     cp = f" x cp {s.cp}" if s.cp > 1 else ""
     print(f"world {s.world} = pp {s.pp} x dp {s.dp}{cp} (ep {s.ep}, expert-dp {s.expert_dp}), "
           f"{layout.num_microbatches} micro-batches per pipeline; nothing allocated")
-    print(format_table(ranks, inp))
+    table = format_table(ranks, inp)
+    print(trace.add_column(table, ranks, traced, layout) if traced else table)
     chosen = layout_for(layout.config, inp)
     if chosen != inp.pipeline_layout:
         print(f"{prog}: with {inp.image_token_share:g} of the tokens images, planned with --pipeline-layout "
@@ -118,6 +129,8 @@ def report(args, layout: RunLayout, *, as_json: bool = False, device_gb: float =
           f"pipeline; busiest rank pp{worst.pp_rank} ep{worst.ep_rank} needs "
           f"{worst.device_total / GB:.1f} GB on device, {worst.host_total / GB:.1f} GB on host: "
           f"{'fits' if fits else 'does NOT fit'} {device_gb:g} GB")
+    for line in trace.summary(ranks, traced, layout):
+        print(f"{prog}: {line}")
     print(format_time(st))
     print(f"{prog}: {summary(st)}")
     return 0

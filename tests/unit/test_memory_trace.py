@@ -1,0 +1,121 @@
+"""The memory trace (training/trace/): its counter agrees with itself on real and fake tensors,
+and it sees memory the code keeps. Tiny model, one rank, one-micro-batch steps: a few seconds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.transformer import mlp
+from tools.plan_memory import planned
+from training.trace.counter import LiveBytes
+from training.trace.runner import trace_rank
+
+FLAGS = ["--world-size", "1", "--model-preset", "tiny", "--seq-length", "64", "--global-batch-size", "1",
+         "--micro-batch-size", "1", "--bf16", "--attention-backend", "sdpa"]
+
+
+def _trace(fake: bool = True, flags=FLAGS):
+    _, args, _, layout = planned(flags)
+    return trace_rank(args, layout, 0, fake=fake)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return _trace()
+
+
+def test_traced_peak_equals_the_real_steps_peak(traced):
+    real = _trace(fake=False)
+    # the same counter on real tensors: the fake ones have the real sizes, so the peaks agree
+    # (2% is the issue's bar; they agree to the byte)
+    assert abs(traced.device_total - real.device_total) <= 0.02 * real.device_total, (traced, real)
+    assert traced.device == real.device
+    assert traced.device["parameters"] > 0 and traced.device["optimizer"] > 0 and traced.device["activations"] > 0
+
+
+def test_memory_kept_alive_raises_the_traced_peak_by_its_size(traced, monkeypatch):
+    held = []
+    forward = mlp.SwiGLUMLP.forward
+
+    def keep(self, x):  # a leak: the latest MLP output stays referenced
+        out = forward(self, x)
+        held[:] = [out]
+        return out
+
+    monkeypatch.setattr(mlp.SwiGLUMLP, "forward", keep)
+    leaky = _trace()
+    size = held[0].untyped_storage().nbytes()
+    assert leaky.device_total - traced.device_total == size, (leaky.device_total, traced.device_total, size)
+
+
+def test_counter_follows_resize_and_free():
+    """FSDP allocates and frees gathered parameters by ``UntypedStorage.resize_``."""
+    with LiveBytes() as c:
+        t = torch.empty(256)
+        assert c.device_now == 1024
+        t.untyped_storage().resize_(0)
+        assert c.device_now == 0
+        t.untyped_storage().resize_(2048)
+        assert c.device_now == 2048 and c.peak == 2048
+        del t
+    assert c.device_now == 0 and c.peak == 2048
+
+
+def test_host_reads_of_a_traced_step_are_the_planners_assumptions():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from core.distributed.host_values import host_counts, host_values
+
+    real = torch.tensor([[3, 1], [0, 4]])
+    assert host_counts(real, 8) == [[3, 1], [0, 4]]  # a real run reads the tensor
+    with FakeTensorMode():
+        fake = torch.empty(2, 4, dtype=torch.int64)
+        assert host_counts(fake, 10) == [[2, 2, 1, 1], [1, 1, 1, 1]]  # balanced, remainder first
+        assert host_values(torch.empty(3)) == [0.0, 0.0, 0.0]
+        assert host_values(torch.empty(2), assumed=[5, 6]) == [5, 6]
+
+
+def test_planner_books_one_micro_batch_as_the_trace_finds_it():
+    """One micro-batch (LoRA): the backward frees the kept activations as it makes the gradients,
+    and a frozen base has no unit gradient (nor, with one stage, its gathered root beside the
+    backward's recompute working set); the plan booked them whole (+16% over the trace on
+    Step-3.7-Flash's 8 x H200 LoRA recipe, more here), now within 10%."""
+    from training.planner.memory import plan
+    from training.planner.run import plan_inputs
+
+    flags = ["--world-size", "1", "--model-preset", "tiny", "--seq-length", "128", "--global-batch-size", "1",
+             "--micro-batch-size", "1", "--bf16", "--recompute-granularity", "full", "--lora-rank", "4"]
+    _, args, _, layout = planned(flags)
+    planned_total = plan(layout.config, plan_inputs(args, layout))[0].device_total
+    traced_total = trace_rank(args, layout, 0).device_total
+    assert abs(planned_total - traced_total) <= 0.10 * traced_total, (planned_total, traced_total)
+
+
+def test_inputs_kept_in_host_memory_are_not_device_bytes():
+    """--offload-recompute-inputs: the kept inputs wait in host memory; on the CPU that stands in
+    for the GPU the trace counts them as host (core/transformer/chunked.py reports them)."""
+    base = ["--world-size", "1", "--model-preset", "tiny", "--seq-length", "64", "--global-batch-size", "2",
+            "--micro-batch-size", "2", "--bf16", "--attention-backend", "sdpa", "--recompute-granularity", "full",
+            "--recompute-chunks", "2"]
+    offloaded = _trace(flags=base + ["--offload-recompute-inputs"])
+    # no other host memory in this layout: the host held every layer's kept input (the 2 packs'
+    # [T, hidden] in bf16) at once, and the device none of them
+    layers, T, hidden = 4, 128, 64
+    assert offloaded.host_peak >= layers * T * hidden * 2, offloaded
+
+
+def test_plan_memory_trace_json_and_refusals(capsys):
+    import json
+
+    from tools.plan_memory import main
+
+    assert main([*FLAGS, "--trace", "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert rank["traced_device_total"] > 0 and rank["traced_host_total"] == 0
+    assert set(rank["traced_device"]) <= set(rank["device"])  # the planner's column names
+    assert main([*FLAGS, "--trace", "--trace-ranks", "3"]) == 2
+    assert "--trace-ranks 3: rank 3 is not in a world of 1" in capsys.readouterr().err
+    assert main([*FLAGS, "--trace", "--search"]) == 2
+    assert "--trace traces one layout" in capsys.readouterr().err
+    assert main([*[f for f in FLAGS if f != "--bf16"], "--trace"]) == 2
+    assert "--trace needs --bf16" in capsys.readouterr().err
