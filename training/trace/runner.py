@@ -80,7 +80,7 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
     t0 = time.perf_counter()
     args = _traced_args(args)
     cfg = layout.config
-    if fake and cfg.attention_backend == "auto" and args.memory.bf16:  # the GPU's kernel, not the CPU's sdpa
+    if fake and cfg.attention_backend == "auto":  # --bf16 (refuse): the GPU's kernel, not the CPU's sdpa
         cfg = dataclasses.replace(cfg, attention_backend="varlen")
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -110,7 +110,7 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
                 box.update(chunks=chunks, optimizer=optimizer)
                 counter.mark_host(_host_tensors(chunks, optimizer))
                 batches = with_images(batches, cfg, getattr(args, "images", None), args.data.seq_length,
-                                      torch.bfloat16 if args.memory.bf16 else torch.float32)
+                                      torch.bfloat16)  # pixels as --bf16 gives them (refuse)
                 tick("step 1 (optimizer state)")
                 train_step(chunks, ps, optimizer, batches, settings)
                 counter.mark_host(_host_tensors(chunks, optimizer))
