@@ -106,7 +106,8 @@ def traced_table() -> None:
         t = trace_rank(args, layout, rank)
         print(f"{label:<42}{gb:>8g}{p.device_total / 1e9:>9.1f}{t.device_total / 1e9:>8.1f}"
               f"{(t.device_total - p.device_total) / p.device_total:>+8.1%}{p.host_total / 1e9:>9.1f}"
-              f"{t.host_total / 1e9:>9.1f}{t.seconds:>9.0f}", flush=True)
+              f"{t.host_total / 1e9:>9.1f}{t.seconds:>9.0f}"
+              + (f"  not a bound: {t.overfreed / 1e9:.1f} GB freed unseen" if t.overfreed else ""), flush=True)
 
 
 def main(argv=None) -> int:

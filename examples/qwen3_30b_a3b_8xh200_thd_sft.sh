@@ -10,7 +10,7 @@
 # the rank's 128 experts and dense weights over its 2 replicas, gathered once per step
 # (--fsdp-gather-once), full activation recompute, micro-batches of one pack: 32 per rank.
 # --global-batch-size 64 packs = 524,288 tokens per iteration. Predicted (not measured; no GPU has
-# run this): 103.7 GB on the busiest GPU, 6.9 s per step, 9,537 tokens/s per GPU, MFU 26.9%
+# run this): 105.6 GB on the busiest GPU, 6.9 s per step, 9,519 tokens/s per GPU, MFU 26.9%
 # (assumed: 40% MFU for the maths, NVLink 150 GB/s). Plan it with the same flags first:
 #   python tools/plan_memory.py --world-size 8 <the flags below>
 #

@@ -6,7 +6,8 @@
 # The layout is the top row of the planner's search over every 8-GPU layout at 80 GB
 # (docs/memory.md, "8 x H100"):
 #   python tools/plan_memory.py --search --world-size 8 --device-gb 80 --model-preset step37-flash \
-#       --seq-length 8192 --global-batch-size 32 --bf16 --optimizer muon --muon-momentum 0
+#       --seq-length 8192 --global-batch-size 32 --bf16 --optimizer muon --muon-momentum 0 \
+#       --overlap-moe-expert-parallel-comm
 #
 # Memory: --cpu-offload masters (bf16 weights the only copy on the GPU, 49.9 GB; fp32 masters in
 # host memory) and --optimizer-in-backward need one micro-batch per rank and step, here 4 packs.
@@ -17,10 +18,10 @@
 # the dense weights are gathered per layer (a unit and the next), and the embedding and head are
 # freed once the heads' backward is done. --overlap-moe-expert-parallel-comm runs each micro-batch
 # as two chunks of whole documents whose all-to-alls fly while the other chunk computes, forward
-# and backward (docs/memory.md, "The Planner: Step Time"): 0.26 s of all-to-all left exposed
+# and backward (docs/memory.md, "The Planner: Step Time"): 0.57 s of all-to-all left exposed
 # instead of 2.94 s, but Newton-Schulz then finds few all-to-all waits to fill. Predicted (not
-# measured; no GPU has run this): 74.2 GB on each GPU (5.8 GB to spare), 165 GB of host memory per
-# rank (1.3 TB for the node), 13.3 s per step, 2,467 tokens/s per GPU, MFU 22.6% (14.3 s and 21.1%
+# measured; no GPU has run this): 73.0 GB on each GPU (7.0 GB to spare), 165 GB of host memory per
+# rank (1.3 TB for the node), 13.5 s per step, 2,435 tokens/s per GPU, MFU 22.3% (14.3 s and 21.1%
 # without the overlap; assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s, host
 # memory 52 GB/s per rank). Plan it with the same flags first:
 #   python tools/plan_memory.py --world-size 8 --device-gb 80 <the flags below>

@@ -5,7 +5,8 @@
 # The layout is the top row of the planner's search over every 8-GPU layout (docs/memory.md
 # shows the table and why this row):
 #   python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \
-#       --seq-length 8192 --global-batch-size 32 --bf16 --optimizer muon --muon-momentum 0
+#       --seq-length 8192 --global-batch-size 32 --bf16 --optimizer muon --muon-momentum 0 \
+#       --overlap-moe-expert-parallel-comm
 #
 # Batch: --global-batch-size 32 packs = 262,144 tokens per iteration; DP = 8 (EP8 inside it) and
 # micro-batch 4 packs: one micro-batch of 32,768 tokens per rank and step.
@@ -20,10 +21,10 @@
 # depth's loss a tile at a time. --overlap-moe-expert-parallel-comm runs each micro-batch as two
 # chunks of whole documents whose all-to-alls fly while the other chunk computes, forward and
 # backward (docs/memory.md, "The Planner: Step Time"). Predicted (not measured; no GPU has run
-# this): 123.6 GB on each GPU (17 GB to spare), 13 GB of host memory per rank (105 GB for the
-# node), 12.9 s per step, 2,531 tokens/s per GPU, MFU 23.2%, of which 0.26 s all-to-all left
+# this): 121.7 GB on each GPU (19 GB to spare), 13 GB of host memory per rank (105 GB for the
+# node), 13.2 s per step, 2,491 tokens/s per GPU, MFU 22.9%, of which 0.57 s all-to-all left
 # exposed (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s, host memory
-# 52 GB/s per rank). Without the overlap the search's top row was --cpu-offload masters
+# 52 GB/s per rank). Without the overlap the search's top row is --cpu-offload masters
 # --fsdp-gather-once without chunks: 13.8 s, 21.8%, 2.94 s of all-to-all exposed (docs/memory.md).
 # Plan it with the same flags before you spend a node-hour:
 #   python tools/plan_memory.py --world-size 8 <the flags below>

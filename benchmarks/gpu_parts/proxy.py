@@ -4,7 +4,7 @@ default: ``examples/step37_flash_8xh200_thd_sft.sh``: EP8 on 8 x H200, --bf16, F
 masters on the GPU, the optimizer in the backward, full recompute a pack at a time with its
 inputs in host memory, Muon with momentum 0, micro-batches of 4 packs of 8192 tokens) or
 ``--recipe 8xh100`` (h100: ``examples/step37_flash_8xh100_thd_sft.sh``: the same with host
-masters, ``--cpu-offload masters``; the full model's prediction is 74.2 GB a GPU and 22.6% MFU).
+masters, ``--cpu-offload masters``; the full model's prediction is 73.0 GB a GPU and 22.3% MFU).
 Neither runs the recipes' ``--overlap-moe-expert-parallel-comm``: one GPU has no all-to-all.
 
 The proxy is ``pretrain_step37.py`` itself on one GPU with the recipe's flags, on a model cut from

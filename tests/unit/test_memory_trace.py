@@ -61,6 +61,38 @@ def test_counter_follows_resize_and_free():
     assert c.device_now == 0 and c.peak == 2048
 
 
+def test_counter_reports_frees_it_never_saw_allocated():
+    """A storage grown behind the counter's back (here: while it is not entered) and freed under
+    it is reported as overfreed, not counted below nothing (the Step-3.7-Flash 8 x H200 recipe
+    with --overlap-moe-expert-parallel-comm once traced 12.2 GB this way, its gathered layers at
+    -93 GB); the summary line says the traced peak is then no bound."""
+    from training.trace.report import summary
+    from training.trace.runner import TraceResult
+
+    c = LiveBytes()
+    with c:
+        t = torch.empty(256)
+        t.untyped_storage().resize_(0)
+    t.untyped_storage().resize_(1024)  # not counted
+    with c:
+        t.untyped_storage().resize_(0)
+        assert c.device_now == 0 and c.overfreed == 1024 and min(c.live.values(), default=0) >= 0
+    del t
+
+    class Row:
+        pp_rank = ep_rank = 0
+        device_total = 2048
+
+    class Layout:
+        class sizes:
+            @staticmethod
+            def coords(rank):
+                return {"pp": 0, "ep": 0}
+
+    lines = summary([Row()], {0: TraceResult(0, 1024, overfreed=c.overfreed)}, Layout())
+    assert "NOT A BOUND" in lines[-1]
+
+
 def test_host_reads_of_a_traced_step_are_the_planners_assumptions():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -46,6 +46,8 @@ class LiveBytes(TorchDispatchMode):
         self._resize = None
         self._paused = False
         self._last = None               # the storage that grew last
+        self.overfreed = 0              # bytes freed that were never counted as allocated: a storage
+                                        # resized up behind the counter's back (the trace is then short)
 
     # ------------------------------------------------------------------ counting
     def track(self, t: torch.Tensor) -> None:
@@ -92,6 +94,10 @@ class LiveBytes(TorchDispatchMode):
         if delta < 0:
             self._settle()  # a peak just passed: break it down before it changes
         self.live[key] += delta
+        if self.live[key] < 0:  # freed more than it was counted: count no less than nothing
+            self.overfreed -= self.live[key]
+            delta -= self.live[key]
+            self.live[key] = 0
         self._last = key
         if key in self.host:
             self.host_now += delta

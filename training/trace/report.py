@@ -74,6 +74,10 @@ def summary(planned: list, traced: dict, layout) -> list[str]:
         out.append(f"traced rank {rank} (pp{p.pp_rank} ep{p.ep_rank}): device peak {t.device_total / GB:.1f} GB "
                    f"({diff:+.1%} against the plan's {p.device_total / GB:.1f}; at the peak: {cols}), host "
                    f"{t.host_total / GB:.1f} GB; traced in {t.seconds:.0f} s")
+        if t.overfreed:
+            out.append(f"traced rank {rank}: NOT A BOUND: {t.overfreed / GB:.1f} GB were freed (FSDP storage resizes) "
+                       "that the trace never saw allocated, so the peak may be short by up to that much; "
+                       "see docs/memory.md, \"The Traced Peak\"")
     return out
 
 

@@ -49,10 +49,12 @@ class TraceResult:
                                                       # their state, offloaded shards, kept inputs)
     seconds: float = 0.0
     host_peak: int = 0                                # most host bytes the counter saw live (transients too)
+    overfreed: int = 0                                # bytes freed that the counter never saw allocated
 
     def as_json(self) -> dict:
         return {"rank": self.rank, "traced_device_total": self.device_total, "traced_device": self.device,
-                "traced_host_total": self.host_total, "trace_seconds": round(self.seconds, 1)}
+                "traced_host_total": self.host_total, "trace_seconds": round(self.seconds, 1),
+                "trace_overfreed": self.overfreed}
 
 
 def refuse(args, layout) -> None:
@@ -121,7 +123,8 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
             # (inputs kept in host memory for the backward come and go)
             host = max(sum(_nbytes(t) for t in _unique(_host_tensors(chunks, optimizer))), counter.host_peak)
         device = {c: counter.at_peak.get(c, 0) for c in COLUMNS}
-        return TraceResult(rank, counter.peak, device, host, time.perf_counter() - t0, counter.host_peak)
+        return TraceResult(rank, counter.peak, device, host, time.perf_counter() - t0, counter.host_peak,
+                           counter.overfreed)
     finally:
         dist.destroy_process_group()
 
