@@ -129,7 +129,9 @@ def in_backward(unit: FSDPModule) -> bool:
 def gathered_through_forward(units: list):
     """Inside: ``units`` do not reshard after their forward (FSDP's own switch, a group's
     ``post_forward_mesh_info``), so several forwards of one unit gather once. After: each is
-    resharded as after its forward (a no-op where it was told to stay gathered)."""
+    resharded as after its forward (a no-op where it was told to stay gathered), except a unit
+    FSDP takes as in its backward already (a recompute's rerun inside the backward): its
+    backward needs it gathered, and FSDP reshards it after that."""
     kept = [(g, _get(g, "post_forward_mesh_info", "FSDPParamGroup")) for u in units for g in param_groups(u)]
     try:
         for g, _ in kept:
@@ -139,7 +141,8 @@ def gathered_through_forward(units: list):
         for g, mesh in kept:
             g.post_forward_mesh_info = mesh
         for u in units:
-            u.reshard()
+            if not in_backward(u):
+                u.reshard()
 
 
 def gradient_settings(unit: FSDPModule) -> tuple[bool, bool]:
