@@ -46,7 +46,8 @@ def memory_flag_branches(root: str = ROOT) -> Counter:
     """Per file (relative path): the branches on raw memory flags it holds (module docstring)."""
     found: Counter = Counter()
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in ("tests", "__pycache__", "build") and not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if d not in ("tests", "__pycache__", "build") and not d.startswith(".")
+                         and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg")))  # a venv in the checkout
         for name in files:
             path = os.path.join(folder, name)
             rel = os.path.relpath(path, root)
