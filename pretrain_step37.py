@@ -57,8 +57,10 @@ def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int]:
 
 def host_threads(on_host: bool) -> int:
     """With offload the optimizer step runs on the host: it gets this rank's share of the
-    machine's cores (torchrun otherwise sets OMP_NUM_THREADS=1, a single-threaded step)."""
-    if on_host:
+    machine's cores (torchrun otherwise sets OMP_NUM_THREADS=1, a single-threaded step). A
+    plain ``python`` run (no torchrun) keeps an OMP_NUM_THREADS its user set."""
+    chosen = "OMP_NUM_THREADS" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ
+    if on_host and not chosen:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     return torch.get_num_threads()

@@ -11,6 +11,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# One intra-op thread per test process, and for what it starts (`make test` runs two workers on
+# two cores): with torch's default of one thread per core, every op waits at OpenMP's barrier
+# for a core the other worker holds (a [512, 64] x [64, 256] matmul takes 6 ms so, 0.1 ms with
+# one thread; four unit files ran in 69 s so, 41 s with one). Set OMP_NUM_THREADS to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # the variable is read when torch starts
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}")
 

@@ -60,12 +60,14 @@ def closes_batch(shapes: list, world: int) -> bool:
 def batches(shapes: list, world: int) -> list[list[int]]:
     """Indices of ``shapes`` in consecutive batches, each closed as soon as it ``closes_batch``
     (the last one may be short)."""
-    out, held = [], []
-    for j in range(len(shapes)):
+    out, held, total, largest = [], [], 0.0, 0.0
+    for j, s in enumerate(shapes):  # closes_batch over ``held``, its sum and max kept as it grows
+        f = ns_flops(s)
         held.append(j)
-        if closes_batch([shapes[i] for i in held], world):
+        total, largest = total + f, max(largest, f)
+        if total >= world * largest:
             out.append(held)
-            held = []
+            held, total, largest = [], 0.0, 0.0
     return out + ([held] if held else [])
 
 

@@ -236,3 +236,26 @@ def test_cp2_halves_compute_and_moves_kv_over_the_cp_group_by_hand():
     assert plan_time(TINY, _inputs(), a, peak=1.0).ranks[0].seconds["cp comm"] == 0.0
     full = plan_time(TINY, _inputs(cp=2, recompute_granularity="full"), a, peak=1.0).ranks[0].seconds
     assert full["cp comm"] == pytest.approx(1.5 * 122_880 / 150e9, rel=1e-12)  # the recompute gathers again
+
+
+def test_muon_batches_close_where_closes_batch_says():
+    """``batches`` keeps a running sum and maximum (the planner asks it thousands of times per
+    search); over random shape lists its batches are those closed by ``closes_batch`` (what the
+    in-backward steps call) on the growing list."""
+    import random
+
+    from core.optim.muon_split import batches, closes_batch
+
+    def by_definition(shapes, world):
+        out, held = [], []
+        for j in range(len(shapes)):
+            held.append(j)
+            if closes_batch([shapes[i] for i in held], world):
+                out, held = out + [held], []
+        return out + ([held] if held else [])
+
+    rng = random.Random(0)
+    for _ in range(300):
+        shapes = [tuple(rng.randint(1, 64) for _ in range(rng.choice((2, 2, 3)))) for _ in range(rng.randint(0, 20))]
+        world = rng.randint(1, 8)
+        assert batches(shapes, world) == by_definition(shapes, world), (shapes, world)

@@ -44,7 +44,7 @@ from core.optim.build import classify
 from core.optim.host_masters import STAGING
 from models.registry import shapes_of
 from training.planner.inputs import MASTER, PlanInputs
-from training.planner.shares import ROOT, ChunkShare, block_numel, schedule_facts
+from training.planner.shares import ROOT, ChunkShare, block_numel, kind_block_numel, schedule_facts
 from training.planner.vision import planned_shares, vision_bytes, vision_working_set
 
 GB = 10**9
@@ -142,19 +142,16 @@ def _managed_blocks(chunk: ChunkShare, pl: Placement) -> dict:
     """Managed parameters per FSDP block (every block, unless experts are left out of FSDP)."""
     if pl.managed["expert"] or not pl.managed["dense"]:
         return block_numel(chunk) if pl.managed["dense"] else {}
-    out: dict = {}
-    for s in chunk.tensors:
-        if not s.expert:
-            out[s.block] = out.get(s.block, 0) + s.t.numel()
-    return out
+    return kind_block_numel(chunk, False)
 
 
 def _plain_blocks(chunk: ChunkShare, pl: Placement) -> dict:
     """Parameters per block that FSDP does not manage (experts left out of it, or everything)."""
-    out: dict = {}
-    for s in chunk.tensors:
-        if not pl.managed["expert" if s.expert else "dense"]:
-            out[s.block] = out.get(s.block, 0) + s.t.numel()
+    managed, out = pl.managed, {}
+    for kind in ("dense", "expert"):
+        if not managed[kind]:
+            for block, n in kind_block_numel(chunk, kind == "expert").items():
+                out[block] = out.get(block, 0) + n
     return out
 
 

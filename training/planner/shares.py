@@ -70,6 +70,16 @@ def _summarise(chunk, stage: int) -> ChunkShare:
 
 
 @lru_cache(maxsize=None)
+def kind_block_numel(chunk: ChunkShare, expert: bool) -> dict:
+    """``block_numel`` of the chunk's expert parameters, or of the others (read it, do not change it)."""
+    out: dict = {}
+    for s in chunk.tensors:
+        if s.expert == expert:
+            out[s.block] = out.get(s.block, 0) + s.t.numel()
+    return out
+
+
+@lru_cache(maxsize=None)
 def block_numel(chunk: ChunkShare) -> dict:
     """Parameters per FSDP block (decoder layer or extra block; ``ROOT`` for the rest)."""
     out: dict = {}

@@ -253,14 +253,20 @@ def split_ns_flops(tensors: list, world: int, ns_steps: int, in_backward: bool) 
 def split_batches(tensors: list, world: int, ns_steps: int, in_backward: bool) -> list:
     """``(the tensor that closes it, its busiest owner's FLOPs)`` per batch of ``split_ns_flops``."""
     order = sorted(tensors, key=_hook_order) if in_backward else tensors
-    shapes = [tuple(s.t.shape) for s in order]
+    busiest = _busiest_per_batch(tuple(tuple(s.t.shape) for s in order), world, ns_steps)
+    return [(order[j], flops) for j, flops in busiest]
+
+
+@lru_cache(maxsize=256)  # the search asks for the same matrices under every memory mode
+def _busiest_per_batch(shapes: tuple, world: int, ns_steps: int) -> tuple:
+    """``(index of the shape that closes it, its busiest owner's FLOPs)`` per batch."""
     out = []
     for idx in batches(shapes, world):
         batch = [shapes[j] for j in idx]
         own = owners(batch, world)
-        out.append((order[idx[-1]],
-                    max(sum(ns_flops(x, ns_steps) for x, o in zip(batch, own) if o == r) for r in range(world))))
-    return out
+        out.append((idx[-1], max(sum(ns_flops(x, ns_steps) for x, o in zip(batch, own) if o == r)
+                                 for r in range(world))))
+    return tuple(out)
 
 
 @lru_cache(maxsize=64)
