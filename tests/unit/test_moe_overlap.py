@@ -100,3 +100,94 @@ def test_overlapped_schedule_gives_the_plain_numbers_and_hides_the_backwards_all
                                   (f"{L}B.dispatch", (f"{L}A", "experts.grad")),
                                   (f"{L}A.dispatch", (f"{L}B.dispatch", "grad.wait"))):
             assert at[(flight, "grad.start")] < at[meanwhile] < at[(flight, "grad.wait")], (flight, backward)
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_a_weight_both_chunks_use_gets_the_one_gemm_gradient_bitwise():
+    """--bf16: a plain linear (with bias), both RMSNorm forms on 3-D input (q_norm's) and the
+    routed experts (grouped GEMM and the loop) run a chunk at a time under JoinedWeightGrads give
+    the weight gradients of one run over all tokens bitwise (not two rounded sums), and the
+    input gradients too. The experts' rows: chunk c's grouped by (expert, source), the plain
+    run's by (expert, source, chunk). Outside the context the modules are as they were."""
+    from core.moe.experts import GroupedExperts
+    from core.moe.joined_grads import JoinedWeightGrads
+    from core.transformer.norm import RMSNorm
+
+    T, cut = 40, 17
+    mods = torch.nn.ModuleDict({"linear": torch.nn.Linear(16, 24), "norm": RMSNorm(8),
+                                "norm1": RMSNorm(8, offset=False)}).bfloat16()
+    for i, p in enumerate(mods.parameters()):
+        p.data.copy_(_bf16(*p.shape, seed=10 + i))
+    cases = [(mods["linear"], _bf16(T, 16), _bf16(T, 24, seed=1))] + \
+        [(mods[n], _bf16(T, 2, 8, seed=2), _bf16(T, 2, 8, seed=3)) for n in ("norm", "norm1")]
+    for m, x, g in cases:
+        x0 = x.clone().requires_grad_()
+        m(x0).backward(g)
+        plain = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        join, x1 = JoinedWeightGrads(mods), x.clone().requires_grad_()
+        outs = []
+        for part in x1.split([cut, T - cut]):
+            with join.chunk():
+                outs.append(m(part))
+        torch.autograd.backward(outs, list(g.split([cut, T - cut])))
+        assert all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters())), m
+        assert torch.equal(x0.grad, x1.grad), m
+        assert "forward" not in m.__dict__
+
+    # experts: 3 local experts, rows from 2 source ranks, chunk c's block (e, s) of n[c, s, e] rows
+    n = torch.tensor([[[2, 0, 3], [1, 4, 0]], [[3, 1, 0], [2, 0, 5]]])
+    blocks = {(c, s, e): _bf16(int(n[c, s, e]), 16, seed=100 + 9 * c + 3 * s + e)
+              for c in range(2) for s in range(2) for e in range(3)}
+    grads = {k: _bf16(v.shape[0], 16, seed=200 + i) for i, (k, v) in enumerate(blocks.items())}
+    for grouped in (True, False):
+        ex = GroupedExperts(3, 16, 8).bfloat16()
+        ex.use_grouped_mm = grouped
+        for i, p in enumerate(ex.parameters()):
+            p.data.copy_(_bf16(*p.shape, seed=30 + i) / 4)
+        whole = [(c, s, e) for e in range(3) for s in range(2) for c in range(2)]
+        x0 = torch.cat([blocks[k] for k in whole]).requires_grad_()
+        ex(x0, n.sum((0, 1))).backward(torch.cat([grads[k] for k in whole]))
+        plain = [p.grad.clone() for p in ex.parameters()]
+        ex.zero_grad(set_to_none=True)
+        join, xs, outs, gs = JoinedWeightGrads(torch.nn.ModuleList([ex])), [], [], []
+        for c in range(2):
+            own = [(c, s, e) for e in range(3) for s in range(2)]
+            xs.append(torch.cat([blocks[k] for k in own]).requires_grad_())
+            with join.chunk(n[c]):
+                outs.append(ex(xs[c], n[c].sum(0)))
+            gs.append(torch.cat([grads[k] for k in own]))
+        torch.autograd.backward(outs, gs)
+        assert all(torch.equal(a, p.grad) for a, p in zip(plain, ex.parameters())), grouped
+        rows = {k: r for k, r in zip(whole, x0.grad.split([int(n[k]) for k in whole]))}
+        for c in range(2):
+            own = [(c, s, e) for e in range(3) for s in range(2)]
+            assert torch.equal(xs[c].grad, torch.cat([rows[k] for k in own])), grouped
+        assert "project" not in ex.__dict__
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_chunks_sdpa_attention_is_the_whole_packs_rows_bitwise(window):
+    """The overlap's chunk layouts (``part_of``) take their rows from the whole pack's sdpa
+    pieces: bf16 outputs and gradients equal the unchunked call's bitwise (a chunk's own pieces
+    block its documents otherwise, other bf16 roundings). Documents of 12, 70 (a causal piece of
+    its own on a full-width layer), 9, 30 and 7 tokens, cut at 82 (A: 2, B: 3 documents)."""
+    from core.moe.overlap import _chunks
+    from core.transformer.sdpa_blocks import sdpa_attention
+
+    layout = _layout([0, 12, 82, 91, 121, 128])
+    parts = _chunks(layout)
+    assert [(a, b) for a, b, _ in parts] == [(0, 82), (82, 128)]
+    q, k, v = (_bf16(128, 4, 8, seed=s) for s in range(3))
+    g = _bf16(128, 4, 8, seed=3)
+    q0, k0, v0 = (t.clone().requires_grad_() for t in (q, k, v))
+    whole = sdpa_attention(q0, k0, v0, layout, window, 0.35)
+    whole.backward(g)
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    outs = [sdpa_attention(q1[a:b], k1[a:b], v1[a:b], sub, window, 0.35) for a, b, sub in parts]
+    torch.autograd.backward(outs, [g[a:b] for a, b, _ in parts])
+    assert torch.equal(torch.cat(outs), whole)
+    assert all(torch.equal(x.grad, y.grad) for x, y in ((q0, q1), (k0, k1), (v0, v1)))
