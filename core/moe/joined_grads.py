@@ -18,9 +18,10 @@ in the block's backward), and one concatenation of each operand.
 
 The routed experts take rows grouped by expert, then source rank (``sort_by_local_expert``);
 the plain schedule's rows of expert ``e`` from source ``s`` are A's tokens then B's, so the
-joined rows are put in (expert, source, chunk) order first. What is not joined: the fp32
-router (its two fp32 GEMMs differ from one by fp32 rounding), LoRA's adapters (fp32 masters;
-their base weights are frozen and need no gradient) and any op whose input is not 2-D.
+joined rows are put in (expert, source, chunk) order first. LoRA's adapters are joined on their
+bf16 casts (the gradient then cast to the fp32 adapter once, as in the plain schedule); their
+frozen base weights need none. Not joined: the fp32 router (two fp32 GEMMs differ from one by
+fp32 rounding only) and any linear whose input is not 2-D.
 """
 from __future__ import annotations
 
@@ -30,23 +31,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.finetune.lora import LoRAGroupedExperts, LoRALinear
 from core.moe.dispatch import sort_by_local_expert
 from core.moe.experts import _GROUPED_MM, GroupedExperts, expert_linear
 from core.transformer.norm import RMSNorm
 
 
 class _Uses:
-    """The uses of one weight in a block's forward (in forward order) and what each use's
-    backward kept: ``(chunk, saved)``; :meth:`arrive` returns the joined gradient to the last."""
+    """What the backward of each use of one weight kept, in forward order (None: not yet run);
+    :meth:`arrive` hands them all to the last use to arrive."""
 
-    def __init__(self, join):
-        self.join, self.kept = join, []
+    def __init__(self):
+        self.kept: list = []
 
     def add(self) -> int:
         self.kept.append(None)
         return len(self.kept) - 1
 
-    def arrive(self, i: int, saved: tuple):
+    def arrive(self, i: int, saved: tuple) -> list | None:
         self.kept[i] = saved
         if any(s is None for s in self.kept):
             return None
@@ -149,8 +151,10 @@ class _ExpertProjection:
 
 def _joinable(m: nn.Module):
     """Which of a module's methods runs joined (None: the module is left as it is): plain
-    linears, RMSNorms and routed experts with a trainable weight (a LoRA subclass, whose base is
-    frozen, is none of these)."""
+    linears, RMSNorms and routed experts with a trainable weight, and LoRA's adapters (a LoRA
+    module's ``adapter``: its base weight is frozen)."""
+    if isinstance(m, (LoRALinear, LoRAGroupedExperts)):
+        return "adapter"
     if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and m.weight.requires_grad:
         return "forward"
     if isinstance(m, RMSNorm) and type(m).forward is RMSNorm.forward and m.weight.requires_grad:
@@ -162,14 +166,17 @@ def _joinable(m: nn.Module):
 
 class JoinedWeightGrads:
     """One block forward's joined weights: :meth:`chunk` runs a chunk's part of the forward with
-    the block's plain linears, RMSNorms and routed experts deferring their weight gradients."""
+    the block's plain linears, RMSNorms, routed experts and LoRA adapters deferring their weight
+    gradients."""
 
     def __init__(self, block: nn.Module):
         self.modules = [(m, name) for m in block.modules() if (name := _joinable(m)) is not None]
         self.uses: dict[int, _Uses] = {}
 
-    def _deferred(self, op, weights: tuple, x, extra=None):
-        uses = self.uses.setdefault(id(weights[0]), _Uses(self))
+    def _deferred(self, op, weights: tuple, x, extra=None, key=None):
+        """``op`` on ``x`` and ``weights``, its uses counted under ``key`` (the parameter, when
+        ``weights[0]`` is its cast: a LoRA adapter's)."""
+        uses = self.uses.setdefault(id(weights[0] if key is None else key), _Uses())
         return _Deferred.apply(op, uses, uses.add(), extra, x, *weights)
 
     def _linear(self, m: nn.Linear, x):
@@ -184,18 +191,36 @@ class JoinedWeightGrads:
         grouped, sizes = segments
         return self._deferred(_ExpertProjection(counts, grouped, sizes), (getattr(m, name),), x, (recv_counts, sizes))
 
+    def _adapter(self, recv_counts, w, x, *expert_args):
+        """A LoRA adapter's linear (``expert_args``: the grouped adapters' counts, grouped,
+        sizes), on the adapter cast to the input's dtype, counted under the fp32 adapter."""
+        if expert_args:
+            counts, grouped, sizes = expert_args
+            return self._deferred(_ExpertProjection(counts, grouped, sizes), (w.to(x.dtype),), x,
+                                  (recv_counts, sizes), key=w)
+        if x.dim() != 2:
+            return F.linear(x, w.to(x.dtype))
+        return self._deferred(_Linear, (w.to(x.dtype),), x, key=w)
+
+    def _joined(self, m: nn.Module, name: str, recv_counts):
+        """The method ``name`` of ``m`` (``_joinable``'s) as this chunk runs it."""
+        if name == "adapter":
+            return lambda *a: self._adapter(recv_counts, *a)
+        if name == "project":
+            return lambda *a: self._project(m, recv_counts, *a)
+        if isinstance(m, RMSNorm):
+            return lambda x: self._norm(m, x)
+        return lambda x: self._linear(m, x)
+
     @contextmanager
     def chunk(self, recv_counts: torch.Tensor | None = None):
         """Inside: this chunk's uses are deferred (``recv_counts``: the chunk's ``[source, local
-        expert]`` row counts, where its experts run)."""
+        expert]`` row counts, where its experts run). A checkpoint inside (selective recompute,
+        which the overlap refuses) would rerun its part outside, and torch's checkpoint raises
+        on the other saved tensors; full recompute reruns the whole block, so its rerun is in
+        here again."""
         with ExitStack() as undo:
             for m, name in self.modules:
-                if isinstance(m, GroupedExperts):
-                    fn = (lambda m: lambda *a: self._project(m, recv_counts, *a))(m)
-                elif isinstance(m, RMSNorm):
-                    fn = (lambda m: lambda x: self._norm(m, x))(m)
-                else:
-                    fn = (lambda m: lambda x: self._linear(m, x))(m)
-                setattr(m, name, fn)
+                setattr(m, name, self._joined(m, name, recv_counts))
                 undo.callback(delattr, m, name)
             yield

@@ -33,7 +33,10 @@ Every rank cuts two chunks whatever its documents (a micro-batch that is one doc
 empty B, whose phases still exchange: other ranks' tokens may be routed to this rank's experts),
 so every rank issues the same collectives in the same order. The numbers are the block's: the
 routing statistics of the chunks are summed and the auxiliary loss formed once from the sums,
-as ``--recompute-chunks`` does (``core/moe/router.py:router_stats``).
+as ``--recompute-chunks`` does (``core/moe/router.py:router_stats``). The rest is the plain
+schedule's arithmetic, under ``--bf16`` too: a weight both chunks use gets its gradient from one
+GEMM over both chunks' tokens (``core/moe/joined_grads.py``), and on CPU a chunk's sdpa
+attention comes from the whole micro-batch's pieces (``_part``).
 """
 from __future__ import annotations
 

@@ -81,7 +81,13 @@ def test_overlapped_schedule_gives_the_plain_numbers_and_hides_the_backwards_all
     a = _loss(plain, b)
     o = over(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
     forward = list(record.events)
+    # what --optimizer-in-backward reads: each parameter's post-accumulate hook runs once, on its
+    # final gradient (a joined weight's first chunk adds none, core/moe/joined_grads.py)
+    seen_by_hook: dict = {}
+    for p in over.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen_by_hook.setdefault(id(p), []).append(p.grad.clone()))
     (o.loss_sum + 0.3 * sum(o.mtp_loss_sums) + 0.01 * o.aux_loss).backward()
+    assert all(len(seen_by_hook[id(p)]) == 1 and torch.equal(seen_by_hook[id(p)][0], p.grad) for p in over.parameters())
     for x, y in ((a.loss_sum, o.loss_sum), (a.aux_loss, o.aux_loss)):
         x, y = float(x.detach()), float(y.detach())
         assert abs(x - y) <= 1e-6 * abs(x), (x, y)
@@ -107,8 +113,8 @@ def _bf16(*shape, seed=0):
 
 
 def test_a_weight_both_chunks_use_gets_the_one_gemm_gradient_bitwise():
-    """--bf16: a plain linear (with bias), both RMSNorm forms on 3-D input (q_norm's) and the
-    routed experts (grouped GEMM and the loop) run a chunk at a time under JoinedWeightGrads give
+    """--bf16: a plain linear (with bias), a LoRA linear's fp32 adapters, both RMSNorm forms on 3-D
+    input (q_norm's) and the routed experts (grouped GEMM and the loop) run a chunk at a time under JoinedWeightGrads give
     the weight gradients of one run over all tokens bitwise (not two rounded sums), and the
     input gradients too. The experts' rows: chunk c's grouped by (expert, source), the plain
     run's by (expert, source, chunk). Outside the context the modules are as they were."""
@@ -116,17 +122,24 @@ def test_a_weight_both_chunks_use_gets_the_one_gemm_gradient_bitwise():
     from core.moe.joined_grads import JoinedWeightGrads
     from core.transformer.norm import RMSNorm
 
+    from core.finetune.lora import LoRALinear
+
     T, cut = 40, 17
     mods = torch.nn.ModuleDict({"linear": torch.nn.Linear(16, 24), "norm": RMSNorm(8),
-                                "norm1": RMSNorm(8, offset=False)}).bfloat16()
+                                "norm1": RMSNorm(8, offset=False),
+                                "lora": LoRALinear(torch.nn.Linear(16, 24, bias=False), 4, 8.0)}).bfloat16()
     for i, p in enumerate(mods.parameters()):
         p.data.copy_(_bf16(*p.shape, seed=10 + i))
-    cases = [(mods["linear"], _bf16(T, 16), _bf16(T, 24, seed=1))] + \
+    mods["lora"].weight.requires_grad_(False)  # a frozen bf16 base, fp32 adapters
+    for n in ("lora_A", "lora_B"):
+        setattr(mods["lora"], n, torch.nn.Parameter(getattr(mods["lora"], n).float()))
+    cases = [(mods[n], _bf16(T, 16), _bf16(T, 24, seed=1)) for n in ("linear", "lora")] + \
         [(mods[n], _bf16(T, 2, 8, seed=2), _bf16(T, 2, 8, seed=3)) for n in ("norm", "norm1")]
     for m, x, g in cases:
+        trained = [p for p in m.parameters() if p.requires_grad]
         x0 = x.clone().requires_grad_()
         m(x0).backward(g)
-        plain = [p.grad.clone() for p in m.parameters()]
+        plain = [p.grad.clone() for p in trained]
         m.zero_grad(set_to_none=True)
         join, x1 = JoinedWeightGrads(mods), x.clone().requires_grad_()
         outs = []
@@ -134,9 +147,9 @@ def test_a_weight_both_chunks_use_gets_the_one_gemm_gradient_bitwise():
             with join.chunk():
                 outs.append(m(part))
         torch.autograd.backward(outs, list(g.split([cut, T - cut])))
-        assert all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters())), m
+        assert all(torch.equal(a, p.grad) for a, p in zip(plain, trained)), m
         assert torch.equal(x0.grad, x1.grad), m
-        assert "forward" not in m.__dict__
+        assert not {"forward", "adapter"} & set(m.__dict__)
 
     # experts: 3 local experts, rows from 2 source ranks, chunk c's block (e, s) of n[c, s, e] rows
     n = torch.tensor([[[2, 0, 3], [1, 4, 0]], [[3, 1, 0], [2, 0, 5]]])
