@@ -14,6 +14,7 @@ from core.moe.overlap import apply_moe_overlap, split_point
 from core.packed_seq import PackedSeqParams
 from core.transformer.attention_backends import DocLayout
 from tests.distributed.parallel_cases import micro_batches, tiny_config
+from tests.host_reads import HostReads
 from models import registry
 
 
@@ -79,14 +80,18 @@ def test_overlapped_schedule_gives_the_plain_numbers_and_hides_the_backwards_all
         layer.experts.register_forward_hook(mark)
     b = micro_batches(1, 1, tiny_config().vocab_size)[0][0]
     a = _loss(plain, b)
-    o = over(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
+    with HostReads() as reads:  # a GPU sync each: only the split sizes, one per chunk and layer
+        o = over(b.tokens, b.position_ids, b.packed_seq_params, labels=b.labels)
     forward = list(record.events)
     # what --optimizer-in-backward reads: each parameter's post-accumulate hook runs once, on its
     # final gradient (a joined weight's first chunk adds none, core/moe/joined_grads.py)
     seen_by_hook: dict = {}
     for p in over.parameters():
         p.register_post_accumulate_grad_hook(lambda p: seen_by_hook.setdefault(id(p), []).append(p.grad.clone()))
-    (o.loss_sum + 0.3 * sum(o.mtp_loss_sums) + 0.01 * o.aux_loss).backward()
+    with reads:  # ... and none in the backward (the joined weight gradients read nothing)
+        (o.loss_sum + 0.3 * sum(o.mtp_loss_sums) + 0.01 * o.aux_loss).backward()
+    assert [w for w, _ in reads.reads] == ["tolist"] * 2 * len(over.moe_layers()), reads.reads
+    assert all("host_values.py" in where for _, where in reads.reads), reads.reads
     assert all(len(seen_by_hook[id(p)]) == 1 and torch.equal(seen_by_hook[id(p)][0], p.grad) for p in over.parameters())
     for x, y in ((a.loss_sum, o.loss_sum), (a.aux_loss, o.aux_loss)):
         x, y = float(x.detach()), float(y.detach())
