@@ -143,7 +143,13 @@ def test_a_weight_both_chunks_use_gets_the_one_gemm_gradient_bitwise():
     for m, x, g in cases:
         trained = [p for p in m.parameters() if p.requires_grad]
         x0 = x.clone().requires_grad_()
-        m(x0).backward(g)
+        y = m(x0)
+        if isinstance(m, RMSNorm):  # the plain forward, split in two methods, is the formula as it was
+            xf = x.float()
+            ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + m.eps)
+            ref = (ref * (1.0 + m.weight.float())).type_as(x) if m.offset else m.weight * ref.to(x.dtype)
+            assert torch.equal(y, ref)
+        y.backward(g)
         plain = [p.grad.clone() for p in trained]
         m.zero_grad(set_to_none=True)
         join, x1 = JoinedWeightGrads(mods), x.clone().requires_grad_()
