@@ -18,7 +18,7 @@
 # the dense weights are gathered per layer (a unit and the next), and the embedding and head are
 # freed once the heads' backward is done. --overlap-moe-expert-parallel-comm runs each micro-batch
 # as two chunks of whole documents whose all-to-alls fly while the other chunk computes, forward
-# and backward (docs/memory.md, "The Planner: Step Time"): 0.57 s of all-to-all left exposed
+# and backward (docs/memory.md, "The Planner: Step Time"): 0.63 s of all-to-all left exposed
 # instead of 2.94 s, but Newton-Schulz then finds few all-to-all waits to fill. Predicted (not
 # measured; no GPU has run this): 73.0 GB on each GPU (7.0 GB to spare), 165 GB of host memory per
 # rank (1.3 TB for the node), 13.5 s per step, 2,435 tokens/s per GPU, MFU 22.3% (14.3 s and 21.1%

@@ -121,7 +121,12 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         a = _dropout(x, self.dropout, self.training)
-        return y + F.linear(F.linear(a, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+        return y + self.adapter(self.lora_B, self.adapter(self.lora_A, a)) * self.scale
+
+    def adapter(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One of the adapter's linears (``lora_A`` or ``lora_B``), in the input's dtype (the
+        MoE overlap joins its gradient over two chunks here, core/moe/joined_grads.py)."""
+        return F.linear(x, w.to(x.dtype))
 
     def constant_init(self) -> dict:
         """``B`` starts at zero: the adapted model is the base model until the first update."""
@@ -162,8 +167,13 @@ class LoRAGroupedExperts(GroupedExperts):
         grouped, lora_grouped, sizes = segments
         y = expert_linear(x_NI, getattr(self, name), counts_E, grouped, sizes)
         a = _dropout(x_NI, self.dropout, self.training)
-        low = expert_linear(a, self.lora_A[name].to(x_NI.dtype), counts_E, lora_grouped, sizes)
-        return y + expert_linear(low, self.lora_B[name].to(x_NI.dtype), counts_E, lora_grouped, sizes) * self.scale
+        low = self.adapter(self.lora_A[name], a, counts_E, lora_grouped, sizes)
+        return y + self.adapter(self.lora_B[name], low, counts_E, lora_grouped, sizes) * self.scale
+
+    def adapter(self, w: torch.Tensor, x_NI: torch.Tensor, counts_E: torch.Tensor, grouped: bool, sizes):
+        """One adapter projection of every expert's rows, in the rows' dtype (the MoE overlap
+        joins its gradient over two chunks here, core/moe/joined_grads.py)."""
+        return expert_linear(x_NI, w.to(x_NI.dtype), counts_E, grouped, sizes)
 
     def constant_init(self) -> dict:
         return {f"lora_B.{n}": 0.0 for n in self.PROJECTIONS}

@@ -33,18 +33,24 @@ Every rank cuts two chunks whatever its documents (a micro-batch that is one doc
 empty B, whose phases still exchange: other ranks' tokens may be routed to this rank's experts),
 so every rank issues the same collectives in the same order. The numbers are the block's: the
 routing statistics of the chunks are summed and the auxiliary loss formed once from the sums,
-as ``--recompute-chunks`` does (``core/moe/router.py:router_stats``).
+as ``--recompute-chunks`` does (``core/moe/router.py:router_stats``). The rest is the plain
+schedule's arithmetic, under ``--bf16`` too: a weight both chunks use gets its gradient from one
+GEMM over both chunks' tokens (``core/moe/joined_grads.py``), and on CPU a chunk's sdpa
+attention comes from the whole micro-batch's pieces (``_part``).
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from core.distributed import fsdp_internals as fsdp
 from core.moe.dispatch import AllToAllDispatcher
+from core.moe.joined_grads import JoinedWeightGrads
 from core.moe.layer import MoELayer
 from core.moe.router import router_stats
-from core.transformer.attention_backends import DocLayout
+from core.transformer.attention_backends import DocLayout, PartOf
 from core.transformer.chunked import _slice, _sub_layout
 
 
@@ -61,8 +67,16 @@ def _chunks(layout: DocLayout) -> list:
     key = ("overlap_moe_chunks",)
     if key not in layout.cache:
         cut, T = split_point(layout), layout.total
-        layout.cache[key] = [(a, b, _sub_layout(layout, a, b) if b > a else None) for a, b in ((0, cut), (cut, T))]
+        layout.cache[key] = [(a, b, _part(layout, a, b) if b > a else None) for a, b in ((0, cut), (cut, T))]
     return layout.cache[key]
+
+
+def _part(layout: DocLayout, a: int, b: int) -> DocLayout:
+    """The chunk's layout, marked as part of the micro-batch's (its CPU sdpa attention then
+    equals the unchunked layer's bitwise, ``core/transformer/sdpa_blocks.py``)."""
+    sub = _sub_layout(layout, a, b)
+    sub.part_of = PartOf(layout, a)
+    return sub
 
 
 def overlaps(block) -> bool:
@@ -84,10 +98,14 @@ def overlapped_forward(block, x_TH, ropes: dict, layout: DocLayout, valid_T):
     inner = [m for m in (moe.router, moe.experts) if isinstance(m, FSDPModule)]
     experts = [moe.experts] if moe.experts in inner else []
     held: list = []  # the experts unit's gradient settings while it is held (backward)
+    # a weight both chunks use gets its gradient from one GEMM over both (core/moe/joined_grads.py)
+    join = JoinedWeightGrads(block) if torch.is_grad_enabled() and all(p[2] is not None for p in parts) else None
+    joined = join.chunk if join is not None else (lambda recv=None: nullcontext())
     with fsdp.gathered_through_forward(inner):
         for name, (a, b, sub), x in zip("AB", parts, xs):  # steps 1-2
             if sub is not None:
-                h, y = block.attention_block(x, _slice(ropes, a, b), sub)
+                with joined():
+                    h, y = block.attention_block(x, _slice(ropes, a, b), sub)
             else:  # an empty chunk: no attention, but its all-to-alls still run
                 h, y = x, block.post_attention_layernorm(x)
             weights, chosen, s = moe.router(y, valid_T[a:b])
@@ -97,12 +115,15 @@ def overlapped_forward(block, x_TH, ropes: dict, layout: DocLayout, valid_T):
             stats.append(s)
         shared = [None, None]
         if moe.shared_expert is not None:  # step 3
-            shared[0] = moe.shared_expert(normed[0])
+            with joined():
+                shared[0] = moe.shared_expert(normed[0])
         for k, f in enumerate(flights):  # steps 4-5
             release = (lambda y: _release(y, experts, held)) if experts and k == 0 else None
-            d.combine_start(f, moe.experts, d.dispatch_wait(f), after=release)
+            with joined(f.recv_counts):
+                d.combine_start(f, moe.experts, d.dispatch_wait(f), after=release)
     if moe.shared_expert is not None:  # step 6
-        shared[1] = moe.shared_expert(normed[1])
+        with joined():
+            shared[1] = moe.shared_expert(normed[1])
     out = [h + moe.output(d.combine_wait(f), s) for h, f, s in zip(res, flights, shared)]  # step 7
     counts, prob_sum, n = (stats[0][k] + stats[1][k] for k in ("tokens_per_expert", "prob_sum", "valid_tokens"))
     y = torch.cat(out)

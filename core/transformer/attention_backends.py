@@ -48,6 +48,8 @@ class DocLayout:
                                          # layer reads instead of the lists (attention_op.py)
     longest_host: torch.Tensor | None = None  # empty CPU [longest padded segment]: its size is that
                                               # length inside a compiled layer (attention_op.py)
+    part_of: "PartOf | None" = None  # a chunk of whole documents of another layout (the MoE
+                                     # overlap's), whose rows sdpa computes as the whole's plan
 
     @classmethod
     def from_params(cls, params: PackedSeqParams) -> "DocLayout":
@@ -88,6 +90,17 @@ class DocLayout:
         if self.params.cp is not None:
             return self.params.cp.valid.to(device)
         return torch.arange(self.total, device=device) < self.real_end(device)
+
+
+class PartOf:
+    """Where a chunk's layout lies in its micro-batch's: ``whole`` (that layout) and ``offset``
+    (its first token). A plain object, not a dataclass or tuple: FSDP walks those in a module's
+    outputs, and this back-reference (the whole's cache holds the chunk) would be a cycle."""
+
+    __slots__ = ("whole", "offset")
+
+    def __init__(self, whole: DocLayout, offset: int):
+        self.whole, self.offset = whole, offset
 
 
 def _varlen_kernel():

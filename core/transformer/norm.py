@@ -23,9 +23,17 @@ class RMSNorm(nn.Module):
         return {"weight": 0.0 if self.offset else 1.0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.normalize(x), self.weight, self.offset, x.dtype)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x / rms(x)`` in fp32."""
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if not self.offset:
-            return self.weight * y.to(x.dtype)
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    @staticmethod
+    def scale(y: torch.Tensor, weight: torch.Tensor, offset: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The weight applied to the normalised ``y``, output in ``dtype`` (the input's)."""
+        if not offset:
+            return weight * y.to(dtype)
         # scale before casting back: (x * (1 + w)).to(dtype), not x.to(dtype) * (1 + w)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+        return (y * (1.0 + weight.float())).to(dtype)

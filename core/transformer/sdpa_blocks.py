@@ -141,9 +141,31 @@ def sdpa_attention(q, k, v, layout, window: int | None, scale: float) -> torch.T
     """Exact causal THD attention (``window``: keys a query sees, counting itself; None: all
     of its document); ``q``/``k [T, H, D]``, ``v [T, Hkv, Dv]`` (``Dv`` may differ from ``D``),
     out ``[T, Hq, Dv]``; zeros on padding."""
+    if layout.part_of is not None:
+        return _part_attention(q, k, v, layout, window, scale)
     pieces, masks, valid = _prepared(layout, window, q.device, q.dtype)
     gqa = q.shape[1] != k.shape[1]
     outs = [_band_attention(q, k, v, p, m, scale, gqa) if p.kind == "band" else
             _causal_attention(q, k, v, p, scale, gqa) for p, m in zip(pieces, masks)]
     o = outs[0] if len(outs) == 1 else torch.cat(outs)
     return o if valid is None else torch.where(valid, o, 0.0)
+
+
+def _part_attention(q, k, v, layout, window: int | None, scale: float) -> torch.Tensor:
+    """Attention of a chunk of whole documents (``layout.part_of``: the whole layout and the
+    chunk's offset) as the whole's pieces compute it, so that a chunk's rows equal the unchunked
+    layer's bitwise (the MoE overlap's chunks): its q, k and v placed at their offset among
+    zeros, the whole's pieces that hold any of its rows run with the whole's masks, its rows
+    kept. The other chunk's keys a block sees are masked for this chunk's queries (another
+    document), so their zeros add exact zeros; pieces wholly outside the chunk are skipped, a
+    band piece across the cut is run whole (up to one piece of extra work per chunk)."""
+    whole, a = layout.part_of.whole, layout.part_of.offset
+    n, T = q.shape[0], whole.total
+    q, k, v = (F.pad(t, (0, 0, 0, 0, a, T - a - n)) for t in (q, k, v))
+    pieces, masks, valid = _prepared(whole, window, q.device, q.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    outs = [q.new_zeros(p.stop - p.start, q.shape[1], v.shape[2]) if p.stop <= a or p.start >= a + n else
+            _band_attention(q, k, v, p, m, scale, gqa) if p.kind == "band" else
+            _causal_attention(q, k, v, p, scale, gqa) for p, m in zip(pieces, masks)]
+    o = (outs[0] if len(outs) == 1 else torch.cat(outs))[a:a + n]
+    return o if valid is None else torch.where(valid[a:a + n], o, 0.0)

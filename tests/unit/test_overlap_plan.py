@@ -43,12 +43,13 @@ def _a2a(nvlink_gb_s: float, **kw) -> float:
 def test_each_all_to_all_exposes_what_the_other_chunks_compute_does_not_hide_by_hand():
     """Slow links (1 GB/s: a dispatch, 16.4 us, outlasts every compute beside it): per MoE layer
     (attention a, experts e, shared s; halves; the block's own schedule, core/moe/overlap.py)
-    the forward exposes (x - (a + s)) + (x - e) + (x - e) + (x - s) over 2; the backward (2x the
-    compute) (x - 2s) + (x - 2e) for the combine's backward and (x - 2e) + (x - 2(a + s)) for the
-    dispatch's, over 2. Layers 1 and 2 attend sliding, 3 full."""
+    the forward exposes (x - (a + s)) + (x - e) + (x - e) + (x - s) over 2; the backward (B's
+    input gradients 1x the compute, A's input gradients and both chunks' weight gradients 3x:
+    core/moe/joined_grads.py) (x - s) + (x - e) for the combine's backward and (x - 3e) +
+    (x - (a + 3s)) for the dispatch's, over 2. Layers 1 and 2 attend sliding, 3 full."""
     x = X_SLOW
     fwd = sum(4 * x - (a + S) - E - E - S for a in (A_SLIDE, A_SLIDE, A_FULL)) / 2
-    bwd = sum(4 * x - 2 * S - 2 * E - 2 * E - 2 * (a + S) for a in (A_SLIDE, A_SLIDE, A_FULL)) / 2
+    bwd = sum(4 * x - S - E - 3 * E - (a + 3 * S) for a in (A_SLIDE, A_SLIDE, A_FULL)) / 2
     # sums of a few floats: 1e-9 relative (rounding only)
     assert _a2a(1.0, overlap_moe_expert_parallel_comm=True) == pytest.approx(fwd + bwd, rel=1e-9)
     # full recompute: each layer's rerun forward as the forward
@@ -121,5 +122,7 @@ def test_the_recipes_predict_less_exposed_all_to_all_and_a_higher_mfu_with_the_f
     both = replace(plain, overlap_moe_expert_parallel_comm=True)
     before, after = (plan_time(cfg, x, a, None, args.data.global_batch_size) for x in (plain, both))
     exposed = lambda st: st.ranks[0].seconds["all-to-all"]
-    assert exposed(after) < exposed(before) / 5 and after.mfu > before.mfu
+    # 0.63 s vs 2.94 s on both (0.57 s before B's backward left the weight gradients to A's,
+    # core/moe/joined_grads.py)
+    assert exposed(after) < exposed(before) / 4 and after.mfu > before.mfu
     assert all(r.fits for r in plan(cfg, both))

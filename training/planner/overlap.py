@@ -4,9 +4,9 @@
 Notation, per block and one micro-batch of the rank's ``T`` tokens, in seconds at the assumed
 efficiency and the EP group's bandwidth: ``x`` one dispatch (a combine moves as many bytes,
 ``T x top_k x hidden x (ep - 1) / ep`` elements); ``a`` the block's attention (projections and
-scores), ``e`` its router and routed experts, ``s`` its shared expert, forward; ``g`` the
-backward's multiple of the
-forward (2; 1 under LoRA, whose frozen base has no weight gradients: the low end).
+scores), ``e`` its router and routed experts, ``s`` its shared expert, forward; ``w`` the weight
+gradient's multiple of the forward in the backward (1; 0 under LoRA, whose frozen base has none),
+the input gradient's being 1.
 
 Plain: the shared expert's forward runs while its dispatch is in flight; nothing else overlaps.
 A forward (and a recompute's rerun) waits ``2x - min(s, x)``, a backward ``x`` for the combine's
@@ -26,11 +26,17 @@ forward               dispatch(A)                  attention(B) + shared(A): ``a
                       dispatch(B)                  experts(A): ``e``
                       combine(A)                   experts(B): ``e``
                       combine(B)                   shared(B): ``s`` (0 without one)
-backward              combine(B)'s backward        shared(B)'s: ``g s``
-                      combine(A)'s backward        experts(B)'s: ``g e``
-                      dispatch(B)'s backward       experts(A)'s: ``g e``
-                      dispatch(A)'s backward       attention(B)'s + shared(A)'s: ``g (a + s)``
+backward              combine(B)'s backward        shared(B)'s: ``s``
+                      combine(A)'s backward        experts(B)'s: ``e``
+                      dispatch(B)'s backward       experts(A)'s: ``(1 + 2w) e``
+                      dispatch(A)'s backward       attention(B)'s + shared(A)'s: ``a + (1 + 2w) s``
 ====================  ===========================  =======================================
+
+In the backward a chunk's compute is its input gradients, and the later chunk's (A's) also
+makes the weight gradients of both (``core/moe/joined_grads.py``: one GEMM over both chunks'
+tokens, the plain schedule's arithmetic), so B's pieces count ``1x`` their forward and A's
+``1 + 2w``. Attention(B)'s ``a`` undercounts its scores' backward (twice their forward, no
+weight): conservative.
 
 A recompute's rerun forward runs like the forward. Per all-to-all and not summed over a pass, so
 slack beside one never hides another (conservative). Assumed: the halves' GEMMs run at the same
@@ -93,7 +99,11 @@ def block_waits(cfg, chunk, inp, moe: set, redone: set, T: int, eff: float, x: f
     shapes, H = shapes_of(cfg), cfg.hidden_size
     order = list(chunk.layers) + ([-1 - k for k in range(len(shapes.extra))] if chunk.last else [])
     attn = [attention_flops(H, shapes.block(i).attention, inp.seq_length) * T / eff for i in order]
-    g = 1.0 if inp.lora_rank else 2.0
+    # backward: the input gradient (1x the forward) and the weight gradient (1x; none under LoRA,
+    # whose frozen base makes none). A weight both chunks use gets its gradient once, in the
+    # later chunk's backward (core/moe/joined_grads.py): B's compute (the earlier) has 1x, A's
+    # 1 + 2w
+    w = 0.0 if inp.lora_rank else 1.0
     out = {}
     for n, i in enumerate(order):
         if i not in moe:
@@ -104,5 +114,6 @@ def block_waits(cfg, chunk, inp, moe: set, redone: set, T: int, eff: float, x: f
         s = 6.0 * H * f.shared * T / eff
         exposed = lambda *hiding: sum(max(0.0, x - h) for h in hiding) / 2
         forward = exposed(a + s, e, e, s)
-        out[i] = Waits(forward, forward if i in redone else 0.0, exposed(g * s, g * e), exposed(g * e, g * (a + s)))
+        later = 1.0 + 2.0 * w
+        out[i] = Waits(forward, forward if i in redone else 0.0, exposed(s, e), exposed(later * e, a + later * s))
     return out
