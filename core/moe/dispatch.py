@@ -59,7 +59,9 @@ class _Combine(torch.autograd.Function):
         g = g_TH.to(f32)
         K = w_TK.shape[1]
         grad_w = torch.stack([(y_TKH[:, k].to(f32) * g).sum(-1) for k in range(K)], dim=1).to(w_TK.dtype)
-        grad_y = torch.stack([(w_TK[:, k, None].to(f32) * g).to(y_TKH.dtype) for k in range(K)], dim=1)
+        grad_y = torch.empty_like(y_TKH)  # filled a slice at a time: no K pieces beside the whole
+        for k in range(K):
+            grad_y[:, k] = w_TK[:, k, None].to(f32) * g
         return grad_y.flatten(0, 1).index_select(0, order), grad_w, None
 
 
@@ -100,6 +102,15 @@ def sort_by_local_expert(recv_counts: torch.Tensor, total: int) -> tuple[torch.T
     within = torch.arange(total, device=flat.device) - \
         torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes, output_size=total)
     return torch.repeat_interleave(starts[blocks], sizes, output_size=total) + within, recv_counts.sum(0)
+
+
+def unsort_rows(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``out[order[i]] = y[i]``: rows back to the order ``order`` took them from, as a gather by
+    the inverse order, whose backward keeps only the indices (``index_copy`` would keep ``y``, the
+    experts' whole output, for the backward of its ``source``). E.g. y [a, b, c], order [2, 0, 1]
+    -> [b, c, a]."""
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    return y.index_select(0, inverse)
 
 
 @dataclass
@@ -175,8 +186,7 @@ class AllToAllDispatcher:
         order, local_counts = sort_by_local_expert(d.recv_counts, sum(d.there.splits[1]))
         y = experts_module(_rows_vary(x_recv.index_select(0, order)), local_counts)
         y = y if after is None else after(y)
-        y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
-        d.rows = all_to_all_start(y_back, d.back)
+        d.rows = all_to_all_start(unsort_rows(y, order), d.back)
 
     def combine_wait(self, d: Dispatched) -> torch.Tensor:
         """The routed output ``[T, hidden]``: each token's expert outputs, weighted and summed."""

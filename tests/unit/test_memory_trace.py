@@ -164,3 +164,42 @@ def test_the_overlap_under_fsdp_and_recompute_keeps_the_backwards_gathered_units
              "--overlap-moe-expert-parallel-comm"]
     t = _trace(flags=flags)
     assert t.overfreed == 0, t
+
+
+def test_an_async_all_to_all_keeps_its_send_buffer_until_wait_as_nccl_does():
+    """ProcessGroupNCCL's Work keeps an async collective's input and output until ``wait()``; the
+    fake group's keeps nothing, so the MoE dispatch's send buffer (dropped when ``dispatch_start``
+    returns, sent while the shared expert runs) was counted freed at the start."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from core.distributed.collectives import AllToAllInFlight, all_to_all_start, all_to_all_wait
+    from training.trace.works import held_until_wait
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    original = dist.all_to_all_single
+    try:
+        with held_until_wait(), LiveBytes() as c:
+            flight = AllToAllInFlight([2, 2], [2, 2], dist.group.WORLD)
+            rows = all_to_all_start(torch.ones(4, 8), flight)  # the send buffer: dropped by the caller
+            assert c.device_now == 2 * 4 * 8 * 4  # sent and received, both in flight
+            rows = all_to_all_wait(rows, flight)
+            assert c.device_now == 4 * 8 * 4  # the send buffer freed at the wait
+        assert dist.all_to_all_single is original  # restored
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_dispatch_keeps_no_expert_output_for_the_backward():
+    """Undoing the experts' row order by ``index_copy`` kept its source, the experts' whole output
+    ``[T x top-k, hidden]`` (2.1 GB a layer at Step-3.7-Flash's 4 packs), for the backward; the
+    gather by the inverse order keeps only the indices."""
+    from core.moe.dispatch import unsort_rows
+
+    y = torch.randn(6, 4, requires_grad=True)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = unsort_rows(y * 1, order)
+    assert torch.equal(out, torch.empty(6, 4).index_copy(0, order, y.detach()))
+    assert all(t.dtype == torch.int64 for t in saved), [t.shape for t in saved]
