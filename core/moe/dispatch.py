@@ -124,14 +124,16 @@ class Dispatched:
     recv_counts: torch.Tensor   # [source rank, local expert]
     there: object               # AllToAllInFlight: the tokens' trip to their experts
     back: object                # AllToAllInFlight: the expert outputs' trip home
-    rows: torch.Tensor          # in flight: the tokens' rows, then the expert outputs'
+    rows: torch.Tensor | None   # in flight: the tokens' rows, then the expert outputs' (None between)
+    order: torch.Tensor | None = None         # received rows -> grouped by local expert (dispatch_wait)
+    local_counts: torch.Tensor | None = None  # rows per local expert
 
 
 class AllToAllDispatcher:
     """Expert parallelism: each EP rank holds ``E / ep`` experts. Counts are exchanged first,
     then the token rows (uneven splits, zero allowed), then rows are regrouped by local expert;
     the way back mirrors it. The phases (``dispatch_start`` -> ``dispatch_wait`` ->
-    ``run_experts`` + ``combine_start`` -> ``combine_wait``) let a schedule run other compute
+    ``combine_start``, the experts and the way home, -> ``combine_wait``) let a schedule run other compute
     while either all-to-all is in flight, in the forward and in the backward
     (``core/moe/overlap.py``); called whole, it runs them back to back with the shared expert
     beside the dispatch."""
@@ -173,26 +175,31 @@ class AllToAllDispatcher:
         return Dispatched(state, weights_TK, recv_counts, there, back, all_to_all_start(x_NH, there))
 
     def dispatch_wait(self, d: Dispatched) -> torch.Tensor:
-        """The rows this rank's experts receive, grouped by source rank, then local expert."""
+        """The rows this rank's experts receive (they arrive grouped by source rank, then local
+        expert), regrouped by local expert; the received buffer is not held past the regrouping."""
         from core.distributed.collectives import all_to_all_wait
 
-        return all_to_all_wait(d.rows, d.there)
+        rows, d.rows = d.rows, None
+        d.order, d.local_counts = sort_by_local_expert(d.recv_counts, sum(d.there.splits[1]))
+        return all_to_all_wait(rows, d.there).index_select(0, d.order)
 
-    def combine_start(self, d: Dispatched, experts_module, x_recv: torch.Tensor, after=None) -> None:
-        """Run the local experts on the received rows and start sending the outputs home
-        (``after``: applied to the experts' output first, e.g. an autograd marker)."""
+    def combine_start(self, d: Dispatched, experts_module, x_sorted: torch.Tensor, after=None) -> None:
+        """Run the local experts on ``dispatch_wait``'s rows and start sending the outputs home
+        (``after``: applied to the experts' output first, e.g. an autograd marker). The experts'
+        output is not held past its reordering, nor the rows in flight past the waits (NCCL's
+        Work keeps the send buffer until then)."""
         from core.distributed.collectives import all_to_all_start
 
-        order, local_counts = sort_by_local_expert(d.recv_counts, sum(d.there.splits[1]))
-        y = experts_module(_rows_vary(x_recv.index_select(0, order)), local_counts)
-        y = y if after is None else after(y)
-        d.rows = all_to_all_start(unsort_rows(y, order), d.back)
+        y = experts_module(_rows_vary(x_sorted), d.local_counts)
+        y = unsort_rows(y if after is None else after(y), d.order)
+        d.rows = all_to_all_start(y, d.back)
 
     def combine_wait(self, d: Dispatched) -> torch.Tensor:
         """The routed output ``[T, hidden]``: each token's expert outputs, weighted and summed."""
         from core.distributed.collectives import all_to_all_wait
 
-        return unpermute(all_to_all_wait(d.rows, d.back), d.weights_TK, d.state)
+        rows, d.rows = d.rows, None
+        return unpermute(all_to_all_wait(rows, d.back), d.weights_TK, d.state)
 
 
 class AllGatherDispatcher:
