@@ -15,7 +15,7 @@
 # host memory and the optimizer steps each matrix in the backward (--optimizer-in-backward); full
 # recompute; micro-batches of 2 packs, one per rank and step.
 # --global-batch-size 64 packs = 524,288 tokens per iteration. Predicted (not measured; no GPU has
-# run this): 129.8 GB on each GPU, 1,031 GB of host memory per node, 31.0 s per step, 529 tokens/s
+# run this): 126.1 GB on each GPU, 1,031 GB of host memory per node, 31.0 s per step, 529 tokens/s
 # per GPU, MFU 15.6% (a prediction of the planner's model, assumed: 40% MFU for the maths, NVLink
 # 150 GB/s inside a node, 50 GB/s per GPU between nodes, pinned PCIe 35 GB/s, host memory 52 GB/s
 # per rank). Plan it with the same flags first:

@@ -10,7 +10,7 @@
 #       --seq-length 8192 --global-batch-size 32 --bf16 --lora-rank 32
 # PP8 with 2 virtual stages per rank (interleaved 1F1B), full recompute, micro-batches of one
 # pack: 32 per step. --global-batch-size 32 packs = 262,144 tokens per iteration. Predicted (not
-# measured; no GPU has run this): 123.6 GB on the busiest GPU, 827 GB of host memory for the node,
+# measured; no GPU has run this): 122.9 GB on the busiest GPU, 827 GB of host memory for the node,
 # 30.7 s per step, 1,068 tokens/s per GPU, MFU 21.2% (a prediction of the planner's model,
 # counting useful FLOPs only; assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe
 # 35 GB/s). Plan it first:

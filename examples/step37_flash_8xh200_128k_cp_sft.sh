@@ -13,7 +13,7 @@
 # attention layers all-gather K and V over the CP group (reduce-scatter in the backward),
 # sliding-window layers receive only their window - 1 keys of halo. Memory and optimizer as the
 # 8K recipe (--cpu-offload masters, --optimizer-in-backward: examples/step37_flash_8xh200_thd_sft.sh).
-# Predicted (not measured; no GPU has run this): 121.9 GB on each GPU, 152 GB of host memory per
+# Predicted (not measured; no GPU has run this): 113.8 GB on each GPU, 152 GB of host memory per
 # rank, 21.9 s per step, 1,499 tokens/s per GPU, MFU 24.7% (assumed: 40% MFU for the maths,
 # NVLink 150 GB/s, pinned PCIe 35 GB/s, host memory 52 GB/s per rank; the K/V exchanges 0.10 s).
 # Plan it with the same flags before you spend a node-hour:

@@ -59,7 +59,9 @@ class _Combine(torch.autograd.Function):
         g = g_TH.to(f32)
         K = w_TK.shape[1]
         grad_w = torch.stack([(y_TKH[:, k].to(f32) * g).sum(-1) for k in range(K)], dim=1).to(w_TK.dtype)
-        grad_y = torch.stack([(w_TK[:, k, None].to(f32) * g).to(y_TKH.dtype) for k in range(K)], dim=1)
+        grad_y = torch.empty_like(y_TKH)  # filled a slice at a time: no K pieces beside the whole
+        for k in range(K):
+            grad_y[:, k] = w_TK[:, k, None].to(f32) * g
         return grad_y.flatten(0, 1).index_select(0, order), grad_w, None
 
 
@@ -102,6 +104,15 @@ def sort_by_local_expert(recv_counts: torch.Tensor, total: int) -> tuple[torch.T
     return torch.repeat_interleave(starts[blocks], sizes, output_size=total) + within, recv_counts.sum(0)
 
 
+def unsort_rows(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``out[order[i]] = y[i]``: rows back to the order ``order`` took them from, as a gather by
+    the inverse order, whose backward keeps only the indices (``index_copy`` would keep ``y``, the
+    experts' whole output, for the backward of its ``source``). E.g. y [a, b, c], order [2, 0, 1]
+    -> [b, c, a]."""
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    return y.index_select(0, inverse)
+
+
 @dataclass
 class Dispatched:
     """A micro-batch chunk's tokens between the phases of :class:`AllToAllDispatcher`: permuted
@@ -113,14 +124,16 @@ class Dispatched:
     recv_counts: torch.Tensor   # [source rank, local expert]
     there: object               # AllToAllInFlight: the tokens' trip to their experts
     back: object                # AllToAllInFlight: the expert outputs' trip home
-    rows: torch.Tensor          # in flight: the tokens' rows, then the expert outputs'
+    rows: torch.Tensor | None   # in flight: the tokens' rows, then the expert outputs' (None between)
+    order: torch.Tensor | None = None         # received rows -> grouped by local expert (dispatch_wait)
+    local_counts: torch.Tensor | None = None  # rows per local expert
 
 
 class AllToAllDispatcher:
     """Expert parallelism: each EP rank holds ``E / ep`` experts. Counts are exchanged first,
     then the token rows (uneven splits, zero allowed), then rows are regrouped by local expert;
     the way back mirrors it. The phases (``dispatch_start`` -> ``dispatch_wait`` ->
-    ``run_experts`` + ``combine_start`` -> ``combine_wait``) let a schedule run other compute
+    ``combine_start``, the experts and the way home, -> ``combine_wait``) let a schedule run other compute
     while either all-to-all is in flight, in the forward and in the backward
     (``core/moe/overlap.py``); called whole, it runs them back to back with the shared expert
     beside the dispatch."""
@@ -162,27 +175,31 @@ class AllToAllDispatcher:
         return Dispatched(state, weights_TK, recv_counts, there, back, all_to_all_start(x_NH, there))
 
     def dispatch_wait(self, d: Dispatched) -> torch.Tensor:
-        """The rows this rank's experts receive, grouped by source rank, then local expert."""
+        """The rows this rank's experts receive (they arrive grouped by source rank, then local
+        expert), regrouped by local expert; the received buffer is not held past the regrouping."""
         from core.distributed.collectives import all_to_all_wait
 
-        return all_to_all_wait(d.rows, d.there)
+        rows, d.rows = d.rows, None
+        d.order, d.local_counts = sort_by_local_expert(d.recv_counts, sum(d.there.splits[1]))
+        return all_to_all_wait(rows, d.there).index_select(0, d.order)
 
-    def combine_start(self, d: Dispatched, experts_module, x_recv: torch.Tensor, after=None) -> None:
-        """Run the local experts on the received rows and start sending the outputs home
-        (``after``: applied to the experts' output first, e.g. an autograd marker)."""
+    def combine_start(self, d: Dispatched, experts_module, x_sorted: torch.Tensor, after=None) -> None:
+        """Run the local experts on ``dispatch_wait``'s rows and start sending the outputs home
+        (``after``: applied to the experts' output first, e.g. an autograd marker). The experts'
+        output is not held past its reordering, nor the rows in flight past the waits (NCCL's
+        Work keeps the send buffer until then)."""
         from core.distributed.collectives import all_to_all_start
 
-        order, local_counts = sort_by_local_expert(d.recv_counts, sum(d.there.splits[1]))
-        y = experts_module(_rows_vary(x_recv.index_select(0, order)), local_counts)
-        y = y if after is None else after(y)
-        y_back = torch.empty_like(y).index_copy(0, order, y)     # undo the regrouping
-        d.rows = all_to_all_start(y_back, d.back)
+        y = experts_module(_rows_vary(x_sorted), d.local_counts)
+        y = unsort_rows(y if after is None else after(y), d.order)
+        d.rows = all_to_all_start(y, d.back)
 
     def combine_wait(self, d: Dispatched) -> torch.Tensor:
         """The routed output ``[T, hidden]``: each token's expert outputs, weighted and summed."""
         from core.distributed.collectives import all_to_all_wait
 
-        return unpermute(all_to_all_wait(d.rows, d.back), d.weights_TK, d.state)
+        rows, d.rows = d.rows, None
+        return unpermute(all_to_all_wait(rows, d.back), d.weights_TK, d.state)
 
 
 class AllGatherDispatcher:

@@ -133,3 +133,29 @@ def test_frozen_layers_keep_what_the_planner_books():
         got, est = measured(targets), block_bytes(shapes, i, 256, 4, "none", (4, targets)) + extra
         assert 0.75 <= est / got <= 1.25, (targets, est, got)
         assert 0.75 <= (full_est - est) / (full - got) <= 1.25, (targets, full_est - est, full - got)
+
+
+def test_a_frozen_base_reruns_its_lora_activations_and_the_heads_are_freed_before_the_layers(monkeypatch):
+    """Under full recompute a layer's backward reruns its forward and holds what that forward
+    keeps: under LoRA the frozen base's (``block_bytes`` with the adapters' ``lora``), not the
+    trained one's (the plan booked 2.8 GB too many for Step-3.7-Flash's MoE layer at 4 packs).
+    And the backward runs the heads and MTP depths before the decoder layers, freeing what they
+    kept, so the largest layer's working set never meets those bytes: the plan's overlap grows
+    by the largest layer's set less the larger of it without them and the depths' sets."""
+    from core.costs.activations import block_bytes, extra_block_bytes, head_bytes
+    from models.registry import shapes_of
+
+    shapes, T, b, lora = shapes_of(TINY), 64, 2, (4, "attention,mlp,shared_expert,experts")
+    kw = dict(seq_length=T, optimizer="adamw", bf16=True, num_microbatches=2, recompute_granularity="full")
+    trained, frozen = plan(TINY, inputs(**kw))[0], plan(TINY, inputs(lora_rank=4, **kw))[0]
+    layers = [block_bytes(shapes, i, T, b, "none", lora) - T * TINY.hidden_size * b for i in range(TINY.num_layers)]
+    depths = [extra_block_bytes(shapes, k, T, b, "none", lora) - extra_block_bytes(shapes, k, T, b, "full")
+              for k in range(len(shapes.extra))]
+    assert frozen.device["recompute working set"] == max(layers + depths) < trained.device["recompute working set"]
+    heads = head_bytes(shapes, T, b) + sum(extra_block_bytes(shapes, k, T, b, "full") for k in range(len(shapes.extra)))
+    assert max(layers) > max(max(layers) - heads, *depths)  # the tiny model's largest set is a layer's
+    from training.planner import memory
+
+    monkeypatch.setattr(memory, "_kept_after_layers", lambda *a: 0)  # as if the heads kept theirs
+    kept_whole = plan(TINY, inputs(lora_rank=4, **kw))[0]
+    assert frozen.overlap - kept_whole.overlap == max(layers) - max(max(layers) - heads, *depths) > 0

@@ -164,3 +164,83 @@ def test_the_overlap_under_fsdp_and_recompute_keeps_the_backwards_gathered_units
              "--overlap-moe-expert-parallel-comm"]
     t = _trace(flags=flags)
     assert t.overfreed == 0, t
+
+
+def test_an_async_all_to_all_keeps_its_send_buffer_until_wait_as_nccl_does():
+    """ProcessGroupNCCL's Work keeps an async collective's input and output until ``wait()``; the
+    fake group's keeps nothing, so the MoE dispatch's send buffer (dropped when ``dispatch_start``
+    returns, sent while the shared expert runs) was counted freed at the start."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from core.distributed.collectives import AllToAllInFlight, all_to_all_start, all_to_all_wait
+    from training.trace.works import held_until_wait
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    original = dist.all_to_all_single
+    try:
+        with held_until_wait(), LiveBytes() as c:
+            flight = AllToAllInFlight([2, 2], [2, 2], dist.group.WORLD)
+            rows = all_to_all_start(torch.ones(4, 8), flight)  # the send buffer: dropped by the caller
+            assert c.device_now == 2 * 4 * 8 * 4  # sent and received, both in flight
+            rows = all_to_all_wait(rows, flight)
+            assert c.device_now == 4 * 8 * 4  # the send buffer freed at the wait
+        assert dist.all_to_all_single is original  # restored
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_dispatch_keeps_no_expert_output_for_the_backward():
+    """Undoing the experts' row order by ``index_copy`` kept its source, the experts' whole output
+    ``[T x top-k, hidden]`` (2.1 GB a layer at Step-3.7-Flash's 4 packs), for the backward; the
+    gather by the inverse order keeps only the indices."""
+    from core.moe.dispatch import unsort_rows
+
+    y = torch.randn(6, 4, requires_grad=True)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = unsort_rows(y * 1, order)
+    assert torch.equal(out, torch.empty(6, 4).index_copy(0, order, y.detach()))
+    assert all(t.dtype == torch.int64 for t in saved), [t.shape for t in saved]
+
+
+def test_the_dispatch_holds_no_buffer_past_its_use():
+    """While the experts run, the received rows in source order are gone (only the regrouped copy
+    stays), and the experts' output is gone before the combine's receive buffer is made: the
+    phased dispatcher held each of them (``[T x top-k, hidden]``, 2.1 GB at Step-3.7-Flash's 4
+    packs) one step longer, through its Python locals. In units of such a buffer, on a fake
+    group of two (send buffers held until their wait, as NCCL's Work holds them)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from core.moe.dispatch import AllToAllDispatcher
+    from training.trace.works import held_until_wait
+
+    T, K, H, E = 64, 2, 256, 4
+    unit = T * K * H * 2
+    seen = []
+
+    class Experts(torch.nn.Module):
+        num_experts = E // 2
+
+        def forward(self, x, counts):
+            seen.append(c.device_now)
+            return x * 2
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        x = torch.randn(T, H, dtype=torch.bfloat16)
+        chosen = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+        disp = AllToAllDispatcher(dist.group.WORLD, 2, E)
+        with held_until_wait(), LiveBytes() as c:
+            base = c.device_now
+            d = disp.dispatch_start(x, torch.rand(T, K), chosen)
+            rows = disp.dispatch_wait(d)
+            before = c.device_now
+            c.reset_peak()
+            disp.combine_start(d, Experts(), rows)
+            assert (seen[0] - base) / unit < 1.5  # the regrouped rows only (and int indices)
+            assert (c.peak - before) / unit < 2.5  # the output's reordered copy in flight, and the receive
+    finally:
+        dist.destroy_process_group()

@@ -69,13 +69,14 @@ def test_fast_links_hide_every_all_to_all_with_the_overlap_only():
 
 
 def test_the_overlaps_halves_hold_the_plain_all_to_all_buffers():
-    """All-to-all buffers: 4 x T x top_k x hidden x bytes (a layer's dispatch and combine, sent and
-    received), with or without the overlap (its two halves hold as many, both waited before the
-    block returns). With --recompute-chunks T is the chunk's."""
+    """All-to-all buffers: 2 x T x top_k x hidden x bytes (at most two of a layer's row buffers
+    live beyond what it keeps: the rows in flight and those received, each freed at its wait or
+    regrouping; core/moe/dispatch.py), with or without the overlap (its two halves hold as many).
+    With --recompute-chunks T is the chunk's."""
     for kw, T in (({}, 64), (dict(micro_batch_size=2, recompute_granularity="full", recompute_chunks=2), 64)):
         plain = plan(TINY, _inputs(**kw))[0].device["all-to-all buffers"]
         both = plan(TINY, _inputs(overlap_moe_expert_parallel_comm=True, **kw))[0].device["all-to-all buffers"]
-        assert plain == both == 4 * T * 2 * 64 * 4
+        assert plain == both == 2 * T * 2 * 64 * 4
 
 
 def test_search_asked_for_the_flag_lists_both_values_under_expert_parallelism():

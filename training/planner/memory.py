@@ -49,6 +49,12 @@ from training.planner.vision import planned_shares, vision_bytes, vision_working
 
 GB = 10**9
 HOST_STAGING = STAGING  # --cpu-offload masters: pinned bytes per element, one slab per rank (host_masters.py)
+# An MoE layer's [tokens x top-k, hidden] row buffers live at once beyond what it keeps for the
+# backward (core/moe/dispatch.py; each freed at its wait, regrouping or reordering): forward, the
+# rows in flight and the rows received (or the experts' output and its reordered copy); backward,
+# the combine's gradient in token order and in the experts' order, then the all-to-all's send and
+# receive. Both halves of the overlap (core/moe/overlap.py) together hold as many.
+A2A_BUFFERS = 2
 
 
 COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
@@ -181,18 +187,21 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
     managed = _stored(chunks, inp, pl, dev, host, r)
     in_flight = facts.peak_in_flight[pp_rank]
     dev["activations"], host["activations"] = _activations(cfg, chunks, inp, in_flight)
-    dev["recompute working set"] = max(_recompute_working_set(cfg, c, inp.chunk_tokens, b, inp) for c in chunks)
+    dev["recompute working set"], before_layers = _working_set(cfg, chunks, inp)
     dev["cp K/V"] = _cp_columns(cfg, chunks, inp, in_flight)
     dev["unsharded grads"], r.overlap = _unsharded_grads(chunks, inp, pl, managed)
+    unmet = 0  # of the kept activations, bytes the peak does not meet
     if inp.num_microbatches == 1 and inp.pp == 1:
         # one micro-batch: the backward frees the kept activations as it makes the gradients
         # the step keeps, so the two never coexist whole (the memory trace, docs/memory.md)
-        r.overlap += min(dev["gradients"], dev["activations"])
+        unmet = min(dev["gradients"], dev["activations"])
+    # the heads' and MTP depths' kept activations are freed before a decoder layer's backward
+    r.overlap += unmet + min(before_layers, dev["activations"] - unmet)
     dev["gathered layers"] = _gathered_layers(inp, pl, managed,
                                               dev["unsharded grads"] + dev["recompute working set"])
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
-        dev["all-to-all buffers"] = 4 * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
+        dev["all-to-all buffers"] = A2A_BUFFERS * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
     r.device, r.host = dev, host
     r.fits = r.device_total <= inp.device_gb * GB
     return r
@@ -309,22 +318,60 @@ def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
     return out
 
 
+def _working_set(cfg, chunks: list, inp: PlanInputs) -> tuple[int, int]:
+    """(the recompute working set: the largest of the chunks' :func:`_recompute_sets`; what of the
+    kept activations never meets it). The backward runs a chunk's heads and MTP depths (last in
+    its forward) before its decoder layers and frees what they kept, so a layer's working set
+    meets the activations less that (:func:`_kept_after_layers`); an MTP depth's or the tower's
+    meets them whole."""
+    best = peak = 0
+    for c in chunks:
+        layers, others = _recompute_sets(cfg, c, inp.chunk_tokens, inp.act_bytes, inp)
+        freed = _kept_after_layers(cfg, c, inp)
+        best = max([best, *layers, *others])
+        peak = max([peak, *(w - freed for w in layers), *others])
+    return best, best - peak
+
+
 def _recompute_working_set(cfg, chunk, T: int, b: int, inp: PlanInputs) -> int:
-    """What a recomputed layer holds again during its backward: its whole activations less what
-    recompute kept (one layer at a time, the largest of the chunk; recomputed MTP depths too)."""
+    """The largest of one chunk's :func:`_recompute_sets` at ``T`` tokens."""
+    layers, others = _recompute_sets(cfg, chunk, T, b, inp)
+    return max([*layers, *others], default=0)
+
+
+def _kept_after_layers(cfg, chunk, inp: PlanInputs) -> int:
+    """Device bytes one micro-batch keeps for the chunk's heads and MTP depths (the last chunk's):
+    :func:`_chunk_activations`' share after the decoder layers, less the depths' inputs that
+    ``--offload-recompute-inputs`` keeps on the host."""
+    if not chunk.last:
+        return 0
+    shapes, T, b, rc = shapes_of(cfg), inp.local_tokens, inp.act_bytes, inp.recompute_placement
+    extra = rc.extra(len(chunk.layers))
+    kept = head_bytes(shapes, T, b) + sum(extra_block_bytes(shapes, k, T, b, extra, inp.lora)
+                                          for k in range(len(shapes.extra)))
+    if rc.offload_inputs and rc.recomputes_extra(len(chunk.layers)):
+        kept -= 2 * len(shapes.extra) * T * cfg.hidden_size * b  # as kept_inputs counts them
+    return max(kept, 0)
+
+
+def _recompute_sets(cfg, chunk, T: int, b: int, inp: PlanInputs) -> tuple[list, list]:
+    """What each recomputed block holds again during its backward: its whole activations less
+    what recompute kept (a frozen LoRA base's whole activations: ``block_bytes`` with
+    ``inp.lora``); ``(the decoder layers', the MTP depths' and the vision tower's)``."""
     rc = inp.recompute_placement
     if not rc.on:
-        return 0
+        return [], []
     shapes = shapes_of(cfg)
     kv = lambda i: key_buffer_bytes(shapes.block(i).attention, inp.tokens, inp.cp, b)  # gathered again
-    sets = [block_bytes(shapes, int(i), T, b, "none") - block_bytes(shapes, int(i), T, b, rc.granularity)
-            + kv(int(i)) for i in chunk.layers[:rc.num_selected(len(chunk.layers))]]
+    layers = [block_bytes(shapes, int(i), T, b, "none", inp.lora) - block_bytes(shapes, int(i), T, b, rc.granularity)
+              + kv(int(i)) for i in chunk.layers[:rc.num_selected(len(chunk.layers))]]
+    others = []
     if chunk.last and rc.recomputes_extra(len(chunk.layers)):
-        sets += [extra_block_bytes(shapes, k, T, b) - extra_block_bytes(shapes, k, T, b, rc.granularity)
-                 + kv(-1 - k) for k in range(len(shapes.extra))]
+        others += [extra_block_bytes(shapes, k, T, b, "none", inp.lora)
+                   - extra_block_bytes(shapes, k, T, b, rc.granularity) + kv(-1 - k) for k in range(len(shapes.extra))]
     if chunk.first:
-        sets.append(vision_working_set(cfg, inp))
-    return max(sets, default=0)
+        others.append(vision_working_set(cfg, inp))
+    return layers, others
 
 
 def _cp_key_buffers(cfg, chunk, inp: PlanInputs) -> tuple[int, int]:

@@ -45,10 +45,11 @@ multiplies thousands of rows per expert at Step-3.7-Flash's 4 packs of 8,192 tok
 kernels slow the compute beside them by nothing (as for Newton-Schulz's stream). At equal
 predicted speed the search ranks the plain schedule first, for what this does not time.
 
-Memory (``memory.py``): a layer's transient all-to-all buffers are its dispatch's and combine's
-send and receive buffers, ``4 Tc x top_k x hidden`` elements (``Tc``: the tokens a block runs at
-once, ``--recompute-chunks``' chunk); the overlap holds the same buffers in two halves, both
-waited before the block returns: as many. Kept activations are per token: the same in two halves.
+Memory (``memory.py``): a layer's transient all-to-all buffers are two of its row buffers,
+``2 Tc x top_k x hidden`` elements (``Tc``: the tokens a block runs at once, ``--recompute-chunks``'
+chunk: the rows in flight and the rows received, each freed at its wait or regrouping); the
+overlap's two halves in flight together hold as many. Kept activations are per token: the same
+in two halves.
 """
 from __future__ import annotations
 

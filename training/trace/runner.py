@@ -14,6 +14,8 @@ What the trace assumes (docs/memory.md, "The traced peak"):
 - every pack is one document of ``--seq-length`` tokens, every token a target, routing
   balanced over the experts (``core/distributed/host_values.py``), as the planner assumes;
 - the step runs twice: the first creates the optimizer state, the second is measured;
+- an async collective keeps its tensors until its ``wait()``, as NCCL's does (``works.py``; the
+  fake group's ``Work`` holds nothing);
 - ``--compile`` is refused (dynamo does not trace fake tensors made outside it).
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ from core.parallel_state import ParallelState
 from core.train_step import train_step
 from training.trace.batches import images_per_pack, trace_batches, with_images
 from training.trace.counter import LiveBytes, storage_key
+from training.trace.works import held_until_wait
 
 COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "gathered layers")
 
@@ -98,7 +101,7 @@ def trace_rank(args, layout, rank: int, *, progress=None, fake: bool = True) -> 
             if kind == "self" or ps.group(kind) is not None:
                 ps.mesh(kind, "cpu")
         tick = progress or (lambda what: None)
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), held_until_wait():
             box = {}
             counter = LiveBytes(lambda: _classify(box))
             with counter:
