@@ -68,7 +68,7 @@ class Part:
 def gpu_parts(preset: str | None, bench_args: list[str]) -> list[Part]:
     """The parts in the order of what they decide: build and environment; correctness (the CUDA
     tests of the newest features, the compiled one apart, then a and b, then the older CUDA tests); then the timings
-    (c, d, e, the two recipe proxies h and h100, i, f1, f2, g). docs/performance.md says which
+    (c, j, d, e, the two recipe proxies h and h100, i, f1, f2, g). docs/performance.md says which
     part answers which prediction."""
     model = ["--model-preset", preset] if preset else []  # else the parts' own default full-width preset
 
@@ -88,6 +88,9 @@ def gpu_parts(preset: str | None, bench_args: list[str]) -> list[Part]:
         Part("t2", "the older CUDA tests: varlen, grouped_mm, fp32 layers, the chunked loss at small shapes",
              pytest + [f"not ({NEWEST}) and not {COMPILED} and not {TRAINING}"], 60),
         Part("c", "one MoE layer: syncs, time, MFU, peak memory vs the planner", mod("moe_layer"), 45),
+        Part("j", "EP2 all-to-all with and without --overlap-moe-expert-parallel-comm, two ranks on the one GPU "
+             "over gloo: step, exposed all-to-all vs the planner",
+             [PY, "-m", "benchmarks.gpu_parts.moe_overlap", "--json", "{json}"], 90),  # its own model
         Part("d", "head + MTP depths at T 8192: peak memory vs the planner", mod("head"), 60),
         Part("e", "Newton-Schulz on one EP8 rank's expert stack", mod("newton_schulz"), 30),
         Part("h", "one-GPU proxy of the 8 x H200 recipe's rank vs the planner", mod("proxy"), 150),

@@ -147,3 +147,33 @@ def check_overlap(rank, world, pp, ep, flags=(), loss_tol=1e-6, first_tol=1e-6, 
     again = _steps(resumed, ps, cfg, steps, first=1, dtype=dtype)
     assert [g[:2] for g in again] == [g[:2] for g in got[1:]], f"rank {rank}: resumed {again} vs uninterrupted {got[1:]}"
     dist.barrier()
+
+
+def check_gpu_part(rank, world):
+    """``tools/gpu_check.sh``'s part j (``benchmarks/gpu_parts/moe_overlap.py``) at its tiny size
+    on these ranks: its rank body (the all-to-all bandwidth, both schedules through
+    ``bench_moe_overlap.measure``) and its report (the planner's prediction at the measured rates,
+    the ``compare`` rows); only its launcher (two spawned ranks) is left to ``--tiny`` by hand."""
+    import pytest
+
+    from benchmarks.gpu_parts import common, moe_overlap
+
+    args = common.parse("", ["--tiny"], moe_overlap._extra)
+    moe_overlap.sizes(args)
+    mine = moe_overlap.rank_result(rank, world, args, cuda=False)
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    r = moe_overlap.report(ranks, args, cuda=False)
+    assert r["passed"] and r["syncs"] == [] and r["sizes"] == moe_overlap.TINY, r
+    m, p = r["measured"], r["planned"]
+    assert m["plain"]["mib"] == m["overlap"]["mib"] > 0  # the same bytes both ways
+    # the planner's rates are this run's: its bandwidth, and the plain step's compute
+    assert p["assumed_gb_s"] == pytest.approx(min(x["bytes_per_s"] for x in ranks) / 1e9)
+    compute = m["plain"]["step"] - m["plain"]["exposed"] - m["plain"]["counts"]
+    assert p["plain"]["compute"] == pytest.approx(max(compute, 1e-3 * m["plain"]["step"]))
+    assert p["overlap"]["compute"] == pytest.approx(p["plain"]["compute"])
+    assert 0 <= p["overlap"]["exposed"] < p["plain"]["exposed"]
+    assert [c["what"] for c in r["compare"]] == [f"EP2 over gloo, {n}: {k}" for n in ("plain", "overlap") for k in (
+        "step", "exposed all-to-all")] + ["EP2 over gloo: all-to-all hidden by the overlap"]
+    print(f"[gpu part j] {r['headline']}")
+    dist.barrier()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.overlap_cases import check_overlap
+from tests.distributed.overlap_cases import check_gpu_part, check_overlap
 
 CASES = {  # name: (world, fn, (pp, ep, flags))
     # rank 1 starts on a one-document pack; its resume goes through checkpoint files with Muon in
@@ -40,6 +40,8 @@ CASES = {  # name: (world, fn, (pp, ep, flags))
         "--offload-recompute-inputs"), 1e-6, 1e-6, False, False)),
     # GLM-4.5 tiny: its MTP depth's block is an MoE block, overlapped as the decoder layers'
     "ep2_glm4_moe_mtp": (2, check_overlap, (1, 2, (), 1e-6, 1e-6, False, False, "glm4_moe")),
+    # tools/gpu_check.sh's part j at its --tiny size on the CPU (benchmarks/gpu_parts/moe_overlap.py)
+    "gpu_part_j_tiny": (2, check_gpu_part, ()),
 }
 
 

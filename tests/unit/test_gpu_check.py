@@ -111,7 +111,7 @@ def test_an_earlier_checks_json_is_not_read_as_this_ones(tmp_path):
 def test_the_parts_are_in_the_order_of_what_they_decide_and_each_fits_the_budget():
     parts = gpu_check.gpu_parts("qwen3-30b-a3b", ["--compile"])
     keys = [p.key for p in parts]
-    assert keys == ["build", "env", "t1", "t1c", "a", "b", "t2", "c", "d", "e", "h", "h100", "i", "f1", "f2", "g"]
+    assert keys == ["build", "env", "t1", "t1c", "a", "b", "t2", "c", "j", "d", "e", "h", "h100", "i", "f1", "f2", "g"]
     for p in parts:
         if p.key in ("a", "b", "c", "d", "e", "i", "h", "h100", "g"):  # the model-specific ones
             assert p.cmd[p.cmd.index("--model-preset") + 1] == "qwen3-30b-a3b", p

@@ -115,3 +115,38 @@ def test_newton_schulz_part_times_an_ep_rank_stack(tmp_path):
     # the planner's count for one [36, 1280, 4096] stack, 5 steps: 36 * 5 * (4 m^2 n + 2 m^3)
     m, n = 1280, 4096
     assert newton_schulz.planned_flops((36, m, n), 5) == pytest.approx(36 * 5 * (4 * m * m * n + 2 * m ** 3))
+
+
+def test_moe_overlap_part_sums_the_compute_streams_stalls_by_call(monkeypatch):
+    """Part (j)'s exposed all-to-all on CUDA (bench_moe_overlap.StallRecord): an event pair on the
+    current stream around each all-to-all call, the pairs' elapsed times summed by call (fake
+    events on a counter's clock, a second a tick, stand in for CUDA's); on the CPU the host's
+    seconds. The part itself runs at its --tiny size on two ranks in
+    tests/distributed/test_moe_overlap_layouts.py (gpu_part_j_tiny)."""
+    from benchmarks.bench_moe_overlap import StallRecord
+
+    clock = iter(range(100))
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.t = next(clock)
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.t - self.t)  # milliseconds, as CUDA's
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    rec = StallRecord(cuda=True)
+    rec.timed("L0.", "start", lambda: None)         # ticks 0, 1: issued, the stream not held
+    rec.timed("L0.", "wait", lambda: next(clock))   # 2, (3 inside), 4: the stream held 2 ticks
+    rec.timed("L1.", "wait", lambda: None)          # 5, 6
+    assert rec.exposed() == {"start": 1.0, "wait": 3.0}
+    assert rec.events == [("L0.", "start"), ("L0.", "wait"), ("L1.", "wait")]
+    assert set(rec.blocked_s) == {"start", "wait"}  # the host's seconds kept too
+    rec.reset()
+    assert rec.exposed() == {} and rec.events == [] and rec.blocked_s == {}
+    host = StallRecord(cuda=False)
+    host.timed("L0.", "counts", lambda: None)
+    assert host.exposed() == host.blocked_s and host.pairs == [] and next(clock) == 7  # no event on the CPU
