@@ -10,6 +10,10 @@ is the time they were not hidden), forward and backward, the slower rank's; and 
 the count exchanges (a blocking all-to-all of a few integers per chunk: mostly waiting for the
 slower rank to get there). The all-to-all bytes are the same in both.
 
+The same ``measure`` runs on one GPU as ``tools/gpu_check.sh``'s part j
+(``benchmarks/gpu_parts/moe_overlap.py``: two ranks sharing the GPU over gloo, the exposed
+all-to-all there the compute stream's waits, ``StallRecord``).
+
 On a CPU the all-to-all is CPU work too (gloo copies through loopback sockets on its own
 threads): it can hide behind compute only where a core is free for it, so run it with
 ``--threads`` below half the cores per rank.
@@ -128,9 +132,8 @@ def measure(rank: int, world: int, args, flags=(), watch=None) -> dict:
     for name, more in SCHEDULES:
         chunks = parallelize(cfg, ps, parse(run_flags(world, (*flags, *more))))
         record = StallRecord(cuda)
-        for c in chunks:
-            for m in c.moe_layers():
-                m.dispatcher.record = record
+        for layer in [m for c in chunks for m in c.moe_layers()]:
+            layer.dispatcher.record = record
         opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-4)
         times, exposed = [], []
         for step in range(args.steps + 1):  # the first is a warm-up
@@ -149,7 +152,7 @@ def measure(rank: int, world: int, args, flags=(), watch=None) -> dict:
         waits = [sum(v for k, v in b.items() if k != "counts") for b in exposed[1:]]
         result[name] = {"step": med(times[1:]), "exposed": med(waits),
                         "counts": med([b.get("counts", 0.0) for b in exposed[1:]]), "mib": sent / 2**20}
-        del chunks, opt
+        del chunks, opt, layer  # the plain schedule's model freed before the overlapped one's is built
     return result
 
 

@@ -8,7 +8,10 @@
 #   t1     the CUDA tests of the newest features (tests/gpu)   t1c  the compiled-varlen one
 #   a      varlen vs sdpa in bf16, fwd+bwd   b      grouped_mm vs the per-expert loop, fwd+bwd
 #   t2     the older CUDA tests (tests/gpu)
-#   c      one MoE layer: syncs, MFU, peak   d      head + MTP depths at T 8192: peak memory
+#   c      one MoE layer: syncs, MFU, peak
+#   j      EP2 all-to-all, plain vs --overlap-moe-expert-parallel-comm: two ranks on the one GPU over
+#          gloo (the mechanism, not NVLink's numbers), step and exposed all-to-all vs the planner
+#   d      head + MTP depths at T 8192: peak memory
 #   e      Newton-Schulz on an EP8 stack     h, h100  one-GPU proxies of the 8 x H200 / H100 recipes' ranks
 #   i      CP attention: varlen q != k boundaries, 128K shard
 #   f1/f2  1-GPU --bf16 training, eager / --compile          g  bench_gpu.py

@@ -111,8 +111,10 @@ def predict(args, world: int, bf16: bool, bytes_per_s: float, compute_s: float) 
     cfg = moe_config(args.hidden, args.layers, args.expert_size)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.json")
+        hf = cfg.to_hf()  # the packs' documents are short: a pack longer than the tiny preset's positions is fine
+        hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.seq)
         with open(path, "w") as f:
-            json.dump(cfg.to_hf(), f)
+            json.dump(hf, f)
         flags = run_flags(world, ["--hf-config", path, "--seq-length", str(args.seq), "--micro-batch-size", "1",
                                   "--global-batch-size", str(world), *(["--bf16"] if bf16 else [])])
         layouts = {}
