@@ -143,8 +143,8 @@ def measure(rank: int, world: int, args, flags=(), watch=None) -> dict:
             t0 = time.perf_counter()
             with around:
                 train_step(chunks, ps, opt, [batch], StepSettings(hidden_size=cfg.hidden_size))
-                if cuda:
-                    torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()  # the step's end, and its events readable
             times.append(time.perf_counter() - t0)
             exposed.append(record.exposed())  # by call: counts, start, wait, grad.start, grad.wait
         sent = sum(m.dispatcher.sent_bytes for c in chunks for m in c.moe_layers()) * 2 / (args.steps + 1)

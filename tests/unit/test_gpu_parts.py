@@ -150,3 +150,18 @@ def test_moe_overlap_part_sums_the_compute_streams_stalls_by_call(monkeypatch):
     host = StallRecord(cuda=False)
     host.timed("L0.", "counts", lambda: None)
     assert host.exposed() == host.blocked_s and host.pairs == [] and next(clock) == 7  # no event on the CPU
+
+
+def test_moe_overlap_part_plans_its_full_size_at_the_measured_rates():
+    """Part (j)'s planner prediction at the size it runs on the GPU (an 8192-token pack, beyond
+    the tiny preset's 4096 positions, which validate refused), --bf16: the compute is the given
+    seconds (the plain step's), the bandwidth the measured one, and the overlap hides."""
+    from benchmarks.gpu_parts import common, moe_overlap
+
+    args = common.parse("", [], moe_overlap._extra)
+    moe_overlap.sizes(args)
+    assert (args.seq, args.expert_size) == (8192, 8192)
+    p = moe_overlap.predict(args, 2, True, 3e9, 0.4)
+    assert p["plain"]["compute"] == pytest.approx(0.4) and p["overlap"]["compute"] == pytest.approx(0.4)
+    assert p["assumed_gb_s"] == 3.0 and 0 < p["overlap"]["exposed"] < p["plain"]["exposed"]
+    assert p["overlap"]["step"] < p["plain"]["step"]
