@@ -95,6 +95,13 @@ class AttentionShape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return (hidden + q) + 2 * (hidden + kv) + (q + hidden) + ((hidden + self.heads) if self.gate else 0)
 
+    def joined_ops(self, hidden: int) -> tuple[list, list]:
+        """``([(in, out)] of the projections, [features] of the RMSNorms)`` per token: q, k, v,
+        the head gate, o; the per-head q and k norms (``core/moe/joined_grads.py`` joins them)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        gate = [(hidden, self.heads)] if self.gate else []
+        return [(hidden, q), (hidden, kv), (hidden, kv), *gate, (q, hidden)], [q, kv]
+
     def exchange_row_bytes(self, b: int) -> int:
         """One token's K and V: ``2 Hkv D b``."""
         return 2 * self.kv_heads * self.head_dim * b
@@ -193,6 +200,14 @@ class MLAShape:
         q = hidden + H * self.qk_dim if Q is None else (hidden + Q) + (Q + H * self.qk_dim)
         kv = (hidden + C + self.qk_rope) + (C + H * (self.qk_nope + self.v_head_dim))
         return q + kv + (H * self.v_head_dim + hidden)
+
+    def joined_ops(self, hidden: int) -> tuple[list, list]:
+        """``([(in, out)] of the projections, [features] of the RMSNorms)`` per token: q (or q_a
+        and q_b), kv_a, kv_b, o; the latent norms."""
+        H, Q, C = self.heads, self.q_lora_rank, self.kv_lora_rank
+        q = [(hidden, H * self.qk_dim)] if Q is None else [(hidden, Q), (Q, H * self.qk_dim)]
+        kv = [(hidden, C + self.qk_rope), (C, H * (self.qk_nope + self.v_head_dim))]
+        return [*q, *kv, (H * self.v_head_dim, hidden)], ([Q] if Q else []) + [C]
 
     def exchange_row_bytes(self, b: int) -> int:
         """One token's latent and rope key, ``(kv_lora_rank + qk_rope) b``: what MLA's context

@@ -166,6 +166,24 @@ def test_the_overlap_under_fsdp_and_recompute_keeps_the_backwards_gathered_units
     assert t.overfreed == 0, t
 
 
+def test_the_overlaps_trace_cuts_each_pack_into_the_halves_the_planner_assumes():
+    """Under --overlap-moe-expert-parallel-comm each traced pack is two documents of half a pack
+    (training/trace/batches.py): with one document a pack, a block run a pack at a time
+    (--recompute-chunks) would cut no second chunk, and the trace would never run the overlap's
+    halves nor its joined weight gradients (training/planner/overlap.py books both)."""
+    from types import SimpleNamespace
+
+    from training.trace.batches import trace_batches
+
+    flags = ["--world-size", "2", "--model-preset", "tiny", "--seq-length", "64", "--global-batch-size", "4",
+             "--micro-batch-size", "2", "--bf16", "--expert-model-parallel-size", "2"]
+    ps = SimpleNamespace(sizes=SimpleNamespace(cp=1))
+    for extra, starts in (([], [0, 64, 128]), (["--overlap-moe-expert-parallel-comm"], [0, 32, 64, 96, 128])):
+        _, args, _, layout = planned(flags + extra)
+        batch = trace_batches(layout.config, args, ps, 1)[0]
+        assert batch.packed_seq_params.cu_seqlens_padded.tolist() == starts
+
+
 def test_an_async_all_to_all_keeps_its_send_buffer_until_wait_as_nccl_does():
     """ProcessGroupNCCL's Work keeps an async collective's input and output until ``wait()``; the
     fake group's keeps nothing, so the MoE dispatch's send buffer (dropped when ``dispatch_start``

@@ -79,6 +79,34 @@ def test_the_overlaps_halves_hold_the_plain_all_to_all_buffers():
         assert plain == both == 2 * T * 2 * 64 * 4
 
 
+def test_the_joined_weight_gradients_are_booked_at_their_largest_moment():
+    """core/moe/joined_grads.py keeps B's output gradient of each joined op until A's arrives and
+    concatenates both chunks' operands for the one GEMM (training/planner/overlap.py). The tiny
+    model at 64 tokens, bf16 (b = 2), halves of m = 32 tokens; its largest MoE block (layers 1
+    and 2: 6 heads, 2 KV heads, head dim 16, gate; experts and shared expert of 32, top-2):
+    FFN, at A's down projection: kept 2 (64 x 32) + 64 x 64 routed (m x top-2 = 64 rows) and
+    2 (32 x 32) + 32 x 64 shared = 12,288 elements; the down projection's concatenation
+    max(4 x 64 x 32, 2 x 64 x 32 + 4 x 64 x 64) = 20,480 elements: 65,536 bytes. Attention: kept
+    32 x (96 + 32 + 32 + 6 + 64) bf16 (q, k, v, gate, o) and 32 x (64 + 64 + 96 + 32) for the
+    norms (input, post-attention, q, k): 31,104 bytes; the largest concatenation the q norm's,
+    2 x 32 x 96 x (3 x 4 + 2) = 86,016 (q's and o's linears 2 x 32 x 160 x 2 = 20,480):
+    117,120 bytes, the larger moment (an upper bound there: A's o projection has released B's
+    by then; traced on fake tensors, the q norm's joined GEMM holds 85,984 beside 20,480 kept).
+    Booked beside the rest of the backward; none without the flag."""
+    plain = plan(TINY, _inputs(bf16=True))[0]
+    both = plan(TINY, _inputs(bf16=True, overlap_moe_expert_parallel_comm=True))[0]
+    assert plain.device["joined grads"] == 0
+    assert both.device["joined grads"] == 117_120
+    assert both.device_total - plain.device_total == 117_120
+    # the FFN's moment alone where the attention's is smaller: LoRA on the experts only (rank 4)
+    # joins their adapters, 64 x 4 and 64 x 32 (64 x 64 for down) kept per projection:
+    # 64 x (4 + 32 + 4 + 32 + 4 + 64) = 8,960 elements, the largest concatenation the down B
+    # adapter's (4 -> 64) max(4 x 64 x 4, 2 x 64 x 4 + 4 x 64 x 64) = 16,896: 51,712 bytes
+    lora = plan(TINY, _inputs(bf16=True, overlap_moe_expert_parallel_comm=True, lora_rank=4,
+                              lora_targets="experts"))[0]
+    assert lora.device["joined grads"] == 51_712
+
+
 def test_search_asked_for_the_flag_lists_both_values_under_expert_parallelism():
     """With the flag among the searched flags: the overlapped twin of every fitting EP layout that
     the trainer serves it on (it needs more memory than the plain one and nothing else; selective

@@ -9,7 +9,9 @@ reduced so under ``bf16`` too), optimizer state in the parameter dtype (AdamW: t
 4-byte step per tensor; Muon: one buffer, none at momentum 0; Dion: a buffer and the n x r
 factor). Activations, p2p and all-to-all buffers and gathered compute copies take the compute
 dtype (2 bytes under ``bf16``). Activations assume a fused attention kernel (flash / flex /
-Transformer Engine: no score matrix).
+Transformer Engine: no score matrix). Under ``--overlap-moe-expert-parallel-comm`` the joined
+weight gradients' kept output gradients and concatenations within an MoE block's backward are
+their own column (``overlap.py``: ``joined_grads_bytes``).
 
 FSDP (``core/distributed/fsdp.py``, see :func:`placement`): with ``--data-parallel-sharding fsdp`` dense
 tensors are split over the data-parallel ranks and expert tensors over the expert-data-parallel
@@ -44,6 +46,7 @@ from core.optim.build import classify
 from core.optim.host_masters import STAGING
 from models.registry import shapes_of
 from training.planner.inputs import MASTER, PlanInputs
+from training.planner.overlap import joined_grads_bytes
 from training.planner.shares import ROOT, ChunkShare, block_numel, kind_block_numel, schedule_facts
 from training.planner.vision import planned_shares, vision_bytes, vision_working_set
 
@@ -58,7 +61,7 @@ A2A_BUFFERS = 2
 
 
 COLUMNS = ("parameters", "gradients", "unsharded grads", "optimizer", "activations", "recompute working set",
-           "cp K/V", "p2p buffers", "all-to-all buffers", "gathered layers")  # device columns
+           "cp K/V", "p2p buffers", "all-to-all buffers", "joined grads", "gathered layers")  # device columns
 
 
 def placement(inp: PlanInputs) -> Placement:
@@ -202,6 +205,8 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
     if inp.ep > 1:
         dev["all-to-all buffers"] = A2A_BUFFERS * inp.chunk_tokens * cfg.num_experts_per_tok * H * b
+    # the overlap's joined weight gradients, within an MoE block's backward (overlap.py)
+    dev["joined grads"] = max(joined_grads_bytes(cfg, c, inp) for c in chunks)
     r.device, r.host = dev, host
     r.fits = r.device_total <= inp.device_gb * GB
     return r
@@ -433,7 +438,7 @@ def as_dict(ranks: list[RankMemory]) -> list[dict]:
 
 def format_table(ranks: list[RankMemory], inp: PlanInputs) -> str:
     cols = list(COLUMNS)
-    short = ["params", "grads", "unshard", "optim", "activ", "recomp", "cp K/V", "p2p", "a2a", "gathered"]
+    short = ["params", "grads", "unshard", "optim", "activ", "recomp", "cp K/V", "p2p", "a2a", "joined", "gathered"]
     head = f"{'rank':<10}{'params #':>14}" + "".join(f"{s:>10}" for s in short) + \
         f"{'device':>10}{'host':>10}  fits {inp.device_gb:g} GB"
     lines = ["all sizes in GB (1e9 bytes); device columns unless noted; device is the peak (sharded "

@@ -50,12 +50,35 @@ Memory (``memory.py``): a layer's transient all-to-all buffers are two of its ro
 chunk: the rows in flight and the rows received, each freed at its wait or regrouping); the
 overlap's two halves in flight together hold as many. Kept activations are per token: the same
 in two halves.
+
+The joined weight gradients (``core/moe/joined_grads.py``, :func:`joined_grads_bytes`: the
+``joined grads`` column) keep, in a block's backward, B's output gradient of each joined op
+(B's backward runs first; its input is a kept activation, already booked) until A's arrives,
+and A's backward concatenates both chunks' operands for the one weight-gradient GEMM. B's FFN
+(shared expert, then routed experts) runs its backward before A's routed experts (the table's
+order), so at A's first routed projection (down) every B output gradient of the FFN is kept
+beside that projection's concatenation (booked: beside the FFN's largest concatenation, the
+down projection's wherever ``2 hidden > size``); the attention's ops and norms are joined after
+it, when the FFN's are released. The column is the larger of the two moments, for the rank's
+largest MoE block (one block's backward at a time), with ``m = Tc / 2`` tokens a chunk (``m x top_k`` rows
+for a routed projection) and ``b`` the compute dtype's bytes:
+
+- kept: ``m x out x b`` per joined op (``out``: its output features);
+- a linear's concatenation: ``2m (in + out) b``; a routed projection's, put in the plain
+  order by ``index_select`` (each operand concatenated, then reordered, the concatenation freed):
+  ``max(4m in, 2m in + 4m out) b``; an RMSNorm's (``n`` features): ``2m n (3 x 4 + b)`` (its fp32
+  normalised input, the gradient and its fp32 copy, their product; the ``w x y`` form's bf16
+  copies hold less).
+
+Under LoRA only the adapters are joined: each adapted ``in -> out`` projection is two ops,
+``in -> r`` and ``r -> out``; the frozen norms are not.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from core.costs.flops import attention_flops
+from core.costs.shapes import F32
 from models.registry import shapes_of
 
 FLAG = "--overlap-moe-expert-parallel-comm"
@@ -118,3 +141,48 @@ def block_waits(cfg, chunk, inp, moe: set, redone: set, T: int, eff: float, x: f
         later = 1.0 + 2.0 * w
         out[i] = Waits(forward, forward if i in redone else 0.0, exposed(s, e), exposed(later * e, a + later * s))
     return out
+
+
+def _linear(m: int, i: int, o: int, b: int, routed: bool) -> tuple[int, int]:
+    """``(kept, concatenation)`` bytes of one joined ``i -> o`` linear, ``m`` rows a chunk."""
+    joined = max(4 * m * i, 2 * m * i + 4 * m * o) if routed else 2 * m * (i + o)
+    return m * o * b, joined * b
+
+
+def _adapted(i: int, o: int, rank: int, adapted: bool) -> list:
+    """The joined linears of an ``i -> o`` projection: itself, or under LoRA its adapters
+    (none when it is not adapted: a frozen base makes no weight gradient)."""
+    if not rank:
+        return [(i, o)]
+    return [(i, rank), (rank, o)] if adapted else []
+
+
+def _moment(costs: list) -> int:
+    """Every op's kept output gradient and the largest concatenation."""
+    return sum(k for k, _ in costs) + max((c for _, c in costs), default=0)
+
+
+def joined_grads_bytes(cfg, chunk, inp) -> int:
+    """Device bytes the joined weight gradients hold at their largest moment in the backward of
+    the chunk's largest MoE block (the module docstring; 0 without the flag)."""
+    if not inp.overlap_moe_expert_parallel_comm or not cfg.num_experts:
+        return 0
+    shapes, H, b = shapes_of(cfg), cfg.hidden_size, inp.act_bytes
+    m, rank = inp.chunk_tokens // 2, inp.lora_rank
+    targets = {t.strip() for t in inp.lora_targets.split(",")} if rank else set()
+    blocks = [shapes.blocks[i] for i in chunk.layers] + (list(shapes.extra) if chunk.last else [])
+    best = 0
+    for s in (s for s in blocks if s.ffn.moe):
+        f, K = s.ffn, s.ffn.top_k
+        ffn = [_linear(m * K, i, o, b, True) for p, q in ((H, f.size), (H, f.size), (f.size, H))
+               for i, o in _adapted(p, q, rank, "experts" in targets)]
+        if f.shared:
+            ffn += [_linear(m, i, o, b, False) for p, q in ((H, f.shared), (H, f.shared), (f.shared, H))
+                    for i, o in _adapted(p, q, rank, "shared_expert" in targets)]
+        projections, norms = s.attention.joined_ops(H)
+        attention = [_linear(m, i, o, b, False) for p, q in projections
+                     for i, o in _adapted(p, q, rank, "attention" in targets)]
+        if not rank:  # the block's two norms and the attention's (a frozen base's are not joined)
+            attention += [(m * n * b, 2 * m * n * (3 * F32 + b)) for n in (H, H, *norms)]
+        best = max(best, _moment(ffn), _moment(attention))
+    return best

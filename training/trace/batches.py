@@ -1,7 +1,10 @@
 """The micro-batches a trace runs: what the loader would hand this rank, with made-up tokens.
 
 Each micro-batch is ``--micro-batch-size`` packs of ``--seq-length`` tokens, each pack one
-document (every token but the last a target), built by the loader's own ``build_thd_batch`` (and
+document (every token but the last a target; under ``--overlap-moe-expert-parallel-comm`` two
+documents of half a pack each, so that the overlap cuts every block's tokens into the halves the
+planner assumes, ``training/planner/overlap.py``: with one document a pack, a block run a pack at
+a time, ``--recompute-chunks``, would cut none and trace no second chunk), built by the loader's own ``build_thd_batch`` (and
 cut by ``data/cp_shard.shard_batch`` under context parallelism), so the host metadata a step reads
 (target count, boundaries) comes as in a real run. Small host tensors: the model's ops turn them
 into fake ones."""
@@ -32,7 +35,9 @@ def trace_batches(cfg, args, ps, num_microbatches: int) -> list:
     """This rank's micro-batches of text (host tensors); ``with_images`` adds the images."""
     d = args.data
     text = _Tokens(cfg.vocab_size, args.schedule.seed)
-    pack = np.array([[0, 0, d.seq_length]], dtype=np.int64)
+    half = d.seq_length // 2
+    pack = np.array([[0, 0, half], [1, 0, d.seq_length - half]] if args.parallel.overlap_moe_expert_parallel_comm
+                    else [[0, 0, d.seq_length]], dtype=np.int64)
     out = []
     for _ in range(num_microbatches):
         b = build_thd_batch([pack] * d.micro_batch_size, text, d.seq_length, pad_id=0)
