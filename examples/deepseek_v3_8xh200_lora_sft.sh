@@ -11,7 +11,7 @@
 #       --seq-length 8192 --global-batch-size 32 --bf16 --lora-rank 32
 # EP8, FSDP over the 8 ranks, full recompute, micro-batches of 4 packs (one per rank and step);
 # --global-batch-size 32 packs = 262,144 tokens per iteration. Predicted (not measured; no GPU has
-# run this): 80.7 GB on the busiest GPU, 1,544 GB of host memory for the node, 44.5 s per step,
+# run this): 79.0 GB on the busiest GPU, 1,544 GB of host memory for the node, 44.5 s per step,
 # 736 tokens/s per GPU, MFU 16.3% (a prediction of the planner's model, counting useful FLOPs
 # only; assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s). Plan it first:
 #   python tools/plan_memory.py --world-size 8 <the flags below>

@@ -12,7 +12,7 @@
 # FSDP2 sharding each stage's weights over its 4 replicas (the nodes), full recompute, micro-
 # batches of one pack: 16 per pipeline and step.
 # --global-batch-size 64 packs = 524,288 tokens per iteration. Predicted (not measured; no GPU has
-# run this): 123.4 GB on the busiest GPU, no host memory, 25.9 s per step, 633 tokens/s per GPU,
+# run this): 121.2 GB on the busiest GPU, no host memory, 25.9 s per step, 633 tokens/s per GPU,
 # MFU 16.7% (a prediction of the planner's model, assumed: 40% MFU for the maths, NVLink 150 GB/s
 # inside a node, 50 GB/s per GPU between nodes). Plan it with the same flags first:
 #   python tools/plan_memory.py --world-size 32 <the flags below>

@@ -14,7 +14,7 @@
 # (--optimizer-in-backward), full recompute a pack at a time (--recompute-chunks 8), micro-batches
 # of 8 packs: one per rank and step.
 # --global-batch-size 64 packs = 524,288 tokens per iteration. Predicted (not measured; no GPU has
-# run this): 110.5 GB on the busiest GPU, 30.4 s per step, 2,156 tokens/s per GPU, MFU 24.1% (a
+# run this): 109.5 GB on the busiest GPU, 30.4 s per step, 2,156 tokens/s per GPU, MFU 24.1% (a
 # prediction of the planner's model, assumed: 40% MFU for the maths, NVLink 150 GB/s). Plan it
 # with the same flags first:
 #   python tools/plan_memory.py --world-size 8 <the flags below>

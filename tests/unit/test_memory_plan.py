@@ -222,3 +222,55 @@ def test_cp2_keeps_its_shards_activations_and_the_key_buffers_by_hand():
     assert plan(cfg, inputs(cp=2, recompute_granularity="full", **base))[0].device["cp K/V"] == 16_384
     with pytest.raises(ValueError, match="--seq-length 66 must be a multiple of 2 x --context-parallel-size = 8"):
         inputs(cp=4, **{**base, "seq_length": 66})
+
+
+def _units_bytes(block, router_fp32: bool) -> tuple[int, int, int]:
+    """(outer, router, experts) gathered bytes of a decoder block's FSDP units under bf16, counted
+    from its modules (``fsdp_units``: the experts and the fp32 router are inner units)."""
+    from core.moe.experts import GroupedExperts
+    from core.moe.router import TopKRouter
+
+    experts = sum(p.numel() for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+    router = sum(p.numel() for m in block.modules() if isinstance(m, TopKRouter) for p in m.parameters())
+    router = router if router_fp32 else 0
+    return sum(p.numel() for p in block.parameters()) * 2 - experts * 2 - router * 2, router * 4, experts * 2
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_gathered_blocks_are_the_units_fsdp2s_backward_holds_at_once(chunks):
+    """FSDP2's default backward prefetch gathers the block below's outer unit at the pre-backward
+    of the block's router (the unit whose forward ended before the block's first), once its
+    experts are freed: an MoE block's backward holds itself whole, then itself less its experts
+    with the outer unit below; under --recompute-chunks its pre-backward gathers its inner units
+    and the block below's outer unit together. The plan booked two whole blocks (the largest
+    twice), experts and all."""
+    from training.planner.memory import gathered_blocks
+
+    cfg = Step37Config.preset("tiny")
+    inp = inputs(dp=2, ep=1, data_parallel_sharding="fsdp", bf16=True, recompute_granularity="full",
+                 recompute_chunks=chunks, seq_length=64, micro_batch_size=2, num_microbatches=1)
+    pl = placement(inp)
+    assert pl.managed["expert"] and pl.bf16  # expert-DP 2: the experts are an inner unit
+    share = rank_shares(cfg, 1, 1, 1, None, 64)[0][0]
+    chunk = build_chunks(cfg, ParallelState(ParallelSizes(1), 0, {}), None, seq_length=64, device="meta")[0]
+    blocks = dict(chunk.blocks())
+    order = [*share.layers, *sorted((k for k in blocks if k < 0), reverse=True)]
+    want, below = {}, 0
+    for k in order:
+        o, r, e = _units_bytes(blocks[k], chunk.router_fp32)
+        want[k] = o + r + e + below if chunks > 1 else max(o + r + e, o + (r or e) + below)
+        below = o
+    assert gathered_blocks(share, inp, pl) == want
+    moe = [k for k in order if _units_bytes(blocks[k], chunk.router_fp32)[2]]
+    assert moe and all(want[k] < 2 * max(want.values()) for k in moe)
+    if chunks == 1:  # the plan's column without recompute working sets: the most of them, and the root in
+        # the forward and (one stage per rank: it is freed once the heads' backward is done) beside
+        # an MTP depth's backward
+        from dataclasses import replace
+
+        none = replace(inp, mode=replace(inp.mode, recompute_granularity="none"))
+        r = plan(cfg, none)[0]
+        root = sum(t.t.numel() for t in share.tensors if t.block is None) * 2
+        back = max([*(w for k, w in want.items() if k >= 0), *(w + root for k, w in want.items() if k < 0)])
+        assert r.device["gathered layers"] == max(back, max(want.values()) + root - r.device["unsharded grads"])
+        assert r.device["gathered layers"] < 2 * max(want.values()) + root  # two of the largest: the old booking

@@ -231,20 +231,12 @@ def test_the_planner_frees_the_root_after_the_heads_only_with_one_stage_per_rank
     one = _flash_h100()
     r = plan(cfg, one)[0]
     kept = plan(cfg, replace(one, mode=replace(one.mode, fsdp_gather_once=True)))[0]
-    assert r.device["gathered layers"] + min(root, r.device["unsharded grads"]) == \
-        2 * max_block_bytes(cfg, one) + root
+    # held through the forward with one block, not beside the decoder layers' backward (their
+    # working sets and gradients outweigh it): the column is a block's backward, less than the root
+    assert r.device["gathered layers"] < root
     assert kept.device["gathered layers"] > r.device["gathered layers"]
     piped = plan(cfg, replace(one, pp=2, ep=4, dp=4))  # PP2: a later micro-batch's forward may hold them
     assert all(x.device["gathered layers"] >= root for x in piped if x.pp_rank == 1)
-
-
-def max_block_bytes(cfg, inp) -> int:
-    """The largest FSDP-managed block's bf16 bytes (gathered twice: in use and prefetched)."""
-    from training.planner.memory import _managed_blocks, placement
-    from training.planner.shares import ROOT, rank_shares
-
-    share = rank_shares(cfg, 1, 1, inp.ep, None, inp.seq_length)[0][0]
-    return max(n for k, n in _managed_blocks(share, placement(inp)).items() if k is not ROOT) * 2
 
 
 def test_each_chunked_block_prefetches_its_inner_units_then_the_block_before():

@@ -15,8 +15,9 @@ their own column (``overlap.py``: ``joined_grads_bytes``).
 
 FSDP (``core/distributed/fsdp.py``, see :func:`placement`): with ``--data-parallel-sharding fsdp`` dense
 tensors are split over the data-parallel ranks and expert tensors over the expert-data-parallel
-ranks (dim 0, padded like FSDP2). Units are gathered per micro-batch and pass (the largest block
-twice: one prefetched; FSDP2 keeps the root unit gathered from forward to backward), or for the
+ranks (dim 0, padded like FSDP2). Units are gathered per micro-batch and pass (a block's outer
+and inner units, and the block below's outer unit only where FSDP2's backward prefetch reaches
+it: :func:`gathered_blocks`; FSDP2 keeps the root unit gathered from forward to backward), or for the
 whole step (``fsdp_gather_once``, one-rank meshes, and ``cpu_offload="optimizer"``). While
 gradient sync is off (every backward of the step but each chunk's last), every unit's gradient
 accumulates *unsharded, in fp32, on the device*, whatever the offload mode: it only reaches its
@@ -48,7 +49,7 @@ from models.registry import shapes_of
 from training.planner.inputs import MASTER, PlanInputs
 from training.planner.overlap import joined_grads_bytes
 from training.planner.shares import ROOT, ChunkShare, block_numel, kind_block_numel, schedule_facts
-from training.planner.vision import planned_shares, vision_bytes, vision_working_set
+from training.planner.vision import VISION_BLOCK, planned_shares, vision_bytes, vision_working_set
 
 GB = 10**9
 HOST_STAGING = STAGING  # --cpu-offload masters: pinned bytes per element, one slab per rank (host_masters.py)
@@ -175,6 +176,8 @@ class _Managed:
     device_grads: int = 0
     largest_block: int = 0
     root: int = 0  # FSDP2 keeps the root gathered forward to backward
+    blocks_gathered: int = 0  # bytes of the blocks' units gathered at the peak (:func:`_blocks_gathered`)
+    largest_gathered: int = 0  # bytes: the most of a block's units gathered at once (:func:`gathered_blocks`)
 
 
 def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int = 0,
@@ -200,6 +203,7 @@ def rank_memory(cfg, chunks: list, inp: PlanInputs, pp_rank: int, ep_rank: int =
         unmet = min(dev["gradients"], dev["activations"])
     # the heads' and MTP depths' kept activations are freed before a decoder layer's backward
     r.overlap += unmet + min(before_layers, dev["activations"] - unmet)
+    managed.blocks_gathered = _blocks_gathered(cfg, chunks, inp, pl, managed, dev["recompute working set"])
     dev["gathered layers"] = _gathered_layers(inp, pl, managed,
                                               dev["unsharded grads"] + dev["recompute working set"])
     dev["p2p buffers"] = facts.p2p_buffers[pp_rank] * T * H * b
@@ -241,6 +245,74 @@ def _stored(chunks: list, inp: PlanInputs, pl: Placement, dev: dict, host: dict,
         m.largest_block = max([m.largest_block, *(n for k, n in blocks.items() if k is not ROOT)])
         m.root += blocks.get(ROOT, 0)
     return m
+
+
+def gathered_blocks(chunk: ChunkShare, inp: PlanInputs, pl: Placement) -> dict:
+    """Per block (its id), the most bytes of FSDP units gathered at once in its backward (per
+    micro-batch and pass; the root apart), as FSDP2 gathers and frees them
+    (``core/distributed/fsdp.py``). A block is an outer unit ``O`` (its own parameters) around
+    inner units in forward order: the router ``R`` (its own unit, in fp32, under bf16) and the
+    experts ``E`` (where FSDP manages them). FSDP2 frees a unit after its forward (not after a
+    recompute's rerun inside the backward: that leaves it gathered until its own backward) and
+    after its backward; a unit's pre-backward gathers the unit whose forward ended just before its
+    own: ``O``'s gathers ``E``, ``E``'s gathers ``R``, and ``R``'s (the block's first inner unit)
+    gathers the block below's ``O``, when ``E`` has been freed. So a block's backward holds
+    ``O + R + E``, then ``O + R + O_below`` (``O + E + O_below`` without a router unit,
+    ``O + O_below`` without inner units): two blocks meet only where the block below's outer unit
+    outweighs the experts. Under ``--recompute-chunks`` a block's pre-backward gathers its inner
+    units and ``O_below`` at once (``fsdp.backward_prefetch_order``): ``O + R + E + O_below``.
+    A forward holds ``O`` and one inner unit, never more."""
+    b = inp.act_bytes
+    router_unit = pl.bf16  # a unit the model marks fp32 is its own unit only under bf16 (apply_fsdp)
+    sizes: dict = {}
+    for s in chunk.tensors:
+        if s.block is ROOT or (s.expert and not pl.managed["expert"]):
+            continue
+        o, r, e = sizes.get(s.block, (0, 0, 0))
+        n = s.t.numel()
+        if s.expert:
+            e += n * b
+        elif s.fp32 and router_unit:
+            r += n * MASTER  # FSDP gathers it in fp32
+        else:
+            o += n * b
+        sizes[s.block] = (o, r, e)
+    tower = sorted((k for k in sizes if k <= VISION_BLOCK), reverse=True)
+    extra = sorted((k for k in sizes if VISION_BLOCK < k < 0), reverse=True)
+    chunked = pl.recompute_placement.full and pl.recompute_placement.chunked
+    out, below = {}, 0
+    for block in [*tower, *chunk.layers, *extra]:
+        if chunk.layers and block == chunk.layers[0]:
+            below = 0  # the unit before it is the image projector's, booked with the root
+        o, r, e = sizes.get(block, (0, 0, 0))
+        first = r or e  # the router runs before the experts
+        out[block] = o + r + e + below if chunked else max(o + r + e, o + first + below)
+        below = o
+    return out
+
+
+def _blocks_gathered(cfg, chunks: list, inp: PlanInputs, pl: Placement, m: _Managed, working_set: int) -> int:
+    """The blocks' gathered units beside the recompute working set (``working_set``, booked at its
+    largest): a block's backward holds its own working set and its gathered units
+    (:func:`gathered_blocks`) together, so the two columns' sum is the most of that over the blocks
+    (the image tower's working set: its blocks' gathered units, none of the decoder's). With one
+    stage per rank the root is freed once the heads' and MTP depths' backward is done (see
+    :func:`_gathered_layers`): an MTP depth's backward holds it beside its own."""
+    if not pl.managed["dense"]:
+        return 0
+    root = m.root * inp.act_bytes if inp.pp == 1 else 0
+    joint = 0
+    for c in chunks:
+        gathered = gathered_blocks(c, inp, pl)
+        layers, others = _recompute_sets(cfg, c, inp.chunk_tokens, inp.act_bytes, inp)
+        ws = dict(zip(c.layers, layers))
+        if c.last and others and inp.recompute_placement.recomputes_extra(len(c.layers)):
+            ws.update({-1 - k: w for k, w in enumerate(others[:len(shapes_of(cfg).extra)])})
+        tower = max((g for k, g in gathered.items() if k <= VISION_BLOCK), default=0)
+        joint = max([joint, *(others[-1] + tower for _ in others[-1:] if c.first),
+                     *(ws.get(k, 0) + g + (root if VISION_BLOCK < k < 0 else 0) for k, g in gathered.items())])
+        m.largest_gathered = max([m.largest_gathered, *gathered.values()])
+    return max(joint - working_set, 0)
 
 
 def _activations(cfg, chunks: list, inp: PlanInputs, in_flight: int) -> tuple[int, int]:
@@ -290,8 +362,8 @@ def _unsharded_grads(chunks: list, inp: PlanInputs, pl: Placement, m: _Managed) 
 
 
 def _gathered_layers(inp: PlanInputs, pl: Placement, m: _Managed, unsharded_grads: int) -> int:
-    """FSDP's gathered compute copies: per micro-batch and pass the largest block twice (one
-    prefetched) and the root; gathered once, every managed unit (fp32 routers in fp32). With one
+    """FSDP's gathered compute copies: per micro-batch and pass the most of the blocks' units
+    gathered at once (:func:`gathered_blocks`) and the root; gathered once, every managed unit (fp32 routers in fp32). With one
     stage per rank the root's weights are freed once the heads' backward is done
     (``core/distributed/fsdp.py``): held through the forward, not beside the layers' backward,
     whose gradient bytes and recompute working set (``unsharded_grads``, both) the forward does
@@ -302,10 +374,10 @@ def _gathered_layers(inp: PlanInputs, pl: Placement, m: _Managed, unsharded_grad
     b = inp.act_bytes
     if not pl.gather_per_microbatch:
         return m.numel * b + m.fp32 * (MASTER - b)
-    gathered = (2 * m.largest_block + m.root) * b
-    if inp.pp == 1:
-        gathered -= min(m.root * b, unsharded_grads)
-    return gathered
+    if inp.pp > 1:
+        return m.blocks_gathered + m.root * b
+    # the forward (the root and a block) or the backward (the blocks beside their working sets)
+    return max(m.blocks_gathered, m.largest_gathered + m.root * b - unsharded_grads)
 
 
 def plan(cfg, inp: PlanInputs) -> list[RankMemory]:
