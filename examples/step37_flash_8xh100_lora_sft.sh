@@ -10,7 +10,7 @@
 #   python tools/plan_memory.py --search --world-size 8 --device-gb 80 --model-preset step37-flash \
 #       --seq-length 8192 --global-batch-size 32 --bf16 --lora-rank 32
 # Predicted (not measured; no GPU has run this, and LoRA with CPU offload is tested on CPU ranks
-# only, where the copies are host to host): 39.4 GB on the busiest GPU, 480 GB of host memory per
+# only, where the copies are host to host): 37.6 GB on the busiest GPU, 480 GB of host memory per
 # node, 14.4 s per step, 2,272 tokens/s per GPU, 14.8% MFU counting useful FLOPs only.
 #
 #   bash examples/step37_flash_8xh100_lora_sft.sh /data/Step-3.7-Flash /data/sft_text_document /out

@@ -20,7 +20,7 @@
 # as two chunks of whole documents whose all-to-alls fly while the other chunk computes, forward
 # and backward (docs/memory.md, "The Planner: Step Time"): 0.63 s of all-to-all left exposed
 # instead of 2.94 s, but Newton-Schulz then finds few all-to-all waits to fill. Predicted (not
-# measured; no GPU has run this): 72.6 GB on each GPU (7.4 GB to spare), 165 GB of host memory per
+# measured; no GPU has run this): 73.6 GB on each GPU (6.4 GB to spare), 165 GB of host memory per
 # rank (1.3 TB for the node), 13.5 s per step, 2,435 tokens/s per GPU, MFU 22.3% (14.3 s and 21.1%
 # without the overlap; assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s, host
 # memory 52 GB/s per rank). Plan it with the same flags first:

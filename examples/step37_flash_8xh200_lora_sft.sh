@@ -7,7 +7,7 @@
 # The layout is the top row of the planner's search over every 8-GPU layout:
 #   python tools/plan_memory.py --search --world-size 8 --model-preset step37-flash \
 #       --seq-length 8192 --global-batch-size 32 --bf16 --lora-rank 32
-# Predicted (not measured; no GPU has run this): 96.4 GB on the busiest GPU (44.6 GB to spare),
+# Predicted (not measured; no GPU has run this): 94.6 GB on the busiest GPU (46.4 GB to spare),
 # 11.0 s per step, 2,973 tokens/s per GPU, 19.4% MFU counting useful FLOPs only (forward, the
 # backward's input gradients, the adapters' forward and backward; no recompute, no weight
 # gradients of the frozen base). 8 x H100: examples/step37_flash_8xh100_lora_sft.sh.

@@ -21,7 +21,7 @@
 # depth's loss a tile at a time. --overlap-moe-expert-parallel-comm runs each micro-batch as two
 # chunks of whole documents whose all-to-alls fly while the other chunk computes, forward and
 # backward (docs/memory.md, "The Planner: Step Time"). Predicted (not measured; no GPU has run
-# this): 121.3 GB on each GPU (20 GB to spare), 13 GB of host memory per rank (105 GB for the
+# this): 122.3 GB on each GPU (19 GB to spare), 13 GB of host memory per rank (105 GB for the
 # node), 13.2 s per step, 2,491 tokens/s per GPU, MFU 22.9%, of which 0.63 s all-to-all left
 # exposed (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe 35 GB/s, host memory
 # 52 GB/s per rank). Without the overlap the search's top row is --cpu-offload masters

@@ -16,7 +16,7 @@
 # 2.3 times what a text token costs through the whole decoder (30.3), so each 0.1 of share adds
 # about 21% to the step's compute, all of it on the first pipeline stage (docs/vlm.md, "Planner").
 #
-# Predicted (not measured; no GPU has run this): 120.6 GB on the busiest GPU (20.4 GB to spare;
+# Predicted (not measured; no GPU has run this): 118.8 GB on the busiest GPU (22.2 GB to spare;
 # the tower's activations are 20.6 GB of it: full recompute keeps each block's input, 2.5 MB an
 # image feature), 19.3 s per step, 1,700 tokens/s per GPU, MFU 23.9% counting the tower's
 # forward and backward as useful (assumed: 40% MFU for the maths, NVLink 150 GB/s, pinned PCIe
