@@ -9,7 +9,7 @@
 # H200 (141 GB, the default): EP8 inside each node, DP16, --cpu-offload masters with the optimizer
 #   in the backward, 2 packs per rank. Predicted (not measured): 115.4 GB per GPU, 609 GB of host
 #   memory per node, 9.2 s per step, 1,777 tokens/s per GPU, MFU 16.3%.
-# H100 (80 GB, GPU=H100): the same without --fsdp-gather-once. Predicted: 52.7 GB per GPU, 609 GB
+# H100 (80 GB, GPU=H100): the same without --fsdp-gather-once. Predicted: 52.6 GB per GPU, 609 GB
 #   of host memory per node, 10.0 s per step, 1,633 tokens/s per GPU, MFU 15.0%.
 # (assumed: 40% of peak for the maths, NVLink 150 GB/s inside a node, 50 GB/s per GPU between
 # nodes, pinned PCIe 35 GB/s, host memory 52 GB/s per rank.) Two nodes halve each rank's share of
