@@ -362,13 +362,14 @@ def _unsharded_grads(chunks: list, inp: PlanInputs, pl: Placement, m: _Managed) 
 
 
 def _gathered_layers(inp: PlanInputs, pl: Placement, m: _Managed, unsharded_grads: int) -> int:
-    """FSDP's gathered compute copies: per micro-batch and pass the most of the blocks' units
-    gathered at once (:func:`gathered_blocks`) and the root; gathered once, every managed unit (fp32 routers in fp32). With one
-    stage per rank the root's weights are freed once the heads' backward is done
-    (``core/distributed/fsdp.py``): held through the forward, not beside the layers' backward,
-    whose gradient bytes and recompute working set (``unsharded_grads``, both) the forward does
-    not hold, so the peak is the larger of the two phases (a frozen base, LoRA: no gradient, the
-    working set alone, as the memory trace finds)."""
+    """FSDP's gathered compute copies: gathered once, every managed unit (fp32 routers in fp32);
+    per micro-batch and pass, the blocks' units beside their working sets (:func:`_blocks_gathered`)
+    and the root. With one stage per rank the root's weights are freed once the heads' and MTP
+    depths' backward is done (``core/distributed/fsdp.py``): held through the forward (beside the
+    largest block's units), not beside the decoder layers' backward, whose gradient bytes and
+    recompute working set (``unsharded_grads``, both) the forward does not hold, so the peak is the
+    larger of the two phases (a frozen base, LoRA: no gradient, the working set alone, as the
+    memory trace finds)."""
     if not m.numel:
         return 0
     b = inp.act_bytes
